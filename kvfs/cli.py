@@ -1,0 +1,274 @@
+"""The ``kvfs`` command: format, mount, umount, stats.
+
+Exit codes: 0 success; 1 the operation failed (device error, mount failed);
+2 bad usage or input the user can fix (message on one line, no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+from kvfs.errors import KvfsError, UserError
+
+log = logging.getLogger("kvfs")
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+
+
+def parse_size(text: str) -> int:
+    """'1G', '512M', '4096' -> bytes (binary units)."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    suffix = t[-1:] if t[-1:] in units and t[-1:] else ""
+    try:
+        value = float(t[: len(t) - len(suffix)] if suffix else t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"negative size: {text!r}")
+    return int(value * units[suffix])
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvfs", description="KV-cache filesystem on raw NVMe")
+    p.add_argument("--debug", action="store_true", help="verbose logging")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    f = sub.add_parser("format", help="create an empty pool on devices (destroys data)")
+    f.add_argument("devices", nargs="+", help="block devices or image files")
+    _format_options(f)
+
+    m = sub.add_parser("mount", help="mount a pool")
+    m.add_argument("mountpoint")
+    m.add_argument("devices", nargs="+")
+    m.add_argument("--format", action="store_true", help="format the devices first")
+    _format_options(m)
+    m.add_argument("--foreground", "-f", action="store_true", help="do not daemonize")
+    m.add_argument("--allow-other", action="store_true", help="let other users access it")
+    m.add_argument("--cache", type=parse_size, default=256 << 20, help="read cache (256M)")
+    m.add_argument("--io-timeout", type=float, default=30.0, help="device deadline, s")
+    m.add_argument("--log-file", help="log here (default: stderr; syslog-less daemons)")
+
+    u = sub.add_parser("umount", help="unmount and wait for the daemon to finish")
+    u.add_argument("mountpoint")
+    u.add_argument("--timeout", type=float, default=60.0)
+
+    s = sub.add_parser("stats", help="statistics of a mounted pool")
+    s.add_argument("mountpoint")
+    s.add_argument("--json", action="store_true")
+    return p
+
+
+def _format_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--force", action="store_true", help="overwrite foreign data or pools")
+    p.add_argument("--unit-size", type=parse_size, default=1 << 20, help="extent unit (1M)")
+    p.add_argument("--meta-size", type=parse_size, default=0, help="metadata area (auto)")
+    p.add_argument("--create", type=parse_size, metavar="SIZE", default=0,
+                   help="create missing image files of SIZE (sparse)")
+    p.add_argument("--label", default="")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.debug else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        filename=getattr(args, "log_file", None),
+    )
+    commands: dict[str, Callable[[argparse.Namespace], int]] = {
+        "format": cmd_format, "mount": cmd_mount, "umount": cmd_umount, "stats": cmd_stats,
+    }
+    try:
+        return commands[args.command](args)
+    except UserError as e:
+        print(f"kvfs: {e}", file=sys.stderr)
+        return e.exit_code
+    except KvfsError as e:
+        print(f"kvfs: {e}", file=sys.stderr)
+        return EXIT_FAIL
+    except KeyboardInterrupt:
+        return EXIT_FAIL
+
+
+def _create_images(args: argparse.Namespace) -> None:
+    for path in args.devices:
+        if args.create and not os.path.exists(path):
+            with open(path, "wb") as f:
+                f.truncate(args.create)
+
+
+def cmd_format(args: argparse.Namespace) -> int:
+    from kvfs.pool import format_pool
+
+    _create_images(args)
+    sbs = format_pool(args.devices, unit_size=args.unit_size, meta_size=args.meta_size,
+                      force=args.force, label=args.label)
+    cap = sum(sb.data_units for sb in sbs) * sbs[0].unit_size
+    print(f"formatted {len(sbs)} device(s): {cap / 2**30:.2f} GiB of data in "
+          f"{sbs[0].unit_size >> 10} KiB units, {sbs[0].meta_size >> 20} MiB metadata")
+    return EXIT_OK
+
+
+def _check_mountpoint(path: str) -> None:
+    if not os.path.isdir(path):
+        raise UserError(f"{path}: mountpoint does not exist or is not a directory")
+    if os.path.ismount(path):
+        raise UserError(f"{path}: something is already mounted there")
+    if os.listdir(path):
+        raise UserError(f"{path}: mountpoint is not empty")
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    _check_mountpoint(args.mountpoint)
+    if not os.path.exists("/dev/fuse"):
+        raise UserError("/dev/fuse is missing: load the fuse module or install fuse3")
+    if args.format:
+        cmd_format(args)
+    else:
+        _create_images(args)
+    if args.foreground:
+        return _run_mount(args, lambda: None)
+    return _daemonize(args)
+
+
+def _daemonize(args: argparse.Namespace) -> int:
+    """Fork; the child mounts and reports readiness (or its error) through a pipe."""
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid:
+        os.close(wfd)
+        with os.fdopen(rfd) as r:
+            msg = r.read()
+        if msg.startswith("ok"):
+            print(f"kvfs: mounted {args.mountpoint} (pid {pid})")
+            return EXIT_OK
+        print(msg.removeprefix("usage:").strip() or "kvfs: mount failed", file=sys.stderr)
+        return EXIT_USAGE if msg.startswith("usage:") else EXIT_FAIL
+    os.close(rfd)
+    os.setsid()
+    w = os.fdopen(wfd, "w")
+
+    def ready() -> None:
+        w.write("ok\n")
+        w.close()
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1) if args.log_file else (0, 1, 2):
+            os.dup2(devnull, fd)
+
+    try:
+        code = _run_mount(args, ready)
+    except UserError as e:
+        if not w.closed:
+            w.write(f"usage:kvfs: {e}\n")
+            w.close()
+        os._exit(e.exit_code)
+    except BaseException as e:
+        if not w.closed:
+            w.write(f"kvfs: mount failed: {e}\n")
+            w.close()
+        os._exit(EXIT_FAIL)
+    os._exit(code)
+
+
+def _run_mount(args: argparse.Namespace, ready: Callable[[], None]) -> int:
+    import trio
+
+    from kvfs.fs import serve
+    from kvfs.pool import open_pool
+    from kvfs.store import Store, StoreConfig
+
+    pool = open_pool(args.devices)
+    try:
+        store = Store(pool, StoreConfig(cache_bytes=args.cache, io_timeout=args.io_timeout))
+        report = store.load()
+        log.info("pool loaded: %d files, %d dirs in %.2f s (dropped %d incomplete)",
+                 report.files, report.directories, report.seconds, report.dropped_incomplete)
+        options = {"fsname=kvfs", "subtype=kvfs", "default_permissions", "noatime"}
+        if args.allow_other:
+            options.add("allow_other")
+        trio.run(serve, store, args.mountpoint, options, ready)
+    finally:
+        pool.close()
+    return EXIT_OK
+
+
+def cmd_umount(args: argparse.Namespace) -> int:
+    path = os.path.abspath(args.mountpoint)
+    if not os.path.ismount(path):
+        raise UserError(f"{path} is not mounted")
+    pids = _daemon_pids(path)
+    r = subprocess.run(["fusermount3", "-u", path], capture_output=True, text=True)
+    if r.returncode:
+        raise UserError(f"unmount failed: {r.stderr.strip()}", EXIT_FAIL)
+    deadline = time.monotonic() + args.timeout
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if any(_alive(p) for p in pids):
+        raise UserError("kvfs daemon still running after unmount", EXIT_FAIL)
+    return EXIT_OK
+
+
+def _daemon_pids(mountpoint: str) -> list[int]:
+    """kvfs processes serving ``mountpoint`` (to wait for their final checkpoint)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"mount" in argv and any(os.path.abspath(a.decode(errors="replace")) == mountpoint
+                                    for a in argv if a):
+            if any(b"kvfs" in a for a in argv[:3]):
+                pids.append(int(entry))
+    return pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][:1] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    from kvfs.fs import STATS_XATTR
+
+    try:
+        raw = os.getxattr(args.mountpoint, STATS_XATTR.decode())
+    except OSError as e:
+        raise UserError(f"{args.mountpoint}: not a kvfs mount ({e.strerror})") from None
+    stats = json.loads(raw)
+    if args.json:
+        print(json.dumps(stats, indent=2))
+        return EXIT_OK
+    s = stats["store"]
+    gib = 2**30
+    print(f"files       {s['files']:>12}   directories {s['directories']:>10}")
+    print(f"capacity    {s['capacity_bytes'] / gib:>10.2f} GiB   used {s['used_bytes'] / gib:.2f} GiB"
+          f"   free {s['free_bytes'] / gib:.2f} GiB")
+    print(f"reads       {s['reads']:>12}   {s['bytes_read'] / gib:.2f} GiB served")
+    print(f"writes      {s['writes']:>12}   {s['bytes_written'] / gib:.2f} GiB accepted")
+    print(f"device I/O  read {s['device_bytes_read'] / gib:.2f} GiB, "
+          f"written {s['device_bytes_written'] / gib:.2f} GiB")
+    c = stats["cache"]
+    print(f"cache       {c['bytes'] >> 20} / {c['capacity'] >> 20} MiB, "
+          f"{c['hits']} hits, {c['misses']} misses")
+    print(f"integrity   {s['corruptions']} checksum failures, {s['quarantined']} quarantined")
+    for d in stats["devices"]:
+        print(f"device      {d['path']}: {d['size'] / gib:.2f} GiB, {d['errors']} errors")
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,314 @@
+"""Block devices kvfs owns: a checked public API over raw, blocking, aligned I/O.
+
+Every method here blocks; the async layers call them from worker threads only.
+Subclasses implement ``_pread``/``_pwrite``/``_flush``/``_discard``; the base class
+checks bounds and alignment and keeps byte counters, so a bug above never turns into
+a write outside the device or an unaligned O_DIRECT request.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import stat
+import struct
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvfs.errors import DeviceError, UserError
+
+log = logging.getLogger(__name__)
+
+ALIGN = 4096
+"""All device I/O is aligned to this (offsets, lengths and buffer addresses)."""
+
+# linux/fs.h ioctls
+_BLKGETSIZE64 = 0x80081272
+_BLKSSZGET = 0x1268
+_BLKPBSZGET = 0x127B
+_BLKIOOPT = 0x1279
+_BLKDISCARD = 0x1277
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+
+
+def aligned_buffer(size: int) -> mmap.mmap:
+    """Page-aligned, zero-filled anonymous memory, usable for O_DIRECT."""
+    return mmap.mmap(-1, max(size, ALIGN))
+
+
+@dataclass(frozen=True)
+class DeviceStatistics:
+    path: str
+    size: int
+    reads: int
+    writes: int
+    bytes_read: int
+    bytes_written: int
+    discards: int
+    errors: int
+
+
+class Device(ABC):
+    """A fixed-size, aligned, blocking byte store."""
+
+    def __init__(self, path: str, size: int, logical_block: int, optimal_io: int) -> None:
+        self.path = path
+        self.size = size
+        self.logical_block = logical_block
+        self.optimal_io = optimal_io
+        self._lock = threading.Lock()
+        self._reads = self._writes = self._bytes_read = self._bytes_written = 0
+        self._discards = self._errors = 0
+
+    def _check(self, offset: int, length: int) -> None:
+        if offset % ALIGN or length % ALIGN:
+            raise ValueError(f"unaligned device request {offset}+{length}")
+        if offset < 0 or offset + length > self.size:
+            raise ValueError(f"device request {offset}+{length} outside {self.path}")
+
+    def read_into(self, offset: int, buf: memoryview) -> None:
+        """Fill ``buf`` from ``offset``; a short or failed read raises DeviceError."""
+        self._check(offset, len(buf))
+        try:
+            got = self._pread(offset, buf)
+        except OSError as e:
+            self._count_error()
+            raise DeviceError(f"{self.path}: read at {offset}: {e.strerror}") from e
+        if got != len(buf):
+            self._count_error()
+            raise DeviceError(f"{self.path}: short read at {offset} ({got}/{len(buf)})")
+        with self._lock:
+            self._reads += 1
+            self._bytes_read += got
+
+    def write(self, offset: int, bufs: Sequence[memoryview]) -> None:
+        """Write the buffers back to back from ``offset``; all or DeviceError."""
+        length = sum(len(b) for b in bufs)
+        self._check(offset, length)
+        for b in bufs:
+            if len(b) % ALIGN:
+                raise ValueError("unaligned buffer length")
+        try:
+            done = self._pwrite(offset, bufs)
+        except OSError as e:
+            self._count_error()
+            raise DeviceError(f"{self.path}: write at {offset}: {e.strerror}") from e
+        if done != length:
+            self._count_error()
+            raise DeviceError(f"{self.path}: short write at {offset} ({done}/{length})")
+        with self._lock:
+            self._writes += 1
+            self._bytes_written += done
+
+    def flush(self) -> None:
+        """Make completed writes durable (device write cache included)."""
+        try:
+            self._flush()
+        except OSError as e:
+            self._count_error()
+            raise DeviceError(f"{self.path}: flush: {e.strerror}") from e
+
+    def discard(self, offset: int, length: int) -> None:
+        """Tell the device a range is free (TRIM); best effort, never raises."""
+        self._check(offset, length)
+        try:
+            self._discard(offset, length)
+        except OSError as e:
+            log.debug("%s: discard %d+%d failed: %s", self.path, offset, length, e)
+            return
+        with self._lock:
+            self._discards += 1
+
+    def _count_error(self) -> None:
+        with self._lock:
+            self._errors += 1
+
+    def statistics(self) -> DeviceStatistics:
+        with self._lock:
+            return DeviceStatistics(
+                self.path, self.size, self._reads, self._writes,
+                self._bytes_read, self._bytes_written, self._discards, self._errors,
+            )
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release the device."""
+
+    @abstractmethod
+    def _pread(self, offset: int, buf: memoryview) -> int: ...
+
+    @abstractmethod
+    def _pwrite(self, offset: int, bufs: Sequence[memoryview]) -> int: ...
+
+    @abstractmethod
+    def _flush(self) -> None: ...
+
+    @abstractmethod
+    def _discard(self, offset: int, length: int) -> None: ...
+
+
+class FileDevice(Device):
+    """A block device or a regular image file, opened exclusively with O_DIRECT."""
+
+    def __init__(self, path: str) -> None:
+        fd, st, direct = _open_exclusive(path)
+        self.fd = fd
+        self.direct = direct
+        self.is_block = stat.S_ISBLK(st.st_mode)
+        try:
+            size, logical, optimal = _geometry(fd, st)
+        except OSError as e:
+            os.close(fd)
+            raise UserError(f"{path}: cannot read device geometry: {e.strerror}") from e
+        super().__init__(path, size - size % ALIGN, max(logical, ALIGN), optimal)
+
+    def _pread(self, offset: int, buf: memoryview) -> int:
+        done = 0
+        while done < len(buf):
+            n = os.preadv(self.fd, [buf[done:]], offset + done)
+            if n == 0:
+                break
+            done += n
+        return done
+
+    def _pwrite(self, offset: int, bufs: Sequence[memoryview]) -> int:
+        done = os.pwritev(self.fd, bufs, offset)
+        total = sum(len(b) for b in bufs)
+        while done < total:  # rare partial write: finish it piecewise
+            rest = b"".join(bytes(b) for b in bufs)[done:]
+            tmp = aligned_buffer(len(rest))
+            tmp[: len(rest)] = rest
+            n = os.pwritev(self.fd, [memoryview(tmp)[: len(rest)]], offset + done)
+            if n <= 0:
+                break
+            done += n
+        return done
+
+    def _flush(self) -> None:
+        os.fdatasync(self.fd)
+
+    def _discard(self, offset: int, length: int) -> None:
+        if self.is_block:
+            fcntl.ioctl(self.fd, _BLKDISCARD, struct.pack("QQ", offset, length))
+            return
+        mode = _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE
+        if _libc.fallocate(self.fd, mode, offset, length) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _open_exclusive(path: str) -> tuple[int, os.stat_result, bool]:
+    """Open for O_DIRECT I/O, refusing a device someone else holds."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such device or image file") from None
+    if not (stat.S_ISBLK(st.st_mode) or stat.S_ISREG(st.st_mode)):
+        raise UserError(f"{path}: not a block device or regular image file")
+    flags = os.O_RDWR | os.O_CLOEXEC
+    if stat.S_ISBLK(st.st_mode):
+        flags |= os.O_EXCL  # the kernel refuses it while mounted or held elsewhere
+    direct = True
+    try:
+        fd = os.open(path, flags | os.O_DIRECT)
+    except OSError as e:
+        if e.errno == errno.EINVAL and stat.S_ISREG(st.st_mode):
+            # tmpfs and a few others have no O_DIRECT; an image file there still works
+            log.warning("%s: O_DIRECT unsupported here, using buffered I/O", path)
+            fd, direct = os.open(path, flags), False
+        elif e.errno == errno.EBUSY:
+            raise UserError(f"{path}: device is busy (mounted or in use)") from None
+        else:
+            raise UserError(f"{path}: cannot open: {e.strerror}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise UserError(f"{path}: already in use by another kvfs process") from None
+    return fd, st, direct
+
+
+def _geometry(fd: int, st: os.stat_result) -> tuple[int, int, int]:
+    """(size, logical block size, optimal I/O size) in bytes."""
+    if not stat.S_ISBLK(st.st_mode):
+        return st.st_size, ALIGN, 0
+    buf = fcntl.ioctl(fd, _BLKGETSIZE64, b"\0" * 8)
+    size = struct.unpack("Q", buf)[0]
+    logical = struct.unpack("i", fcntl.ioctl(fd, _BLKSSZGET, b"\0" * 4))[0]
+    physical = struct.unpack("i", fcntl.ioctl(fd, _BLKPBSZGET, b"\0" * 4))[0]
+    optimal = struct.unpack("i", fcntl.ioctl(fd, _BLKIOOPT, b"\0" * 4))[0]
+    return size, max(logical, physical), optimal
+
+
+class MemoryDevice(Device):
+    """A device in RAM, for tests of the layers above."""
+
+    def __init__(self, size: int, path: str = "mem") -> None:
+        super().__init__(path, size, ALIGN, 0)
+        self.data = bytearray(size)
+
+    def _pread(self, offset: int, buf: memoryview) -> int:
+        buf[:] = self.data[offset : offset + len(buf)]
+        return len(buf)
+
+    def _pwrite(self, offset: int, bufs: Sequence[memoryview]) -> int:
+        pos = offset
+        for b in bufs:
+            self.data[pos : pos + len(b)] = b
+            pos += len(b)
+        return pos - offset
+
+    def _flush(self) -> None:
+        pass
+
+    def _discard(self, offset: int, length: int) -> None:
+        self.data[offset : offset + length] = bytes(length)
+
+
+class FaultyDevice(Device):
+    """Wraps a device and injects faults: EIO on ranges, or hangs, on demand (tests)."""
+
+    def __init__(self, inner: Device) -> None:
+        super().__init__(inner.path, inner.size, inner.logical_block, inner.optimal_io)
+        self.inner = inner
+        self.fail_reads = False
+        self.fail_writes = False
+        self.hang = threading.Event()  # cleared = no hang
+        self.release = threading.Event()
+
+    def _wait_if_hung(self) -> None:
+        if self.hang.is_set():
+            self.release.wait()
+
+    def _pread(self, offset: int, buf: memoryview) -> int:
+        self._wait_if_hung()
+        if self.fail_reads:
+            raise OSError(errno.EIO, "injected read error")
+        return self.inner._pread(offset, buf)
+
+    def _pwrite(self, offset: int, bufs: Sequence[memoryview]) -> int:
+        self._wait_if_hung()
+        if self.fail_writes:
+            raise OSError(errno.EIO, "injected write error")
+        return self.inner._pwrite(offset, bufs)
+
+    def _flush(self) -> None:
+        self.inner._flush()
+
+    def _discard(self, offset: int, length: int) -> None:
+        self.inner._discard(offset, length)

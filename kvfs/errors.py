@@ -1,0 +1,75 @@
+"""Domain errors of the kvfs core.
+
+The core raises these; only the FUSE adapter (:mod:`kvfs.fs`) turns them into errno
+values, and only the CLI turns :class:`UserError` into a one-line message.
+"""
+
+from __future__ import annotations
+
+import errno
+
+
+class KvfsError(Exception):
+    """Base class; ``errno`` is what the FUSE adapter answers with."""
+
+    errno: int = errno.EIO
+
+
+class NotFound(KvfsError):
+    errno = errno.ENOENT
+
+
+class Exists(KvfsError):
+    errno = errno.EEXIST
+
+
+class NotEmpty(KvfsError):
+    errno = errno.ENOTEMPTY
+
+
+class NotADirectory(KvfsError):
+    errno = errno.ENOTDIR
+
+
+class IsADirectory(KvfsError):
+    errno = errno.EISDIR
+
+
+class NameTooLong(KvfsError):
+    errno = errno.ENAMETOOLONG
+
+
+class InvalidArgument(KvfsError):
+    errno = errno.EINVAL
+
+
+class FileTooLarge(KvfsError):
+    errno = errno.EFBIG
+
+
+class NoSpace(KvfsError):
+    errno = errno.ENOSPC
+
+
+class NoAttribute(KvfsError):
+    errno = errno.ENODATA
+
+
+class DeviceError(KvfsError):
+    """A device request failed or missed its deadline."""
+
+    errno = errno.EIO
+
+
+class Corruption(KvfsError):
+    """Stored bytes do not match their checksum; never served as data."""
+
+    errno = errno.EIO
+
+
+class UserError(Exception):
+    """A problem the user can fix (bad arguments, foreign device, ...): one clear line."""
+
+    def __init__(self, message: str, exit_code: int = 2) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code

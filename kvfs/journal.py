@@ -1,0 +1,354 @@
+"""The metadata log: checkpoint + journal in two alternating halves of the meta area.
+
+Format (``docs/format.md``): the meta area on device 0 is split in two halves. A half
+holds one *generation*: a checkpoint (CKPT_BEGIN, CKPT_DATA..., CKPT_END) followed by
+journal transactions (TXN), every entry carrying the generation, a consecutive
+sequence number and an xxh64 checksum. Recovery takes the newest half whose
+checkpoint is complete and replays its transactions up to the first entry that is
+torn, corrupt or out of sequence. When a half fills (or its journal grows past
+``checkpoint_bytes``) a fresh checkpoint is written into the other half.
+
+Concurrency contract: ``append`` is synchronous (callers hold no await between a
+state change and its append, so log order = state order). One flusher task writes
+batches: it flushes the data devices that saw writes, then the journal blocks, then
+the meta device, and only then wakes ``wait_durable`` callers (group commit). Each
+flush ends on a block boundary (a PAD entry), so a durable block is never rewritten.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import trio
+
+from kvfs.device import ALIGN, Device, aligned_buffer
+from kvfs.errors import Corruption, DeviceError
+from kvfs.layout import (
+    KIND_CKPT_BEGIN,
+    KIND_CKPT_DATA,
+    KIND_CKPT_END,
+    KIND_PAD,
+    KIND_TXN,
+    PARSE_MORE,
+    PARSE_OK,
+    Entry,
+    Op,
+    decode_ops,
+    encode_entry,
+    encode_ops,
+    pad_entry,
+    parse_entry,
+    peek_entry,
+)
+
+log = logging.getLogger(__name__)
+
+READ_CHUNK = 8 << 20
+CKPT_OPS = 4096
+"""Operations per checkpoint entry (a few hundred KiB)."""
+
+
+@dataclass(frozen=True)
+class JournalStatistics:
+    generation: int
+    half: int
+    used_bytes: int
+    half_bytes: int
+    flushes: int
+    checkpoints: int
+    durable_seq: int
+
+
+@dataclass
+class Recovered:
+    """What recovery found: the state's operations and where the log ended."""
+
+    generation: int
+    half: int
+    end: int
+    seq: int
+    transactions: int
+    ops: list[Op]
+
+
+def half_bounds(meta_start: int, meta_size: int, half: int) -> tuple[int, int]:
+    size = (meta_size // 2) // ALIGN * ALIGN
+    return meta_start + half * size, size
+
+
+def recover(dev: Device, meta_start: int, meta_size: int, seed: int) -> Recovered:
+    """Find the newest complete checkpoint and replay its journal (blocking)."""
+    candidates = []
+    for half in (0, 1):
+        base, _ = half_bounds(meta_start, meta_size, half)
+        head = aligned_buffer(ALIGN)
+        dev.read_into(base, memoryview(head))
+        entry = peek_entry(bytes(head), seed)
+        if entry is not None and entry.kind == KIND_CKPT_BEGIN:
+            candidates.append((entry.generation, half))
+    for generation, half in sorted(candidates, reverse=True):
+        found = _replay_half(dev, meta_start, meta_size, half, generation, seed)
+        if found is not None:
+            return found
+        log.warning("checkpoint generation %d is incomplete; trying the older one", generation)
+    raise Corruption("no complete metadata checkpoint found (not formatted, or destroyed)")
+
+
+def _replay_half(
+    dev: Device, meta_start: int, meta_size: int, half: int, generation: int, seed: int
+) -> Recovered | None:
+    base, size = half_bounds(meta_start, meta_size, half)
+    ops: list[Op] = []
+    complete, end, seq, txns = False, 0, 0, 0
+    for offset, entry in _scan(dev, base, size, generation, seed):
+        if entry.kind in (KIND_CKPT_DATA, KIND_TXN):
+            if entry.kind == KIND_TXN and not complete:
+                break
+            ops.extend(decode_ops(entry.payload))
+            txns += entry.kind == KIND_TXN
+        elif entry.kind == KIND_CKPT_END:
+            complete = True
+        end, seq = offset, entry.seq
+    if not complete:
+        return None
+    return Recovered(generation, half, end, seq, txns, ops)
+
+
+def _scan(
+    dev: Device, base: int, size: int, generation: int, seed: int
+) -> Iterator[tuple[int, Entry]]:
+    """Yield (end offset in the half, entry) of one half's valid log, read in big pieces."""
+    consumed = 0
+    buf = bytearray()
+    pos = 0
+    seq: int | None = None
+    while True:
+        status, entry, nxt = parse_entry(memoryview(buf), pos, generation, seq, seed)
+        if status == PARSE_OK:
+            assert entry is not None
+            pos, seq = nxt, entry.seq + 1
+            yield consumed + pos, entry
+            continue
+        total_read = consumed + len(buf)
+        if status != PARSE_MORE or total_read >= size:
+            return
+        del buf[:pos]
+        consumed += pos
+        pos = 0
+        n = min(READ_CHUNK, size - total_read)
+        chunk = aligned_buffer(n)
+        dev.read_into(base + total_read, memoryview(chunk)[:n])
+        buf += chunk[:n]
+        chunk.close()
+
+
+def encode_checkpoint(
+    ops: Iterable[Op], generation: int, seq: int, seed: int
+) -> tuple[bytes, int, int]:
+    """A whole checkpoint, block-padded: (bytes, last sequence number, op count)."""
+    pieces = [encode_entry(KIND_CKPT_BEGIN, generation, seq + 1, b"", seed)]
+    seq += 1
+    batch: list[Op] = []
+    count = 0
+    for op in ops:
+        batch.append(op)
+        count += 1
+        if len(batch) >= CKPT_OPS:
+            seq += 1
+            pieces.append(encode_entry(KIND_CKPT_DATA, generation, seq, encode_ops(batch), seed))
+            batch = []
+    if batch:
+        seq += 1
+        pieces.append(encode_entry(KIND_CKPT_DATA, generation, seq, encode_ops(batch), seed))
+    seq += 1
+    pieces.append(encode_entry(KIND_CKPT_END, generation, seq, count.to_bytes(8, "little"), seed))
+    data = b"".join(pieces)
+    seq += 1
+    data += pad_entry(generation, seq, len(data), ALIGN, seed)
+    return data, seq, count
+
+
+class Journal:
+    """Appends transactions to the current half; checkpoints into the other."""
+
+    def __init__(
+        self,
+        meta: Device,
+        meta_start: int,
+        meta_size: int,
+        data_devices: list[Device],
+        snapshot: Callable[[], Iterable[Op]],
+        *,
+        seed: int,
+        on_durable: Callable[[int], None] = lambda seq: None,
+        checkpoint_bytes: int = 0,
+        commit_interval: float = 0.05,
+    ) -> None:
+        self._meta = meta
+        self._meta_start, self._meta_size = meta_start, meta_size
+        self._data_devices = data_devices
+        self._snapshot = snapshot
+        self._seed = seed
+        self._on_durable = on_durable
+        _, self._half_size = half_bounds(meta_start, meta_size, 0)
+        self._checkpoint_bytes = checkpoint_bytes or self._half_size // 2
+        self._interval = commit_interval
+        self.generation = 0
+        self.half = 0
+        self._offset = 0  # bytes of the current half in use (block aligned)
+        self._ckpt_end = 0
+        self._seq = 0
+        self._durable = 0
+        self._pending: list[bytes] = []
+        self._pending_bytes = 0
+        self._dirty_devices: set[int] = set()
+        self._wake = trio.Event()
+        self._flushed = trio.Event()
+        self._want_checkpoint = False
+        self._failed: DeviceError | None = None
+        self._flushes = self._checkpoints = 0
+        self._lock = trio.Lock()
+
+    # ----------------------------------------------------------------- state
+    def resume(self, generation: int, half: int, seq: int) -> None:
+        """Continue after ``seq`` of ``generation`` (the next checkpoint switches half)."""
+        self.generation, self.half, self._seq, self._durable = generation, half, seq, seq
+
+    def append(self, ops: list[Op]) -> int:
+        """Queue one atomic transaction; returns its sequence number (sync)."""
+        self._seq += 1
+        raw = encode_entry(KIND_TXN, self.generation, self._seq, encode_ops(ops), self._seed)
+        self._pending.append(raw)
+        self._pending_bytes += len(raw)
+        if self._pending_bytes > (4 << 20):
+            self._wake.set()
+        return self._seq
+
+    @property
+    def last_seq(self) -> int:
+        return self._seq
+
+    def note_data_write(self, device_index: int) -> None:
+        """A data write completed; flush that device before the next journal write."""
+        self._dirty_devices.add(device_index)
+
+    async def wait_durable(self, seq: int | None = None) -> None:
+        """Return once transaction ``seq`` (default: all so far) is on stable storage."""
+        target = self._seq if seq is None else seq
+        while self._durable < target:
+            if self._failed is not None:
+                raise DeviceError(f"metadata log unavailable: {self._failed}")
+            self._wake.set()
+            await self._flushed.wait()
+
+    async def checkpoint(self) -> None:
+        """Write a fresh checkpoint into the other half and wait for it."""
+        self._want_checkpoint = True
+        target = self._seq
+        self._wake.set()
+        while self._want_checkpoint or self._durable < target:
+            if self._failed is not None:
+                raise DeviceError(f"metadata log unavailable: {self._failed}")
+            await self._flushed.wait()
+
+    # ----------------------------------------------------------------- flusher
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The flusher task: group-commits pending transactions until cancelled."""
+        task_status.started()
+        while True:
+            with trio.move_on_after(self._interval):
+                await self._wake.wait()
+            self._wake = trio.Event()
+            if self._pending or self._want_checkpoint:
+                await self.flush_once()
+
+    async def flush_once(self) -> None:
+        async with self._lock:
+            try:
+                if self._want_checkpoint or self._needs_checkpoint():
+                    await self._write_checkpoint()
+                elif self._pending:
+                    await self._write_pending()
+            except DeviceError as e:
+                log.error("metadata log write failed: %s", e)
+                self._failed = e
+            finally:
+                flushed, self._flushed = self._flushed, trio.Event()
+                flushed.set()
+                self._on_durable(self._durable)
+
+    def _needs_checkpoint(self) -> bool:
+        grown = self._offset - self._ckpt_end + self._pending_bytes
+        return grown > self._checkpoint_bytes or self._offset + grown + 2 * ALIGN > self._half_size
+
+    async def _write_pending(self) -> None:
+        data = b"".join(self._pending)
+        self._pending.clear()
+        self._pending_bytes = 0
+        self._seq += 1
+        data += pad_entry(self.generation, self._seq, self._offset + len(data), ALIGN, self._seed)
+        last = self._seq
+        await self._write_blocks(self._offset, data, self._take_dirty())
+        self._offset += len(data)
+        self._durable = last
+        self._flushes += 1
+
+    def _take_dirty(self) -> list[int]:
+        dirty, self._dirty_devices = sorted(self._dirty_devices), set()
+        return dirty
+
+    async def _write_checkpoint(self) -> None:
+        """Snapshot now (sync), then write it to the other half as generation+1."""
+        t0 = time.monotonic()
+        generation, half = self.generation + 1, 1 - self.half
+        self._pending.clear()
+        self._pending_bytes = 0
+        data, self._seq, count = encode_checkpoint(
+            self._snapshot(), generation, self._seq, self._seed
+        )
+        if len(data) + 2 * ALIGN > self._half_size:
+            raise DeviceError(
+                f"metadata area too small: checkpoint needs {len(data)} bytes, "
+                f"half holds {self._half_size}"
+            )
+        self.generation, self.half = generation, half
+        self._want_checkpoint = False
+        await self._write_blocks(0, data, self._take_dirty())
+        self._offset = self._ckpt_end = len(data)
+        self._durable = self._seq
+        self._checkpoints += 1
+        log.info(
+            "checkpoint generation %d: %d records, %d bytes, %.3f s",
+            generation, count, len(data), time.monotonic() - t0,
+        )
+
+    async def _write_blocks(self, offset: int, data: bytes, dirty: list[int]) -> None:
+        if offset + len(data) > self._half_size:
+            raise DeviceError("metadata log half overflow")
+        base, _ = half_bounds(self._meta_start, self._meta_size, self.half)
+        buf = aligned_buffer(len(data))
+        buf[: len(data)] = data
+        devices = [self._data_devices[i] for i in dirty]
+
+        def write() -> None:
+            for dev in devices:
+                dev.flush()
+            self._meta.write(base + offset, [memoryview(buf)[: len(data)]])
+            self._meta.flush()
+
+        try:
+            await trio.to_thread.run_sync(write)
+        finally:
+            buf.close()
+
+    def statistics(self) -> JournalStatistics:
+        return JournalStatistics(
+            self.generation, self.half, self._offset, self._half_size,
+            self._flushes, self._checkpoints, self._durable,
+        )
+
+
+__all__ = ["KIND_PAD", "Journal", "JournalStatistics", "Recovered", "half_bounds", "recover"]

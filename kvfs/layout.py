@@ -1,0 +1,387 @@
+"""The on-device format: every record is one ``struct.Struct`` with a size assert.
+
+``docs/format.md`` is the specification; this module is its executable form. Pure:
+encode/decode only, no I/O. Any change to a record bumps ``FORMAT_VERSION``.
+"""
+
+from __future__ import annotations
+
+import struct
+from array import array
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import xxhash
+
+from kvfs.errors import Corruption
+
+FORMAT_VERSION = 1
+SB_MAGIC = b"KVFSPOOL"
+SB_BLOCK = 4096
+RESERVED_HEAD = 1 << 20
+"""Bytes at the start of every device before the first unit (superblock lives at 0)."""
+
+# ----------------------------------------------------------------------------- superblock
+_SB = struct.Struct("<8sII16s16sIIIIQQQQQQQ32s")
+assert _SB.size == 152
+_SB_CSUM = struct.Struct("<Q")
+
+
+@dataclass(frozen=True)
+class Superblock:
+    """Ties the devices of one pool together; one per device at offset 0."""
+
+    pool_uuid: bytes
+    device_uuid: bytes
+    device_index: int
+    device_count: int
+    unit_size: int
+    block_size: int
+    device_size: int
+    data_start: int
+    data_units: int
+    meta_start: int
+    meta_size: int
+    created_ns: int
+    pool_units: int
+    label: str = ""
+    version: int = FORMAT_VERSION
+
+    def encode(self) -> bytes:
+        body = _SB.pack(
+            SB_MAGIC, self.version, _SB.size, self.pool_uuid, self.device_uuid,
+            self.device_index, self.device_count, self.unit_size, self.block_size,
+            self.device_size, self.data_start, self.data_units, self.meta_start,
+            self.meta_size, self.created_ns, self.pool_units,
+            self.label.encode()[:32],
+        )
+        body += _SB_CSUM.pack(xxhash.xxh64_intdigest(body))
+        return body + bytes(SB_BLOCK - len(body))
+
+    @classmethod
+    def decode(cls, block: bytes) -> Superblock:
+        """Parse a superblock; Corruption if it is not one or fails its checksum."""
+        if block[:8] != SB_MAGIC:
+            raise Corruption("no kvfs superblock")
+        fields = _SB.unpack_from(block)
+        (csum,) = _SB_CSUM.unpack_from(block, _SB.size)
+        if csum != xxhash.xxh64_intdigest(block[: _SB.size]):
+            raise Corruption("superblock checksum mismatch")
+        if fields[1] != FORMAT_VERSION:
+            raise Corruption(f"unsupported format version {fields[1]}")
+        return cls(
+            pool_uuid=fields[3], device_uuid=fields[4], device_index=fields[5],
+            device_count=fields[6], unit_size=fields[7], block_size=fields[8],
+            device_size=fields[9], data_start=fields[10], data_units=fields[11],
+            meta_start=fields[12], meta_size=fields[13], created_ns=fields[14],
+            pool_units=fields[15], label=fields[16].rstrip(b"\0").decode(errors="replace"),
+            version=fields[1],
+        )
+
+
+# Signatures of things that are not ours: (offset, bytes, name).
+FOREIGN_SIGNATURES: tuple[tuple[int, bytes, str], ...] = (
+    (1080, b"\x53\xef", "ext2/3/4 filesystem"),
+    (0, b"XFSB", "XFS filesystem"),
+    (65600, b"_BHRfS_M", "btrfs filesystem"),
+    (3, b"NTFS    ", "NTFS filesystem"),
+    (54, b"FAT", "FAT filesystem"),
+    (82, b"FAT32", "FAT32 filesystem"),
+    (512, b"LABELONE", "LVM physical volume"),
+    (4086, b"SWAPSPACE2", "swap space"),
+    (512, b"EFI PART", "GPT partition table"),
+    (0, b"hsqs", "squashfs"),
+    (32769, b"CD001", "ISO-9660 image"),
+    (0, b"\xa9\x2b\x4a\xfc", "bcachefs"),
+    (4096, b"\xfc\x4e\x2b\xa9", "MD RAID member"),
+)
+SIGNATURE_PROBE = 69632
+"""Bytes read from a device's start to look for foreign signatures."""
+
+
+def foreign_signature(head: bytes) -> str | None:
+    """Name of a known foreign format found in the first bytes of a device, if any."""
+    for offset, magic, name in FOREIGN_SIGNATURES:
+        if head[offset : offset + len(magic)] == magic:
+            return name
+    if len(head) >= 512 and head[510:512] == b"\x55\xaa" and any(head[446:510]):
+        return "MBR partition table"
+    return None
+
+
+# ----------------------------------------------------------------------------- journal
+JOURNAL_MAGIC = 0x314A564B  # "KVJ1"
+_ENTRY = struct.Struct("<IHHQQII")
+assert _ENTRY.size == 32
+_ENTRY_CSUM = struct.Struct("<Q")
+ENTRY_OVERHEAD = _ENTRY.size + _ENTRY_CSUM.size
+
+KIND_TXN = 1
+KIND_CKPT_BEGIN = 2
+KIND_CKPT_DATA = 3
+KIND_CKPT_END = 4
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One journal entry: an atomic transaction or a piece of a checkpoint."""
+
+    kind: int
+    generation: int
+    seq: int
+    payload: bytes
+
+
+def encode_entry(kind: int, generation: int, seq: int, payload: bytes, seed: int = 0) -> bytes:
+    """Frame one entry; ``seed`` (from the pool UUID) keeps other pools' logs invalid."""
+    head = _ENTRY.pack(JOURNAL_MAGIC, FORMAT_VERSION, kind, generation, seq, len(payload), 0)
+    csum = xxhash.xxh64_intdigest(head + payload, seed)
+    raw = head + payload + _ENTRY_CSUM.pack(csum)
+    return raw + bytes(-len(raw) % 8)
+
+
+KIND_PAD = 5
+
+PARSE_OK, PARSE_MORE, PARSE_END = 0, 1, 2
+
+
+def parse_entry(
+    view: memoryview, pos: int, generation: int, expected_seq: int | None, seed: int = 0
+) -> tuple[int, Entry | None, int]:
+    """Parse the entry at ``pos``: (PARSE_OK, entry, next position), (PARSE_MORE, ...)
+    when ``view`` ends inside a plausible entry, or (PARSE_END, ...) when the bytes
+    there are torn, corrupt, of another generation or out of sequence — the log's end."""
+    if pos + _ENTRY.size > len(view):
+        return PARSE_MORE, None, pos
+    magic, version, kind, gen, seq, length, _ = _ENTRY.unpack_from(view, pos)
+    if magic != JOURNAL_MAGIC or version != FORMAT_VERSION or gen != generation:
+        return PARSE_END, None, pos
+    if expected_seq is not None and seq != expected_seq:
+        return PARSE_END, None, pos
+    end = pos + _ENTRY.size + length + _ENTRY_CSUM.size
+    if end > len(view):
+        return PARSE_MORE, None, pos
+    (csum,) = _ENTRY_CSUM.unpack_from(view, end - _ENTRY_CSUM.size)
+    if csum != xxhash.xxh64_intdigest(view[pos : end - _ENTRY_CSUM.size], seed):
+        return PARSE_END, None, pos
+    payload = bytes(view[pos + _ENTRY.size : end - _ENTRY_CSUM.size])
+    return PARSE_OK, Entry(kind, gen, seq, payload), end + (-end % 8)
+
+
+def pad_entry(generation: int, seq: int, at: int, block: int, seed: int = 0) -> bytes:
+    """A PAD entry that, written at offset ``at``, ends exactly on a ``block`` boundary."""
+    room = -at % block
+    while room < ENTRY_OVERHEAD:
+        room += block
+    return encode_entry(KIND_PAD, generation, seq, bytes(room - ENTRY_OVERHEAD), seed)
+
+
+def peek_entry(buf: bytes, seed: int = 0) -> Entry | None:
+    """The valid entry at the start of ``buf``, if any (to find a log's generation)."""
+    if len(buf) < _ENTRY.size:
+        return None
+    gen = _ENTRY.unpack_from(buf, 0)[3]
+    status, entry, _ = parse_entry(memoryview(buf), 0, gen, None, seed)
+    return entry if status == PARSE_OK else None
+
+
+# ----------------------------------------------------------------------------- operations
+OP_INODE = 1
+OP_DENTRY = 2
+OP_UNDENTRY = 3
+OP_DROP = 4
+OP_XATTR = 5
+OP_UNXATTR = 6
+OP_BLOB = 7
+
+FLAG_WRITING = 1
+"""Inode flag: data changes are not yet committed; recovery drops such a file."""
+FLAG_QUARANTINED = 2
+"""Inode flag: a checksum failed; the file is unreadable and will be dropped."""
+
+NO_UNIT = -1
+"""Marks a hole in an inode's unit map."""
+DEV_SHIFT = 48
+UNIT_MASK = (1 << DEV_SHIFT) - 1
+
+_INODE = struct.Struct("<BQIIIIQqqqIII")
+assert _INODE.size == 69
+_RUN = struct.Struct("<IIIQ")
+assert _RUN.size == 20
+_DENTRY = struct.Struct("<BQQH")
+assert _DENTRY.size == 19
+_UNDENTRY = struct.Struct("<BQH")
+assert _UNDENTRY.size == 11
+_DROP = struct.Struct("<BQ")
+assert _DROP.size == 9
+_XATTR = struct.Struct("<BQHI")
+assert _XATTR.size == 15
+_BLOB = struct.Struct("<BHI")
+assert _BLOB.size == 7
+
+
+def phys(dev: int, unit: int) -> int:
+    """Pack a (device, unit) address into one int for the unit map."""
+    return (dev << DEV_SHIFT) | unit
+
+
+@dataclass
+class InodeRecord:
+    """The persistent state of one inode (directory entries are separate ops)."""
+
+    ino: int
+    mode: int
+    uid: int
+    gid: int
+    nlink: int
+    size: int
+    atime_ns: int
+    mtime_ns: int
+    ctime_ns: int
+    flags: int
+    units: array[int]
+    csums: array[int]
+
+
+@dataclass(frozen=True)
+class Dentry:
+    parent: int
+    name: bytes
+    ino: int
+
+
+@dataclass(frozen=True)
+class Undentry:
+    parent: int
+    name: bytes
+
+
+@dataclass(frozen=True)
+class Drop:
+    ino: int
+
+
+@dataclass(frozen=True)
+class Xattr:
+    ino: int
+    name: bytes
+    value: bytes | None  # None removes it
+
+
+@dataclass(frozen=True)
+class Blob:
+    """Opaque state of another component (e.g. the eviction policy), by name."""
+
+    name: str
+    data: bytes
+
+
+Op = InodeRecord | Dentry | Undentry | Drop | Xattr | Blob
+
+
+def _runs(units: array[int]) -> list[tuple[int, int, int, int]]:
+    """(logical start, count, device, physical start) runs of a unit map."""
+    runs: list[tuple[int, int, int, int]] = []
+    for lu, p in enumerate(units):
+        if p == NO_UNIT:
+            continue
+        dev, pu = p >> DEV_SHIFT, p & UNIT_MASK
+        if runs:
+            ls, n, d, ps = runs[-1]
+            if ls + n == lu and d == dev and ps + n == pu:
+                runs[-1] = (ls, n + 1, d, ps)
+                continue
+        runs.append((lu, 1, dev, pu))
+    return runs
+
+
+def encode_op(op: Op) -> bytes:
+    if isinstance(op, InodeRecord):
+        runs = _runs(op.units)
+        mapped = array("Q", (c for p, c in zip(op.units, op.csums, strict=True) if p != NO_UNIT))
+        head = _INODE.pack(
+            OP_INODE, op.ino, op.mode, op.uid, op.gid, op.nlink, op.size, op.atime_ns,
+            op.mtime_ns, op.ctime_ns, op.flags, len(op.units), len(runs),
+        )
+        return head + b"".join(_RUN.pack(*r) for r in runs) + mapped.tobytes()
+    if isinstance(op, Dentry):
+        return _DENTRY.pack(OP_DENTRY, op.parent, op.ino, len(op.name)) + op.name
+    if isinstance(op, Undentry):
+        return _UNDENTRY.pack(OP_UNDENTRY, op.parent, len(op.name)) + op.name
+    if isinstance(op, Drop):
+        return _DROP.pack(OP_DROP, op.ino)
+    if isinstance(op, Xattr):
+        if op.value is None:
+            return _UNDENTRY.pack(OP_UNXATTR, op.ino, len(op.name)) + op.name
+        head = _XATTR.pack(OP_XATTR, op.ino, len(op.name), len(op.value))
+        return head + op.name + op.value
+    name = op.name.encode()
+    return _BLOB.pack(OP_BLOB, len(name), len(op.data)) + name + op.data
+
+
+def encode_ops(ops: list[Op]) -> bytes:
+    return b"".join(encode_op(op) for op in ops)
+
+
+def _decode_inode(buf: bytes, pos: int) -> tuple[InodeRecord, int]:
+    f = _INODE.unpack_from(buf, pos)
+    nunits, nruns = f[11], f[12]
+    pos += _INODE.size
+    units = array("q", [NO_UNIT]) * nunits
+    csums = array("Q", [0]) * nunits
+    order: list[int] = []
+    for _ in range(nruns):
+        ls, n, dev, ps = _RUN.unpack_from(buf, pos)
+        pos += _RUN.size
+        if ls + n > nunits:
+            raise Corruption(f"inode {f[1]}: run beyond its unit map")
+        for i in range(n):
+            units[ls + i] = phys(dev, ps + i)
+            order.append(ls + i)
+    mapped = array("Q")
+    mapped.frombytes(buf[pos : pos + 8 * len(order)])
+    if len(mapped) != len(order):
+        raise Corruption(f"inode {f[1]}: truncated checksums")
+    for lu, c in zip(order, mapped, strict=True):
+        csums[lu] = c
+    pos += 8 * len(order)
+    rec = InodeRecord(f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9], f[10], units, csums)
+    return rec, pos
+
+
+def decode_ops(buf: bytes) -> Iterator[Op]:
+    """Parse a payload produced by ``encode_ops``; Corruption on any inconsistency
+    (the entry checksum already passed, so this means a bug or a forged entry)."""
+    pos = 0
+    try:
+        while pos < len(buf):
+            kind = buf[pos]
+            if kind == OP_INODE:
+                rec, pos = _decode_inode(buf, pos)
+                yield rec
+            elif kind == OP_DENTRY:
+                _, parent, ino, n = _DENTRY.unpack_from(buf, pos)
+                pos += _DENTRY.size + n
+                yield Dentry(parent, buf[pos - n : pos], ino)
+            elif kind in (OP_UNDENTRY, OP_UNXATTR):
+                _, ino, n = _UNDENTRY.unpack_from(buf, pos)
+                pos += _UNDENTRY.size + n
+                name = buf[pos - n : pos]
+                yield Undentry(ino, name) if kind == OP_UNDENTRY else Xattr(ino, name, None)
+            elif kind == OP_DROP:
+                yield Drop(_DROP.unpack_from(buf, pos)[1])
+                pos += _DROP.size
+            elif kind == OP_XATTR:
+                _, ino, nn, nv = _XATTR.unpack_from(buf, pos)
+                pos += _XATTR.size + nn + nv
+                yield Xattr(ino, buf[pos - nn - nv : pos - nv], buf[pos - nv : pos])
+            elif kind == OP_BLOB:
+                _, nn, nd = _BLOB.unpack_from(buf, pos)
+                pos += _BLOB.size + nn + nd
+                yield Blob(buf[pos - nn - nd : pos - nd].decode(), buf[pos - nd : pos])
+            else:
+                raise Corruption(f"unknown journal op {kind}")
+    except struct.error as e:
+        raise Corruption(f"truncated journal op: {e}") from e
+    if pos != len(buf):
+        raise Corruption("journal op overruns its entry")

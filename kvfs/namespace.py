@@ -1,0 +1,352 @@
+"""The in-memory index: inodes, directories, xattrs. Pure and synchronous.
+
+Every mutation changes the in-memory state and hands the journal operations that
+reproduce it to ``log`` (one call = one atomic transaction); recovery feeds the same
+operations to :meth:`Namespace.apply`. No method awaits, so under trio each one is
+atomic with respect to every other request.
+"""
+
+from __future__ import annotations
+
+import stat
+import time
+from array import array
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from kvfs.errors import (
+    Exists,
+    InvalidArgument,
+    IsADirectory,
+    NameTooLong,
+    NoAttribute,
+    NotADirectory,
+    NotEmpty,
+    NotFound,
+)
+from kvfs.layout import (
+    FLAG_WRITING,
+    Blob,
+    Dentry,
+    Drop,
+    InodeRecord,
+    Op,
+    Undentry,
+    Xattr,
+)
+
+ROOT_INO = 1
+NAME_MAX = 255
+XATTR_NAME_MAX = 255
+XATTR_VALUE_MAX = 64 * 1024
+RENAME_NOREPLACE = 1
+RENAME_EXCHANGE = 2
+
+
+def _empty_units() -> array[int]:
+    return array("q")
+
+
+def _empty_csums() -> array[int]:
+    return array("Q")
+
+
+@dataclass(eq=False, slots=True)
+class Inode:
+    """One file or directory; persistent fields mirror :class:`InodeRecord`."""
+
+    ino: int
+    mode: int
+    uid: int
+    gid: int
+    nlink: int
+    size: int = 0
+    atime_ns: int = 0
+    mtime_ns: int = 0
+    ctime_ns: int = 0
+    flags: int = 0
+    units: array[int] = field(default_factory=_empty_units)
+    csums: array[int] = field(default_factory=_empty_csums)
+    entries: dict[bytes, int] | None = None
+    parent: int = ROOT_INO
+    xattrs: dict[bytes, bytes] | None = None
+    lookups: int = 0
+    opens: int = 0
+
+    @property
+    def is_dir(self) -> bool:
+        return self.entries is not None
+
+    def record(self) -> InodeRecord:
+        return InodeRecord(
+            self.ino, self.mode, self.uid, self.gid, self.nlink, self.size, self.atime_ns,
+            self.mtime_ns, self.ctime_ns, self.flags, self.units, self.csums,
+        )
+
+
+def check_name(name: bytes) -> None:
+    if len(name) > NAME_MAX:
+        raise NameTooLong(f"name of {len(name)} bytes")
+    if not name or name in (b".", b"..") or b"/" in name or b"\0" in name:
+        raise InvalidArgument(f"invalid name {name!r}")
+
+
+class Namespace:
+    """Inode table and directory tree."""
+
+    def __init__(self, log: Callable[[list[Op]], None]) -> None:
+        self._log = log
+        self.inodes: dict[int, Inode] = {}
+        self.blobs: dict[str, bytes] = {}
+        self.next_ino = ROOT_INO + 1
+
+    # ------------------------------------------------------------------ replay
+    def apply(self, op: Op) -> None:
+        """Replay one journal operation (recovery); tolerant of re-applied state."""
+        if isinstance(op, InodeRecord):
+            self._apply_record(op)
+        elif isinstance(op, Dentry):
+            parent = self.inodes[op.parent]
+            assert parent.entries is not None, "dentry in a non-directory"
+            parent.entries[op.name] = op.ino
+            child = self.inodes.get(op.ino)
+            if child is not None and child.is_dir:
+                child.parent = op.parent
+        elif isinstance(op, Undentry):
+            entries = self.inodes[op.parent].entries
+            assert entries is not None
+            entries.pop(op.name, None)
+        elif isinstance(op, Drop):
+            self.inodes.pop(op.ino, None)
+        elif isinstance(op, Xattr):
+            self._apply_xattr(op)
+        else:
+            self.blobs[op.name] = op.data
+
+    def _apply_record(self, rec: InodeRecord) -> None:
+        inode = self.inodes.get(rec.ino)
+        if inode is None:
+            entries: dict[bytes, int] | None = {} if stat.S_ISDIR(rec.mode) else None
+            inode = Inode(rec.ino, rec.mode, rec.uid, rec.gid, rec.nlink, entries=entries)
+            self.inodes[rec.ino] = inode
+            self.next_ino = max(self.next_ino, rec.ino + 1)
+        inode.mode, inode.uid, inode.gid, inode.nlink = rec.mode, rec.uid, rec.gid, rec.nlink
+        inode.size, inode.flags = rec.size, rec.flags
+        inode.atime_ns, inode.mtime_ns, inode.ctime_ns = rec.atime_ns, rec.mtime_ns, rec.ctime_ns
+        inode.units, inode.csums = rec.units, rec.csums
+
+    def _apply_xattr(self, op: Xattr) -> None:
+        inode = self.inodes[op.ino]
+        if op.value is None:
+            if inode.xattrs:
+                inode.xattrs.pop(op.name, None)
+            return
+        if inode.xattrs is None:
+            inode.xattrs = {}
+        inode.xattrs[op.name] = op.value
+
+    def snapshot(self) -> Iterator[Op]:
+        """Every operation needed to rebuild the current state (checkpoints)."""
+        for inode in self.inodes.values():
+            yield inode.record()
+            for name, value in (inode.xattrs or {}).items():
+                yield Xattr(inode.ino, name, value)
+        for inode in self.inodes.values():
+            for name, child in (inode.entries or {}).items():
+                yield Dentry(inode.ino, name, child)
+        for name, data in self.blobs.items():
+            yield Blob(name, data)
+
+    # ------------------------------------------------------------------ queries
+    def get(self, ino: int) -> Inode:
+        inode = self.inodes.get(ino)
+        if inode is None:
+            raise NotFound(f"inode {ino}")
+        return inode
+
+    def directory(self, ino: int) -> dict[bytes, int]:
+        entries = self.get(ino).entries
+        if entries is None:
+            raise NotADirectory(f"inode {ino}")
+        return entries
+
+    def lookup(self, parent: int, name: bytes) -> Inode:
+        if name == b".":
+            return self.get(parent)
+        if name == b"..":
+            return self.get(self.get(parent).parent)
+        if len(name) > NAME_MAX:
+            raise NameTooLong(f"name of {len(name)} bytes")
+        ino = self.directory(parent).get(name)
+        if ino is None:
+            raise NotFound(name.decode(errors="replace"))
+        return self.inodes[ino]
+
+    # ------------------------------------------------------------------ mutations
+    def init_root(self, uid: int, gid: int) -> None:
+        now = time.time_ns()
+        root = Inode(ROOT_INO, stat.S_IFDIR | 0o755, uid, gid, 2, 0, now, now, now, entries={})
+        self.inodes[ROOT_INO] = root
+        self._log([root.record()])
+
+    def make(
+        self, parent: int, name: bytes, mode: int, uid: int, gid: int, flags: int = 0
+    ) -> Inode:
+        """Create a file or directory named ``name`` in ``parent``."""
+        check_name(name)
+        entries = self.directory(parent)
+        if name in entries:
+            raise Exists(name.decode(errors="replace"))
+        if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+            raise InvalidArgument("only regular files and directories are supported")
+        now = time.time_ns()
+        is_dir = stat.S_ISDIR(mode)
+        inode = Inode(
+            self.next_ino, mode, uid, gid, 2 if is_dir else 1, 0, now, now, now,
+            flags=flags, entries={} if is_dir else None, parent=parent,
+        )
+        self.next_ino += 1
+        self.inodes[inode.ino] = inode
+        entries[name] = inode.ino
+        dir_inode = self.inodes[parent]
+        dir_inode.mtime_ns = dir_inode.ctime_ns = now
+        dir_inode.nlink += is_dir
+        self._log([inode.record(), Dentry(parent, name, inode.ino), dir_inode.record()])
+        return inode
+
+    def link(self, ino: int, parent: int, name: bytes) -> Inode:
+        inode = self.get(ino)
+        if inode.is_dir:
+            raise IsADirectory("hard link to a directory")
+        check_name(name)
+        entries = self.directory(parent)
+        if name in entries:
+            raise Exists(name.decode(errors="replace"))
+        entries[name] = ino
+        inode.nlink += 1
+        inode.ctime_ns = time.time_ns()
+        self._touch_dir(parent)
+        self._log([inode.record(), Dentry(parent, name, ino), self.inodes[parent].record()])
+        return inode
+
+    def remove(self, parent: int, name: bytes, want_dir: bool) -> Inode:
+        """unlink (``want_dir`` False) or rmdir; returns the inode, maybe now nlink 0."""
+        inode = self.lookup(parent, name)
+        if want_dir and not inode.is_dir:
+            raise NotADirectory(name.decode(errors="replace"))
+        if not want_dir and inode.is_dir:
+            raise IsADirectory(name.decode(errors="replace"))
+        if want_dir and inode.entries:
+            raise NotEmpty(name.decode(errors="replace"))
+        ops = self._unlink_entry(parent, name, inode)
+        self._log([*ops, Undentry(parent, name), self.inodes[parent].record()])
+        return inode
+
+    def _unlink_entry(self, parent: int, name: bytes, inode: Inode) -> list[Op]:
+        entries = self.directory(parent)
+        del entries[name]
+        now = time.time_ns()
+        self._touch_dir(parent, now)
+        inode.ctime_ns = now
+        if inode.is_dir:
+            inode.nlink = 0
+            self.inodes[parent].nlink -= 1
+        else:
+            inode.nlink -= 1
+        return [inode.record()]
+
+    def _touch_dir(self, ino: int, now: int = 0) -> None:
+        d = self.inodes[ino]
+        d.mtime_ns = d.ctime_ns = now or time.time_ns()
+
+    def rename(
+        self, old_parent: int, old: bytes, new_parent: int, new: bytes, flags: int = 0
+    ) -> Inode | None:
+        """POSIX rename; returns the inode that lost its name (to be dropped), if any."""
+        check_name(new)
+        src = self.lookup(old_parent, old)
+        dst_entries = self.directory(new_parent)
+        target_ino = dst_entries.get(new)
+        if flags & RENAME_EXCHANGE:
+            if target_ino is None:
+                raise NotFound(new.decode(errors="replace"))
+            return self._exchange(old_parent, old, new_parent, new)
+        if target_ino is not None and flags & RENAME_NOREPLACE:
+            raise Exists(new.decode(errors="replace"))
+        if target_ino == src.ino:
+            return None
+        if src.is_dir:
+            self._check_not_ancestor(src.ino, new_parent)
+        ops: list[Op] = []
+        victim = None
+        if target_ino is not None:
+            victim = self.inodes[target_ino]
+            if victim.is_dir != src.is_dir:
+                raise (IsADirectory if victim.is_dir else NotADirectory)(new.decode())
+            if victim.entries:
+                raise NotEmpty(new.decode(errors="replace"))
+            ops += self._unlink_entry(new_parent, new, victim)
+        del self.directory(old_parent)[old]
+        dst_entries[new] = src.ino
+        now = time.time_ns()
+        src.ctime_ns = now
+        if src.is_dir and old_parent != new_parent:
+            src.parent = new_parent
+            self.inodes[old_parent].nlink -= 1
+            self.inodes[new_parent].nlink += 1
+        self._touch_dir(old_parent, now)
+        self._touch_dir(new_parent, now)
+        ops += [Undentry(old_parent, old), Dentry(new_parent, new, src.ino), src.record()]
+        ops += [self.inodes[old_parent].record(), self.inodes[new_parent].record()]
+        self._log(ops)
+        return victim
+
+    def _exchange(self, p1: int, n1: bytes, p2: int, n2: bytes) -> None:
+        e1, e2 = self.directory(p1), self.directory(p2)
+        a, b = self.inodes[e1[n1]], self.inodes[e2[n2]]
+        if p1 != p2 and (a.is_dir or b.is_dir):
+            raise InvalidArgument("exchanging directories across parents is not supported")
+        e1[n1], e2[n2] = b.ino, a.ino
+        self._touch_dir(p1)
+        self._touch_dir(p2)
+        self._log([Dentry(p1, n1, b.ino), Dentry(p2, n2, a.ino)])
+
+    def _check_not_ancestor(self, ino: int, target_dir: int) -> None:
+        cur = target_dir
+        while True:
+            if cur == ino:
+                raise InvalidArgument("cannot move a directory into itself")
+            if cur == ROOT_INO:
+                return
+            cur = self.inodes[cur].parent
+
+    def drop(self, inode: Inode) -> None:
+        """Forget an inode that has no names left and no users."""
+        assert inode.nlink == 0 or inode.flags & FLAG_WRITING
+        del self.inodes[inode.ino]
+        self._log([Drop(inode.ino)])
+
+    def commit(self, inode: Inode) -> None:
+        """Log an inode's current persistent state."""
+        self._log([inode.record()])
+
+    def set_xattr(self, ino: int, name: bytes, value: bytes | None) -> None:
+        inode = self.get(ino)
+        if len(name) > XATTR_NAME_MAX or (value is not None and len(value) > XATTR_VALUE_MAX):
+            raise NameTooLong("xattr name or value too long")
+        if value is None:
+            if not inode.xattrs or name not in inode.xattrs:
+                raise NoAttribute(name.decode(errors="replace"))
+        self._apply_xattr(Xattr(ino, name, value))
+        inode.ctime_ns = time.time_ns()
+        self._log([Xattr(ino, name, value), inode.record()])
+
+    def get_xattr(self, ino: int, name: bytes) -> bytes:
+        xattrs = self.get(ino).xattrs
+        if not xattrs or name not in xattrs:
+            raise NoAttribute(name.decode(errors="replace"))
+        return xattrs[name]
+
+    def set_blob(self, name: str, data: bytes) -> None:
+        self.blobs[name] = data
+        self._log([Blob(name, data)])

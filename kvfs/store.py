@@ -1,0 +1,726 @@
+"""The store: namespace + allocator + journal + the data path over the pool's devices.
+
+FUSE-free and async. Concurrency contract (see ``docs/design.md``):
+
+- Namespace, allocator, cache and per-file state change only on the trio thread, in
+  stretches without ``await``; every blocking device call runs in a worker thread
+  through :meth:`Store._io`, under a per-device limiter and a deadline.
+- Data is copy-on-write at unit granularity: a dirty unit is always written to newly
+  allocated units, and the units it replaces are freed only once a journal record
+  that no longer needs them is durable. A file whose data changes is marked WRITING
+  in the journal first; committing it (flush/fsync/close) writes back its dirty
+  units, flushes the data devices and logs it clean. Recovery drops WRITING files,
+  so a file is either complete or absent after a crash, never torn.
+- Units are checksummed (xxh3-64) when written and verified when read; a mismatch is
+  never served: the read fails with EIO and the file is quarantined.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import trio
+import xxhash
+
+from kvfs.alloc import Allocator
+from kvfs.cache import UnitCache
+from kvfs.device import aligned_buffer
+from kvfs.errors import Corruption, DeviceError, FileTooLarge, IsADirectory, KvfsError
+from kvfs.journal import Journal, recover
+from kvfs.layout import (
+    DEV_SHIFT,
+    FLAG_QUARANTINED,
+    FLAG_WRITING,
+    NO_UNIT,
+    UNIT_MASK,
+    Op,
+    phys,
+)
+from kvfs.namespace import ROOT_INO, Inode, Namespace
+from kvfs.pool import Pool
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Tunables, validated once; see ``docs/design.md`` for the measured reasons."""
+
+    cache_bytes: int = 256 << 20
+    readahead_units: int = 8
+    writeback_units: int = 8
+    stripe_units: int = 8
+    read_piece_units: int = 4
+    max_dirty_bytes: int = 512 << 20
+    io_timeout: float = 30.0
+    queue_depth: int = 4
+    max_file_size: int = 1 << 40
+    commit_interval: float = 0.05
+
+    def __post_init__(self) -> None:
+        for name in ("readahead_units", "writeback_units", "stripe_units", "read_piece_units"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.io_timeout <= 0 or self.queue_depth < 1 or self.cache_bytes < 0:
+            raise ValueError("io_timeout, queue_depth and cache_bytes must be positive")
+
+
+@dataclass(eq=False)
+class FileState:
+    """Runtime data state of one inode: dirty and in-flight units, writer count."""
+
+    dirty: dict[int, mmap.mmap] = field(default_factory=dict)
+    inflight: dict[int, mmap.mmap] = field(default_factory=dict)
+    busy: int = 0
+    idle: trio.Event = field(default_factory=trio.Event)
+    lock: trio.Lock = field(default_factory=trio.Lock)
+    error: KvfsError | None = None
+    writers: int = 0
+    last_read: int = -2
+
+
+@dataclass(frozen=True)
+class Handle:
+    ino: int
+    writable: bool
+    pid: int
+
+
+@dataclass(frozen=True)
+class RecoveryReport:
+    generation: int
+    transactions: int
+    files: int
+    directories: int
+    dropped_incomplete: int
+    dropped_unlinked: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class StoreStatistics:
+    files: int
+    directories: int
+    unit_size: int
+    capacity_bytes: int
+    used_bytes: int
+    free_bytes: int
+    dirty_bytes: int
+    pending_free_bytes: int
+    reads: int
+    writes: int
+    bytes_read: int
+    bytes_written: int
+    device_bytes_read: int
+    device_bytes_written: int
+    corruptions: int
+    quarantined: int
+    open_handles: int
+
+
+class Store:
+    """Everything below the FUSE adapter."""
+
+    def __init__(self, pool: Pool, config: StoreConfig | None = None) -> None:
+        self.pool = pool
+        self.cfg = config or StoreConfig()
+        self.unit = pool.unit_size
+        self.ns = Namespace(self._log)
+        self.alloc = Allocator([sb.data_units for sb in pool.superblocks])
+        meta, meta_start, meta_size = pool.meta
+        self.journal = Journal(
+            meta, meta_start, meta_size, pool.devices, self.ns.snapshot, seed=pool.seed,
+            on_durable=self._release_frees, commit_interval=self.cfg.commit_interval,
+        )
+        self.cache = UnitCache(self.cfg.cache_bytes)
+        self._zero = memoryview(bytes(self.unit))
+        self._files: dict[int, FileState] = {}
+        self._handles: dict[int, Handle] = {}
+        self._next_fh = 1
+        self._deferred: deque[tuple[int, int]] = deque()
+        self._limiters = [trio.CapacityLimiter(self.cfg.queue_depth) for _ in pool.devices]
+        self._fetching: dict[tuple[int, int], trio.Event] = {}
+        self._dirty_bytes = 0
+        self._nursery: trio.Nursery | None = None
+        self._rr = 0
+        self._reads = self._writes = self._bytes_read = self._bytes_written = 0
+        self._corruptions = 0
+        self.on_vanish: Callable[[int, bytes, int], None] = lambda parent, name, ino: None
+
+    # ------------------------------------------------------------------ lifecycle
+    def _log(self, ops: list[Op]) -> None:
+        self.journal.append(ops)
+
+    def load(self) -> RecoveryReport:
+        """Rebuild the index from the metadata log (blocking; before serving)."""
+        t0 = time.monotonic()
+        meta, start, size = self.pool.meta
+        found = recover(meta, start, size, self.pool.seed)
+        for op in found.ops:
+            self.ns.apply(op)
+        if ROOT_INO not in self.ns.inodes:
+            raise Corruption("metadata has no root directory")
+        incomplete, unlinked = self._drop_unfinished()
+        self._rebuild_allocator()
+        self.journal.resume(found.generation, found.half, found.seq)
+        files = sum(1 for i in self.ns.inodes.values() if not i.is_dir)
+        report = RecoveryReport(
+            found.generation, found.transactions, files, len(self.ns.inodes) - files,
+            incomplete, unlinked, time.monotonic() - t0,
+        )
+        log.info("recovered %s", report)
+        return report
+
+    def _drop_unfinished(self) -> tuple[int, int]:
+        """Drop files left mid-write or unlinked-while-open by a crash, and names
+        that point nowhere."""
+        doomed = {
+            ino for ino, inode in self.ns.inodes.items()
+            if ino != ROOT_INO and (inode.flags & (FLAG_WRITING | FLAG_QUARANTINED)
+                                    or inode.nlink == 0)
+        }
+        incomplete = sum(1 for i in doomed if self.ns.inodes[i].nlink)
+        for inode in self.ns.inodes.values():
+            if inode.entries:
+                for name in [n for n, i in inode.entries.items()
+                             if i in doomed or i not in self.ns.inodes]:
+                    del inode.entries[name]
+        for ino in doomed:
+            del self.ns.inodes[ino]
+        return incomplete, len(doomed) - incomplete
+
+    def _rebuild_allocator(self) -> None:
+        for inode in self.ns.inodes.values():
+            for p in inode.units:
+                if p != NO_UNIT:
+                    self.alloc.mark_used(p >> DEV_SHIFT, p & UNIT_MASK)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve: start the background tasks, checkpoint the recovered state, run
+        until cancelled. Callers should use :meth:`close` before cancelling."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            await nursery.start(self.journal.run)
+            await self.journal.checkpoint()
+            task_status.started()
+            await trio.sleep_forever()
+
+    async def close(self) -> None:
+        """Commit every file and write a final checkpoint (clean unmount)."""
+        for ino in list(self._files):
+            inode = self.ns.inodes.get(ino)
+            if inode is not None:
+                try:
+                    await self.commit(inode)
+                except KvfsError as e:
+                    log.error("unmount: could not commit inode %d: %s", ino, e)
+        await self.journal.checkpoint()
+
+    # ------------------------------------------------------------------ device I/O
+    async def _io(self, dev: int, fn: Callable[[], T]) -> T:
+        """Run a blocking device call in a worker thread, with a deadline."""
+        with trio.move_on_after(self.cfg.io_timeout):
+            return await trio.to_thread.run_sync(
+                fn, limiter=self._limiters[dev], abandon_on_cancel=True
+            )
+        path = self.pool.devices[dev].path
+        raise DeviceError(f"{path}: request missed its {self.cfg.io_timeout:g} s deadline")
+
+    def _defer_free(self, p: int) -> None:
+        self._deferred.append((self.journal.last_seq, p))
+
+    def _release_frees(self, durable: int) -> None:
+        while self._deferred and self._deferred[0][0] <= durable:
+            _, p = self._deferred.popleft()
+            self.alloc.free(p >> DEV_SHIFT, p & UNIT_MASK)
+
+    # ------------------------------------------------------------------ handles
+    def _state(self, ino: int) -> FileState:
+        st = self._files.get(ino)
+        if st is None:
+            st = self._files[ino] = FileState()
+            st.idle.set()
+        return st
+
+    def handle(self, fh: int) -> Handle:
+        return self._handles[fh]
+
+    async def open(self, ino: int, flags: int, pid: int = 0) -> int:
+        inode = self.ns.get(ino)
+        if inode.is_dir:
+            raise IsADirectory(f"inode {ino}")
+        if inode.flags & FLAG_QUARANTINED:
+            raise Corruption(f"inode {ino} is quarantined")
+        writable = flags & os.O_ACCMODE != os.O_RDONLY
+        if writable and flags & os.O_TRUNC and inode.size:
+            await self.truncate(inode, 0)
+        inode.opens += 1
+        if writable:
+            self._state(ino).writers += 1
+        fh = self._next_fh
+        self._next_fh += 1
+        self._handles[fh] = Handle(ino, writable, pid)
+        return fh
+
+    def create(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Inode:
+        """A new empty file, marked WRITING until its first commit."""
+        return self.ns.make(parent, name, mode, uid, gid, flags=FLAG_WRITING)
+
+    async def release(self, fh: int) -> None:
+        h = self._handles.pop(fh)
+        inode = self.ns.inodes.get(h.ino)
+        if inode is None:
+            return
+        inode.opens -= 1
+        st = self._files.get(h.ino)
+        if st is not None and h.writable:
+            st.writers -= 1
+        if inode.opens == 0 and st is not None and (st.dirty or st.busy):
+            try:
+                await self.commit(inode)
+            except KvfsError as e:
+                log.error("release of inode %d: %s", h.ino, e)
+        self._maybe_forget_state(inode)
+        self.maybe_drop(inode)
+
+    def _maybe_forget_state(self, inode: Inode) -> None:
+        st = self._files.get(inode.ino)
+        if st is not None and inode.opens == 0 and not (st.dirty or st.inflight or st.busy):
+            del self._files[inode.ino]
+
+    def forget(self, ino: int, count: int) -> None:
+        inode = self.ns.inodes.get(ino)
+        if inode is not None:
+            inode.lookups = max(0, inode.lookups - count)
+            self.maybe_drop(inode)
+
+    def maybe_drop(self, inode: Inode) -> None:
+        """Free an inode once it has no names, no open handles and no kernel refs."""
+        if inode.nlink or inode.opens or inode.lookups or inode.is_dir:
+            if not (inode.is_dir and inode.nlink == 0 and not inode.lookups):
+                return
+        if self.ns.inodes.get(inode.ino) is not inode:
+            return
+        self._free_units(inode, 0)
+        self._files.pop(inode.ino, None)
+        self.ns.drop(inode)
+
+    def _free_units(self, inode: Inode, first: int) -> None:
+        for u in range(first, len(inode.units)):
+            p = inode.units[u]
+            if p != NO_UNIT:
+                self._defer_free(p)
+            self.cache.discard((inode.ino, u))
+        del inode.units[first:]
+        del inode.csums[first:]
+
+    # ------------------------------------------------------------------ write path
+    def _begin_data_change(self, inode: Inode) -> None:
+        if not inode.flags & FLAG_WRITING:
+            inode.flags |= FLAG_WRITING
+            self.ns.commit(inode)
+
+    def _grow_map(self, inode: Inode, size: int) -> None:
+        need = -(-size // self.unit) - len(inode.units)
+        if need > 0:
+            inode.units.extend([NO_UNIT] * need)
+            inode.csums.extend([0] * need)
+
+    async def write(self, fh: int, off: int, data: bytes) -> int:
+        h = self._handles[fh]
+        inode = self.ns.get(h.ino)
+        end = off + len(data)
+        if end > self.cfg.max_file_size:
+            raise FileTooLarge(f"write to {end} bytes exceeds the {self.cfg.max_file_size} limit")
+        st = self._state(inode.ino)
+        self._raise_pending_error(st)
+        self._begin_data_change(inode)
+        if off > inode.size:
+            await self._zero_tail(inode, st, inode.size)
+        view = memoryview(data)
+        u_size, pos = self.unit, off
+        while pos < end:
+            u, uo = divmod(pos, u_size)
+            n = min(u_size - uo, end - pos)
+            buf = st.dirty.get(u)
+            if buf is None:
+                covers = uo == 0 and pos + n >= min((u + 1) * u_size, inode.size)
+                buf = await self._dirty_unit(inode, st, u, load=not covers)
+            buf[uo : uo + n] = view[pos - off : pos - off + n]
+            pos += n
+        if end > inode.size:
+            inode.size = end
+            self._grow_map(inode, end)
+        inode.mtime_ns = inode.ctime_ns = time.time_ns()
+        self._writes += 1
+        self._bytes_written += len(data)
+        await self._maybe_writeback(inode, st)
+        return len(data)
+
+    def _raise_pending_error(self, st: FileState) -> None:
+        if st.error is not None:
+            err, st.error = st.error, None
+            raise err
+
+    async def _dirty_unit(self, inode: Inode, st: FileState, u: int, load: bool) -> mmap.mmap:
+        """A private, writable copy of unit ``u``, registered as dirty."""
+        buf = aligned_buffer(self.unit)
+        if load:
+            src = await self._unit_view(inode, st, u)
+            existing = st.dirty.get(u)
+            if existing is not None:  # another writer got there during the await
+                return existing
+            buf[:] = src
+        st.dirty[u] = buf
+        self._dirty_bytes += self.unit
+        return buf
+
+    async def _unit_view(self, inode: Inode, st: FileState | None, u: int) -> memoryview:
+        view = self._resident(inode, st, u)
+        if view is None:
+            view = (await self._fetch(inode, [u]))[u]
+        return view
+
+    async def _zero_tail(self, inode: Inode, st: FileState, size: int) -> None:
+        """Zero bytes from ``size`` to the end of its unit (before the file grows
+        past them, so bytes that were never written read as zeros)."""
+        u, uo = divmod(size, self.unit)
+        if uo == 0 or u >= len(inode.units):
+            return
+        buf = st.dirty.get(u)
+        if buf is None:
+            if inode.units[u] == NO_UNIT:
+                return
+            buf = await self._dirty_unit(inode, st, u, load=True)
+        buf[uo:] = bytes(self.unit - uo)
+
+    async def _maybe_writeback(self, inode: Inode, st: FileState) -> None:
+        """Start writing back complete dirty units once a batch has gathered."""
+        if len(st.dirty) > self.cfg.writeback_units:
+            full = inode.size // self.unit
+            ready = sorted(u for u in st.dirty if u < full)
+            if len(ready) >= self.cfg.writeback_units:
+                self._start_writeback(inode, st, ready)
+        while self._dirty_bytes > self.cfg.max_dirty_bytes and (st.busy or st.dirty):
+            if st.dirty:
+                self._start_writeback(inode, st, sorted(st.dirty))
+            await st.idle.wait()
+
+    def _start_writeback(self, inode: Inode, st: FileState, units: list[int]) -> None:
+        """Allocate now (so ENOSPC reaches the caller), write in the background."""
+        plan = self._allocate(inode, units)
+        bufs = {u: st.dirty.pop(u) for u in units}
+        st.inflight.update(bufs)
+        st.busy += 1
+        st.idle = trio.Event()
+        assert self._nursery is not None
+        self._nursery.start_soon(self._writeback, inode, st, plan, bufs)
+
+    def _allocate(self, inode: Inode, units: list[int]) -> list[tuple[int, int, list[int]]]:
+        """Place units as (device, first physical unit, logical units) runs: logically
+        consecutive units go to one device in stripes of ``stripe_units``, stripes
+        rotate over the devices so one file's I/O spreads across all of them."""
+        ndev = len(self.pool.devices)
+        groups: list[tuple[int, list[int]]] = []
+        for u in units:
+            dev = (inode.ino + u // self.cfg.stripe_units) % ndev
+            if groups and groups[-1][0] == dev and groups[-1][1][-1] == u - 1:
+                groups[-1][1].append(u)
+            else:
+                groups.append((dev, [u]))
+        plan: list[tuple[int, int, list[int]]] = []
+        try:
+            for dev, lus in groups:
+                prev = inode.units[lus[0] - 1] if 0 < lus[0] <= len(inode.units) else NO_UNIT
+                near = (prev & UNIT_MASK) + 1 if prev != NO_UNIT and prev >> DEV_SHIFT == dev else -1
+                i = 0
+                for d, start, count in self.alloc.allocate(len(lus), dev, near):
+                    plan.append((d, start, lus[i : i + count]))
+                    i += count
+        except KvfsError:
+            for d, start, lus in plan:
+                self.alloc.free(d, start, len(lus))
+            raise
+        return plan
+
+    async def _writeback(
+        self,
+        inode: Inode,
+        st: FileState,
+        plan: list[tuple[int, int, list[int]]],
+        bufs: dict[int, mmap.mmap],
+    ) -> None:
+        csums: dict[int, int] = {}
+        try:
+            async with trio.open_nursery() as nursery:
+                for dev, start, lus in plan:
+                    nursery.start_soon(self._write_run, dev, start, [bufs[u] for u in lus], lus, csums)
+        except KvfsError as e:
+            log.error("write-back of inode %d failed: %s", inode.ino, e)
+            st.error = e
+            for dev, start, lus in plan:
+                self.alloc.free(dev, start, len(lus))
+            for u, buf in bufs.items():
+                if st.inflight.get(u) is buf:
+                    del st.inflight[u]
+        else:
+            self._install(inode, st, plan, bufs, csums)
+        finally:
+            self._dirty_bytes -= self.unit * len(bufs)
+            st.busy -= 1
+            if not st.busy:
+                st.idle.set()
+
+    async def _write_run(
+        self, dev: int, start: int, bufs: list[mmap.mmap], lus: list[int], csums: dict[int, int]
+    ) -> None:
+        device = self.pool.devices[dev]
+        offset = self.pool.unit_offset(dev, start)
+
+        def work() -> list[int]:
+            sums = [xxhash.xxh3_64_intdigest(b) for b in bufs]
+            device.write(offset, [memoryview(b) for b in bufs])
+            return sums
+
+        for u, c in zip(lus, await self._io(dev, work), strict=True):
+            csums[u] = c
+        self.journal.note_data_write(dev)
+
+    def _install(
+        self,
+        inode: Inode,
+        st: FileState,
+        plan: list[tuple[int, int, list[int]]],
+        bufs: dict[int, mmap.mmap],
+        csums: dict[int, int],
+    ) -> None:
+        """Point the unit map at freshly written units (still uncommitted)."""
+        alive = self.ns.inodes.get(inode.ino) is inode
+        for dev, start, lus in plan:
+            for i, u in enumerate(lus):
+                p = phys(dev, start + i)
+                if not alive or st.inflight.get(u) is not bufs[u] or u >= len(inode.units):
+                    self.alloc.free(dev, start + i)  # superseded or truncated meanwhile
+                    continue
+                del st.inflight[u]
+                old = inode.units[u]
+                if old != NO_UNIT:
+                    self._defer_free(old)
+                inode.units[u], inode.csums[u] = p, csums[u]
+                self.cache.discard((inode.ino, u))
+
+    async def commit(self, inode: Inode) -> None:
+        """Make the file's data and metadata durable (flush, fsync, close)."""
+        st = self._files.get(inode.ino)
+        if st is not None:
+            async with st.lock:
+                while st.dirty or st.busy:
+                    if st.dirty:
+                        self._start_writeback(inode, st, sorted(st.dirty))
+                    await st.idle.wait()
+                self._raise_pending_error(st)
+        if self.ns.inodes.get(inode.ino) is not inode or not inode.flags & FLAG_WRITING:
+            return
+        inode.flags &= ~FLAG_WRITING
+        self.ns.commit(inode)
+        await self.journal.wait_durable(self.journal.last_seq)
+
+    async def truncate(self, inode: Inode, size: int) -> None:
+        if size > self.cfg.max_file_size:
+            raise FileTooLarge(f"size {size} exceeds the {self.cfg.max_file_size} limit")
+        if inode.is_dir:
+            raise IsADirectory(f"inode {inode.ino}")
+        st = self._state(inode.ino)
+        self._begin_data_change(inode)
+        if size < inode.size:
+            keep = -(-size // self.unit)
+            for u in [u for u in st.dirty if u >= keep]:
+                del st.dirty[u]
+                self._dirty_bytes -= self.unit
+            for u in [u for u in st.inflight if u >= keep]:
+                del st.inflight[u]
+            self._free_units(inode, keep)
+            inode.size = size
+            await self._zero_tail(inode, st, size)
+        elif size > inode.size:
+            await self._zero_tail(inode, st, inode.size)
+            inode.size = size
+            self._grow_map(inode, size)
+        inode.mtime_ns = inode.ctime_ns = time.time_ns()
+        self.ns.commit(inode)
+        if not st.writers:
+            await self.commit(inode)
+
+    # ------------------------------------------------------------------ read path
+    def _resident(self, inode: Inode, st: FileState | None, u: int) -> memoryview | None:
+        if st is not None:
+            buf = st.dirty.get(u) or st.inflight.get(u)
+            if buf is not None:
+                return memoryview(buf)
+        if u >= len(inode.units) or inode.units[u] == NO_UNIT:
+            return self._zero
+        return self.cache.get((inode.ino, u))
+
+    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
+        inode = self.ns.get(self._handles[fh].ino)
+        if inode.flags & FLAG_QUARANTINED:
+            raise Corruption(f"inode {inode.ino} is quarantined")
+        end = min(off + size, inode.size)
+        if off >= end:
+            return b""
+        first, last = off // self.unit, (end - 1) // self.unit
+        st = self._files.get(inode.ino)
+        views: dict[int, memoryview] = {}
+        missing = []
+        for u in range(first, last + 1):
+            view = self._resident(inode, st, u)
+            if view is None:
+                missing.append(u)
+            else:
+                views[u] = view
+        if missing:
+            views.update(await self._fetch(inode, missing))
+        self._readahead(inode, last)
+        self._reads += 1
+        self._bytes_read += end - off
+        base = first * self.unit
+        if first == last:
+            return views[first][off - base : end - base]
+        parts = [views[u] for u in range(first, last + 1)]
+        return b"".join(parts)[off - base : end - base]
+
+    def _readahead(self, inode: Inode, last: int) -> None:
+        """Fetch the next window in the background while the kernel consumes this one."""
+        nxt = [
+            u for u in range(last + 1, min(last + 1 + self.cfg.readahead_units, len(inode.units)))
+            if (inode.ino, u) not in self._fetching and self._resident(inode, None, u) is None
+        ]
+        if nxt and self._nursery is not None:
+            self._nursery.start_soon(self._prefetch, inode, nxt)
+
+    async def _prefetch(self, inode: Inode, units: list[int]) -> None:
+        try:
+            await self._fetch(inode, units)
+        except KvfsError as e:
+            log.debug("readahead of inode %d failed: %s", inode.ino, e)
+
+    async def _fetch(self, inode: Inode, units: list[int]) -> dict[int, memoryview]:
+        """Read units from the devices (deduplicated against concurrent fetches),
+        verify their checksums and cache them."""
+        ino = inode.ino
+        theirs = {u: self._fetching[(ino, u)] for u in units if (ino, u) in self._fetching}
+        mine = [u for u in units if u not in theirs]
+        done = trio.Event()
+        for u in mine:
+            self._fetching[(ino, u)] = done
+        results: dict[int, memoryview] = {}
+        try:
+            if mine:
+                async with trio.open_nursery() as nursery:
+                    for run in self._read_runs(inode, mine):
+                        nursery.start_soon(self._read_run, inode, run, results)
+        finally:
+            for u in mine:
+                del self._fetching[(ino, u)]
+            done.set()
+        for u, event in theirs.items():
+            await event.wait()
+            view = self._resident(inode, self._files.get(ino), u)
+            results[u] = view if view is not None else (await self._fetch(inode, [u]))[u]
+        return results
+
+    def _read_runs(self, inode: Inode, units: list[int]) -> list[list[tuple[int, int, int]]]:
+        """Group units into (logical, physical, checksum) runs contiguous on one device."""
+        runs: list[list[tuple[int, int, int]]] = []
+        for u in sorted(units):
+            p = inode.units[u]
+            if p == NO_UNIT:
+                continue
+            run = runs[-1] if runs else None
+            if (run and run[-1][1] + 1 == p and run[-1][0] + 1 == u
+                    and len(run) < self.cfg.read_piece_units):
+                run.append((u, p, inode.csums[u]))
+            else:
+                runs.append([(u, p, inode.csums[u])])
+        return runs
+
+    async def _read_run(
+        self, inode: Inode, run: list[tuple[int, int, int]], results: dict[int, memoryview]
+    ) -> None:
+        dev, start = run[0][1] >> DEV_SHIFT, run[0][1] & UNIT_MASK
+        device, u_size = self.pool.devices[dev], self.unit
+        buf = aligned_buffer(u_size * len(run))
+        offset = self.pool.unit_offset(dev, start)
+
+        def work() -> list[int]:
+            view = memoryview(buf)
+            device.read_into(offset, view)
+            return [xxhash.xxh3_64_intdigest(view[i * u_size : (i + 1) * u_size])
+                    for i in range(len(run))]
+
+        sums = await self._io(dev, work)
+        whole = memoryview(buf).toreadonly()
+        for i, (u, p, csum) in enumerate(run):
+            view = whole[i * u_size : (i + 1) * u_size]
+            current = inode.units[u] if u < len(inode.units) else NO_UNIT
+            if sums[i] != csum:
+                if current != p:  # rewritten while we read: serve the new data
+                    results[u] = await self._unit_view(inode, self._files.get(inode.ino), u)
+                    continue
+                self._quarantine(inode, u, p)
+            if current == p:
+                self.cache.put((inode.ino, u), view)
+            results[u] = view
+
+    def _quarantine(self, inode: Inode, u: int, p: int) -> None:
+        self._corruptions += 1
+        path = self.pool.devices[p >> DEV_SHIFT].path
+        log.error(
+            "checksum mismatch: inode %d unit %d at %s unit %d; file quarantined",
+            inode.ino, u, path, p & UNIT_MASK,
+        )
+        inode.flags |= FLAG_QUARANTINED
+        self.ns.commit(inode)
+        self._unlink_everywhere(inode)
+        raise Corruption(f"inode {inode.ino}: checksum mismatch in unit {u}")
+
+    def _unlink_everywhere(self, inode: Inode) -> None:
+        """Remove every name of ``inode`` (quarantine, eviction); kernel is told."""
+        for parent in list(self.ns.inodes.values()):
+            if not parent.entries:
+                continue
+            for name in [n for n, i in parent.entries.items() if i == inode.ino]:
+                self.ns.remove(parent.ino, name, want_dir=False)
+                self.on_vanish(parent.ino, name, inode.ino)
+        self.maybe_drop(inode)
+
+    # ------------------------------------------------------------------ reporting
+    def statistics(self) -> StoreStatistics:
+        files = sum(1 for i in self.ns.inodes.values() if not i.is_dir)
+        free = self.alloc.free_units * self.unit
+        cap = self.alloc.total_units * self.unit
+        devs = [d.statistics() for d in self.pool.devices]
+        return StoreStatistics(
+            files=files, directories=len(self.ns.inodes) - files, unit_size=self.unit,
+            capacity_bytes=cap, used_bytes=cap - free, free_bytes=free,
+            dirty_bytes=self._dirty_bytes,
+            pending_free_bytes=len(self._deferred) * self.unit,
+            reads=self._reads, writes=self._writes, bytes_read=self._bytes_read,
+            bytes_written=self._bytes_written,
+            device_bytes_read=sum(d.bytes_read for d in devs),
+            device_bytes_written=sum(d.bytes_written for d in devs),
+            corruptions=self._corruptions,
+            quarantined=sum(1 for i in self.ns.inodes.values() if i.flags & FLAG_QUARANTINED),
+            open_handles=len(self._handles),
+        )
+
+
+__all__ = ["Awaitable", "FileState", "Handle", "Store", "StoreConfig", "StoreStatistics"]

@@ -1,0 +1,147 @@
+"""Tests of tools/kvtrace.py: generators, prefix-rule scoring, Belady bound, replay."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from kvfs.policy import POLICY_NAMES, make_policy
+
+
+def _load_kvtrace() -> ModuleType:
+    path = Path(__file__).resolve().parent.parent / "tools" / "kvtrace.py"
+    spec = importlib.util.spec_from_file_location("kvtrace", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kvtrace"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+kt = _load_kvtrace()
+CHUNK = 1000  # bytes per chunk in small simulations
+
+SMALL_QA = kt.QAConfig(users=8, rounds=4, history_tokens=1500, arrival_rounds=2.0)
+SMALL_AGENTIC = kt.AgenticConfig(agents=4, turns=5, parallel=3)
+
+
+def test_chunk_keys_share_exactly_the_common_prefix() -> None:
+    a = kt.chunk_keys([("sys", 600), ("u1", 300)])
+    b = kt.chunk_keys([("sys", 600), ("u2", 300)])
+    assert len(a) == len(b) == 3  # 900 tokens: 3 full chunks, the partial one has no key
+    assert a[:2] == b[:2] and a[2] != b[2]
+    assert kt.chunk_keys([("x", 256), ("y", 256)]) != kt.chunk_keys([("y", 256), ("x", 256)])
+    assert kt.chunk_keys([("sys", 255)]) == ()
+
+
+def test_generators_are_deterministic_and_seeded() -> None:
+    assert kt.multi_round_qa(SMALL_QA) == kt.multi_round_qa(SMALL_QA)
+    assert kt.agentic(SMALL_AGENTIC) == kt.agentic(SMALL_AGENTIC)
+    other = kt.agentic(kt.AgenticConfig(agents=4, turns=5, parallel=3, seed=2))
+    assert other != kt.agentic(SMALL_AGENTIC)
+
+
+def test_qa_rounds_extend_the_previous_round() -> None:
+    trace = kt.multi_round_qa(kt.QAConfig(users=1, rounds=3, history_tokens=1000))
+    assert len(trace) == 3
+    for earlier, later in zip(trace, trace[1:], strict=False):
+        assert later.keys[: len(earlier.keys)] == earlier.keys
+        assert later.tokens == earlier.tokens + 200
+
+
+def test_agentic_parallel_requests_share_the_context() -> None:
+    trace = kt.agentic(kt.AgenticConfig(agents=1, turns=2, parallel=3, engines=3))
+    first_turn = trace[:3]
+    context = len(kt.chunk_keys([("system", 2000), ("task0", 1000)]))
+    assert {request.keys[:context] for request in first_turn} == {first_turn[0].keys[:context]}
+    assert {request.stream for request in first_turn} == {0, 1, 2}
+
+
+def _request(keys: tuple[int, ...], stream: int = 0) -> object:
+    return kt.Request(keys, len(keys) * kt.CHUNK_TOKENS + 10, stream)
+
+
+def test_prefix_rule_on_a_hand_made_trace() -> None:
+    trace = [_request((1, 2, 3)), _request((1, 9, 3)), _request((1, 2, 3))]
+    result = kt.simulate(trace, make_policy("lru"), capacity_bytes=10 * CHUNK, chunk_bytes=CHUNK)
+    # request 2: 1 hits, 9 misses, so 3 is not a hit although cached;
+    # request 3: all of 1, 2, 3 hit.
+    assert result.hit_tokens == 4 * kt.CHUNK_TOKENS
+    assert result.prompt_tokens == 9 * kt.CHUNK_TOKENS + 30
+    assert result.bytes_written == 4 * CHUNK  # 1, 2, 3 and 9; 3 is not rewritten
+    assert result.evictions == 0
+
+
+def test_capacity_is_enforced_and_evictions_counted() -> None:
+    trace = [_request((1, 2, 3)), _request((4, 5, 6)), _request((1, 2, 3))]
+    result = kt.simulate(trace, make_policy("fifo"), capacity_bytes=3 * CHUNK, chunk_bytes=CHUNK)
+    assert result.evictions == 6 and result.hit_tokens == 0
+    belady = kt.simulate_belady(trace, capacity_bytes=3 * CHUNK, chunk_bytes=CHUNK)
+    assert belady.hit_tokens == 0  # 4..6 had to be stored; 1..3 cannot all survive
+    assert belady.evictions == 6
+
+
+def test_belady_keeps_the_chunk_used_soonest() -> None:
+    trace = [_request((1,)), _request((2,)), _request((3,)), _request((1,)), _request((2,))]
+    belady = kt.simulate_belady(trace, capacity_bytes=2 * CHUNK, chunk_bytes=CHUNK)
+    lru = kt.simulate(trace, make_policy("lru"), 2 * CHUNK, CHUNK)
+    assert belady.hit_tokens == 1 * kt.CHUNK_TOKENS  # evicts 3 at once, keeps 1 (or 2)
+    assert lru.hit_tokens == 0
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.3, 0.5])
+def test_belady_bounds_every_policy(fraction: float) -> None:
+    for trace in (kt.multi_round_qa(SMALL_QA), kt.agentic(SMALL_AGENTIC)):
+        capacity = int(kt.footprint_chunks(trace) * CHUNK * fraction)
+        best = kt.simulate_belady(trace, capacity, CHUNK).hit_rate
+        for name in POLICY_NAMES:
+            rate = kt.simulate(trace, make_policy(name), capacity, CHUNK).hit_rate
+            assert rate <= best + 0.005, (name, fraction, rate, best)
+
+
+def test_kvfs_beats_lru_on_multi_round_qa() -> None:
+    trace = kt.make_trace("qa", scale=0.5)
+    capacity = int(kt.footprint_chunks(trace) * CHUNK * 0.3)
+    kvfs = kt.simulate(trace, make_policy("kvfs"), capacity, CHUNK).hit_rate
+    lru = kt.simulate(trace, make_policy("lru"), capacity, CHUNK).hit_rate
+    assert kvfs >= lru + 0.10
+
+
+def test_replay_on_a_plain_directory_matches_an_unbounded_cache(tmp_path: Path) -> None:
+    trace = kt.multi_round_qa(SMALL_QA)
+    unbounded = kt.simulate(trace, make_policy("lru"), 10**12, CHUNK)
+    result = kt.replay(trace, tmp_path, chunk_bytes=4096)
+    assert result.errors == 0
+    assert result.hit_tokens == unbounded.hit_tokens > 0
+    assert len(list(tmp_path.iterdir())) == kt.footprint_chunks(trace)
+    name = kt.chunk_file_name(trace[0].keys[0])
+    assert name.startswith("model@1@0@") and name.endswith("@bfloat16.pt")
+
+
+def test_replay_reports_short_and_corrupt_reads(tmp_path: Path) -> None:
+    trace = [_request((1, 2)), _request((1, 2))]
+    kt.replay(trace[:1], tmp_path, chunk_bytes=4096)
+    (tmp_path / kt.chunk_file_name(2)).write_bytes(b"x" * 100)  # short read
+    result = kt.replay(trace[1:], tmp_path, chunk_bytes=4096)
+    assert result.errors == 1
+    assert result.hit_tokens == kt.CHUNK_TOKENS  # only chunk 1 counts
+    (tmp_path / kt.chunk_file_name(1)).write_bytes(b"y" * 4096)  # right size, wrong bytes
+    result = kt.replay(trace[1:], tmp_path, chunk_bytes=4096)
+    assert result.errors == 1 and result.hit_tokens == 0
+
+
+def test_main_json_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--workload", "qa", "--scale", "0.25", "--capacities", "0.3", "--json"]
+    assert kt.main(argv) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {row["policy"] for row in rows} == {"kvfs", "lru", "fifo", "belady"}
+    assert kt.main(["--policies", "clock"]) == 2
+    assert "unknown policy" in capsys.readouterr().err
+    assert kt.main(["--workload", "qa", "--scale", "0.25", "--replay", str(tmp_path)]) == 0
+    assert "token hit rate" in capsys.readouterr().out
+    assert kt.main(["--replay", str(tmp_path / "missing")]) == 2

@@ -1,0 +1,246 @@
+"""Unit tests of kvfs.policy: eviction order, chain learning, persistence, invariants."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvfs.policy import (
+    POLICY_NAMES,
+    EvictionPolicy,
+    FIFOPolicy,
+    KvfsPolicy,
+    LRUPolicy,
+    make_policy,
+)
+
+SIZE = 100
+
+
+def order(policy: EvictionPolicy) -> list[int]:
+    """Full victim order, without removing anything."""
+    return list(policy.victims())
+
+
+def test_make_policy_names_and_unknown() -> None:
+    assert {make_policy(name).name for name in POLICY_NAMES} == {"kvfs", "lru", "fifo"}
+    with pytest.raises(ValueError, match="unknown"):
+        make_policy("clock")
+
+
+def test_fifo_ignores_reads_lru_does_not() -> None:
+    fifo, lru = FIFOPolicy(), LRUPolicy()
+    for policy in (fifo, lru):
+        for key in (1, 2, 3):
+            policy.track(key, SIZE, "s")
+        policy.touch(1, "s")
+    assert order(fifo) == [1, 2, 3]
+    assert order(lru) == [2, 3, 1]
+
+
+def test_unknown_keys_are_ignored_and_bad_keys_rejected() -> None:
+    for name in POLICY_NAMES:
+        policy = make_policy(name)
+        policy.touch(7, "s")
+        policy.remove(7)
+        assert len(policy) == 0
+        with pytest.raises(ValueError):
+            policy.track(-1, SIZE, "s")
+
+
+def test_kvfs_new_chain_evicts_tail_first() -> None:
+    policy = KvfsPolicy()
+    for key in (10, 11, 12, 13):
+        policy.track(key, SIZE, "engine")
+    assert order(policy) == [13, 12, 11, 10]
+
+
+def test_kvfs_learns_and_confirms_chains() -> None:
+    policy = KvfsPolicy()
+    for key in (1, 2, 3):
+        policy.track(key, SIZE, "a")
+    assert policy.statistics().chain_links == 0
+    for key in (1, 2, 3):
+        policy.touch(key, "a")
+    assert policy.statistics().chain_links == 2  # 1->2 and 2->3 observed twice
+
+
+def test_kvfs_streams_do_not_mix() -> None:
+    policy = KvfsPolicy()
+    for first, second in ((1, 101), (2, 102), (3, 103)):
+        policy.track(first, SIZE, "a")
+        policy.track(second, SIZE, "b")
+    for first, second in ((1, 101), (2, 102), (3, 103)):
+        policy.touch(first, "a")
+        policy.touch(second, "b")
+    policy.remove(1)
+    assert policy.statistics().dead_keys == 1
+    assert order(policy)[0] == 2  # 2's prefix 1 is gone; 101..103 are untouched
+
+
+def test_kvfs_dead_tails_go_first_and_cascade() -> None:
+    policy = KvfsPolicy()
+    chain = [1, 2, 3, 4]
+    for _ in range(2):
+        for key in chain:
+            policy.touch(key, "s") if key in policy else policy.track(key, SIZE, "s")
+    policy.track(50, SIZE, "other")  # an unrelated, newer key
+    policy.remove(2)  # the engine unlinked the middle of the chain
+    victims = policy.victims()
+    assert next(victims) == 3
+    policy.remove(3)
+    assert next(victims) == 4  # 4 became a dead tail while iterating
+    policy.remove(4)
+    assert 4 not in policy and 50 in policy
+
+
+def test_kvfs_rewritten_prefix_revives_its_successor() -> None:
+    policy = KvfsPolicy()
+    for _ in range(2):
+        for key in (1, 2):
+            policy.touch(key, "s") if key in policy else policy.track(key, SIZE, "s")
+    policy.remove(1)
+    assert policy.statistics().dead_keys == 1
+    policy.track(1, SIZE, "s")
+    assert policy.statistics().dead_keys == 0
+
+
+def test_kvfs_reused_chain_is_protected_over_new_data() -> None:
+    policy = KvfsPolicy()
+    for key in range(100, 110):
+        policy.track(key, SIZE, "filler")
+    for key in (1, 2, 3):
+        policy.track(key, SIZE, "s")
+    for key in (1, 2, 3):
+        policy.touch(key, "s")  # round 2 re-reads the chain: promoted to main
+    for key in (20, 21, 22):
+        policy.track(key, SIZE, "t")  # one-off data of another stream
+    assert policy.statistics().main_keys == 3
+    assert order(policy)[-6:] == [22, 21, 20, 3, 2, 1]
+
+
+def test_kvfs_loop_keeps_a_stable_subset() -> None:
+    """A cyclic working set twice the capacity: LRU hits nothing, kvfs keeps some chains."""
+    hits = {}
+    for name in ("lru", "kvfs"):
+        policy = make_policy(name)
+        capacity, hit = 40, 0
+        for _round in range(6):
+            for user in range(8):
+                chain = [user * 100 + i for i in range(10)]
+                for key in chain:
+                    if key in policy:
+                        hit += 1
+                        policy.touch(key, user)
+                    else:
+                        policy.track(key, SIZE, user)
+                        while len(policy) > capacity:
+                            policy.remove(next(policy.victims()))
+        hits[name] = hit
+    assert hits["lru"] == 0
+    assert hits["kvfs"] >= 2 * 5 * 10  # at least 2 users' chains hit in rounds 2..6
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_remove_during_iteration_yields_every_key_once(name: str) -> None:
+    policy = make_policy(name)
+    for key in range(50):
+        policy.track(key, SIZE, key % 3)
+    for key in range(0, 50, 2):
+        policy.touch(key, key % 3)
+    seen = []
+    for victim in policy.victims():
+        seen.append(victim)
+        if victim % 5:
+            policy.remove(victim)  # keys divisible by 5 are "open": skipped
+    assert sorted(seen) == list(range(50))
+    assert sorted(policy.victims()) == list(range(0, 50, 5))
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_persist_recover_round_trip(name: str) -> None:
+    policy = make_policy(name)
+    rng = random.Random(5)
+    run_ops(policy, rng, 400)
+    image = policy.persist()
+    copy = make_policy(name)
+    copy.recover(image)
+    assert order(copy) == order(policy)
+    assert copy.persist() == image
+    before, after = policy.statistics(), copy.statistics()
+    assert (after.keys, after.bytes, after.main_keys, after.dead_keys, after.chain_links) == (
+        before.keys,
+        before.bytes,
+        before.main_keys,
+        before.dead_keys,
+        before.chain_links,
+    )
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_recover_rejects_every_corruption(name: str) -> None:
+    policy = make_policy(name)
+    run_ops(policy, random.Random(6), 60)
+    image = policy.persist()
+    target = make_policy(name)
+    target.track(999, SIZE, "s")
+    for index in range(len(image)):
+        damaged = bytearray(image)
+        damaged[index] ^= 0x41
+        with pytest.raises(ValueError):
+            target.recover(bytes(damaged))
+    for bad in (b"", image[:-1], image + b"\0", b"\0" * 64):
+        with pytest.raises(ValueError):
+            target.recover(bad)
+    assert list(target.victims()) == [999]  # a failed recover changes nothing
+
+
+def test_recover_rejects_another_policy_kind() -> None:
+    with pytest.raises(ValueError, match="another policy"):
+        LRUPolicy().recover(FIFOPolicy().persist())
+
+
+def run_ops(policy: EvictionPolicy, rng: random.Random, count: int) -> None:
+    """Apply a seeded mix of track/touch/remove/evict operations."""
+    for _ in range(count):
+        key, op = rng.randrange(80), rng.random()
+        stream = rng.randrange(3)
+        if op < 0.45:
+            policy.track(key, rng.randrange(1, 1000), stream)
+        elif op < 0.8:
+            policy.touch(key, stream)
+        elif op < 0.9:
+            policy.remove(key)
+        elif len(policy):
+            policy.remove(next(policy.victims()))
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_random_operations_keep_invariants(name: str) -> None:
+    policy = make_policy(name)
+    rng = random.Random(7)
+    model: dict[int, int] = {}
+    for _ in range(3000):
+        key, op, stream = rng.randrange(60), rng.random(), rng.randrange(4)
+        if op < 0.4:
+            size = rng.randrange(1, 1000)
+            policy.track(key, size, stream)
+            model[key] = size
+        elif op < 0.75:
+            policy.touch(key, stream)
+        elif op < 0.85:
+            policy.remove(key)
+            model.pop(key, None)
+        elif model:
+            victim = next(policy.victims())
+            policy.remove(victim)
+            del model[victim]
+        stats = policy.statistics()
+        assert stats.keys == len(model) == len(policy)
+        assert stats.bytes == sum(model.values())
+        assert stats.probation_keys + stats.main_keys + stats.dead_keys in (0, len(model))
+        assert 0 <= stats.main_bytes <= stats.bytes
+    assert sorted(policy.victims()) == sorted(model)
+    policy.reset()
+    assert len(policy) == 0 and policy.statistics().bytes == 0
