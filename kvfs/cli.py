@@ -7,6 +7,7 @@ Exit codes: 0 success; 1 the operation failed (device error, mount failed);
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -55,6 +56,33 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--cache", type=parse_size, default=256 << 20, help="read cache (256M)")
     m.add_argument("--io-timeout", type=float, default=30.0, help="device deadline, s")
     m.add_argument("--log-file", help="log here (default: stderr; syslog-less daemons)")
+    m.add_argument(
+        "--eviction",
+        choices=("kvfs", "lru", "fifo"),
+        default="kvfs",
+        help="eviction order inside kvfs-managed directories (kvfs)",
+    )
+    m.add_argument(
+        "--default-policy",
+        choices=("kvfs-managed", "engine-managed"),
+        default="kvfs-managed",
+        help="policy of directories without a user.kvfs.policy xattr",
+    )
+    m.add_argument(
+        "--high-watermark",
+        type=float,
+        default=0.90,
+        help="start evicting above this used fraction (0.90)",
+    )
+    m.add_argument(
+        "--low-watermark", type=float, default=0.80, help="evict down to this used fraction (0.80)"
+    )
+    m.add_argument("--no-discard", action="store_true", help="do not TRIM freed extents")
+
+    pol = sub.add_parser("policy", help="show or set a top-level directory's policy/quota")
+    pol.add_argument("directory")
+    pol.add_argument("--set", choices=("kvfs-managed", "engine-managed"))
+    pol.add_argument("--quota", help="byte quota, e.g. 100G (0 removes it)")
 
     u = sub.add_parser("umount", help="unmount and wait for the daemon to finish")
     u.add_argument("mountpoint")
@@ -70,8 +98,13 @@ def _format_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="overwrite foreign data or pools")
     p.add_argument("--unit-size", type=parse_size, default=1 << 20, help="extent unit (1M)")
     p.add_argument("--meta-size", type=parse_size, default=0, help="metadata area (auto)")
-    p.add_argument("--create", type=parse_size, metavar="SIZE", default=0,
-                   help="create missing image files of SIZE (sparse)")
+    p.add_argument(
+        "--create",
+        type=parse_size,
+        metavar="SIZE",
+        default=0,
+        help="create missing image files of SIZE (sparse)",
+    )
     p.add_argument("--label", default="")
 
 
@@ -83,7 +116,11 @@ def main(argv: list[str] | None = None) -> int:
         filename=getattr(args, "log_file", None),
     )
     commands: dict[str, Callable[[argparse.Namespace], int]] = {
-        "format": cmd_format, "mount": cmd_mount, "umount": cmd_umount, "stats": cmd_stats,
+        "format": cmd_format,
+        "mount": cmd_mount,
+        "umount": cmd_umount,
+        "stats": cmd_stats,
+        "policy": cmd_policy,
     }
     try:
         return commands[args.command](args)
@@ -108,11 +145,18 @@ def cmd_format(args: argparse.Namespace) -> int:
     from kvfs.pool import format_pool
 
     _create_images(args)
-    sbs = format_pool(args.devices, unit_size=args.unit_size, meta_size=args.meta_size,
-                      force=args.force, label=args.label)
+    sbs = format_pool(
+        args.devices,
+        unit_size=args.unit_size,
+        meta_size=args.meta_size,
+        force=args.force,
+        label=args.label,
+    )
     cap = sum(sb.data_units for sb in sbs) * sbs[0].unit_size
-    print(f"formatted {len(sbs)} device(s): {cap / 2**30:.2f} GiB of data in "
-          f"{sbs[0].unit_size >> 10} KiB units, {sbs[0].meta_size >> 20} MiB metadata")
+    print(
+        f"formatted {len(sbs)} device(s): {cap / 2**30:.2f} GiB of data in "
+        f"{sbs[0].unit_size >> 10} KiB units, {sbs[0].meta_size >> 20} MiB metadata"
+    )
     return EXIT_OK
 
 
@@ -186,10 +230,27 @@ def _run_mount(args: argparse.Namespace, ready: Callable[[], None]) -> int:
 
     pool = open_pool(args.devices)
     try:
-        store = Store(pool, StoreConfig(cache_bytes=args.cache, io_timeout=args.io_timeout))
+        try:
+            config = StoreConfig(
+                cache_bytes=args.cache,
+                io_timeout=args.io_timeout,
+                eviction_policy=args.eviction,
+                default_policy=args.default_policy,
+                high_watermark=args.high_watermark,
+                low_watermark=args.low_watermark,
+                discard=not args.no_discard,
+            )
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        store = Store(pool, config)
         report = store.load()
-        log.info("pool loaded: %d files, %d dirs in %.2f s (dropped %d incomplete)",
-                 report.files, report.directories, report.seconds, report.dropped_incomplete)
+        log.info(
+            "pool loaded: %d files, %d dirs in %.2f s (dropped %d incomplete)",
+            report.files,
+            report.directories,
+            report.seconds,
+            report.dropped_incomplete,
+        )
         options = {"fsname=kvfs", "subtype=kvfs", "default_permissions", "noatime"}
         if args.allow_other:
             options.add("allow_other")
@@ -226,10 +287,11 @@ def _daemon_pids(mountpoint: str) -> list[int]:
                 argv = f.read().split(b"\0")
         except OSError:
             continue
-        if b"mount" in argv and any(os.path.abspath(a.decode(errors="replace")) == mountpoint
-                                    for a in argv if a):
-            if any(b"kvfs" in a for a in argv[:3]):
-                pids.append(int(entry))
+        serves = b"mount" in argv and any(b"kvfs" in a for a in argv[:3])
+        if serves and any(
+            os.path.abspath(a.decode(errors="replace")) == mountpoint for a in argv if a
+        ):
+            pids.append(int(entry))
     return pids
 
 
@@ -239,6 +301,30 @@ def _alive(pid: int) -> bool:
             return f.read().split(") ")[-1][:1] not in ("Z", "X")
     except OSError:
         return False
+
+
+def cmd_policy(args: argparse.Namespace) -> int:
+    """Policy and quota are the xattrs user.kvfs.policy / user.kvfs.quota."""
+    d = args.directory
+    try:
+        if args.set:
+            os.setxattr(d, "user.kvfs.policy", args.set.encode())
+        if args.quota is not None:
+            if args.quota.strip() in ("0", ""):
+                with contextlib.suppress(OSError):
+                    os.removexattr(d, "user.kvfs.quota")
+            else:
+                os.setxattr(d, "user.kvfs.quota", args.quota.encode())
+        values = {}
+        for name in ("user.kvfs.policy", "user.kvfs.quota"):
+            try:
+                values[name] = os.getxattr(d, name).decode()
+            except OSError:
+                values[name] = "(default)"
+    except OSError as e:
+        raise UserError(f"{d}: {e.strerror}") from None
+    print(f"{d}: policy {values['user.kvfs.policy']}, quota {values['user.kvfs.quota']}")
+    return EXIT_OK
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
@@ -255,16 +341,23 @@ def cmd_stats(args: argparse.Namespace) -> int:
     s = stats["store"]
     gib = 2**30
     print(f"files       {s['files']:>12}   directories {s['directories']:>10}")
-    print(f"capacity    {s['capacity_bytes'] / gib:>10.2f} GiB   used {s['used_bytes'] / gib:.2f} GiB"
-          f"   free {s['free_bytes'] / gib:.2f} GiB")
+    print(
+        f"capacity    {s['capacity_bytes'] / gib:>10.2f} GiB   used {s['used_bytes'] / gib:.2f} GiB"
+        f"   free {s['free_bytes'] / gib:.2f} GiB"
+    )
     print(f"reads       {s['reads']:>12}   {s['bytes_read'] / gib:.2f} GiB served")
     print(f"writes      {s['writes']:>12}   {s['bytes_written'] / gib:.2f} GiB accepted")
-    print(f"device I/O  read {s['device_bytes_read'] / gib:.2f} GiB, "
-          f"written {s['device_bytes_written'] / gib:.2f} GiB")
+    print(
+        f"device I/O  read {s['device_bytes_read'] / gib:.2f} GiB, "
+        f"written {s['device_bytes_written'] / gib:.2f} GiB"
+    )
     c = stats["cache"]
-    print(f"cache       {c['bytes'] >> 20} / {c['capacity'] >> 20} MiB, "
-          f"{c['hits']} hits, {c['misses']} misses")
+    print(
+        f"cache       {c['bytes'] >> 20} / {c['capacity'] >> 20} MiB, "
+        f"{c['hits']} hits, {c['misses']} misses"
+    )
     print(f"integrity   {s['corruptions']} checksum failures, {s['quarantined']} quarantined")
+    print(f"eviction    {s['evictions']} files evicted ({s['orphan_evictions']} orphans)")
     for d in stats["devices"]:
         print(f"device      {d['path']}: {d['size'] / gib:.2f} GiB, {d['errors']} errors")
     return EXIT_OK

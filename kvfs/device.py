@@ -137,8 +137,14 @@ class Device(ABC):
     def statistics(self) -> DeviceStatistics:
         with self._lock:
             return DeviceStatistics(
-                self.path, self.size, self._reads, self._writes,
-                self._bytes_read, self._bytes_written, self._discards, self._errors,
+                self.path,
+                self.size,
+                self._reads,
+                self._writes,
+                self._bytes_read,
+                self._bytes_written,
+                self._discards,
+                self._errors,
             )
 
     def close(self) -> None:  # noqa: B027 - optional hook

@@ -73,3 +73,9 @@ class UserError(Exception):
     def __init__(self, message: str, exit_code: int = 2) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+class QuotaExceeded(KvfsError):
+    """A directory's byte quota is full and nothing in it may be evicted."""
+
+    errno = errno.EDQUOT

@@ -22,6 +22,7 @@ import pyfuse3
 import trio
 
 from kvfs.errors import KvfsError
+from kvfs.evict import POLICY_XATTR, QUOTA_XATTR, check_group_xattr
 from kvfs.namespace import Inode
 from kvfs.store import Store
 
@@ -146,7 +147,9 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
     async def mkdir(
         self, parent_inode: int, name: bytes, mode: int, ctx: Any
     ) -> pyfuse3.EntryAttributes:
-        inode = self.ns.make(parent_inode, name, stat.S_IFDIR | stat.S_IMODE(mode), ctx.uid, ctx.gid)
+        inode = self.ns.make(
+            parent_inode, name, stat.S_IFDIR | stat.S_IMODE(mode), ctx.uid, ctx.gid
+        )
         return self._entry(inode)
 
     @_errors
@@ -159,12 +162,15 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
 
     @_errors
     async def rename(
-        self, parent_inode_old: int, name_old: bytes, parent_inode_new: int, name_new: bytes,
-        flags: int, ctx: Any,
+        self,
+        parent_inode_old: int,
+        name_old: bytes,
+        parent_inode_new: int,
+        name_new: bytes,
+        flags: int,
+        ctx: Any,
     ) -> None:
-        victim = self.ns.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
-        if victim is not None:
-            self.store.maybe_drop(victim)
+        self.store.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
 
     @_errors
     async def link(
@@ -181,8 +187,9 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
     async def create(
         self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: Any
     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
-        inode = self.store.create(parent_inode, name, stat.S_IFREG | stat.S_IMODE(mode),
-                                  ctx.uid, ctx.gid)
+        inode = self.store.create(
+            parent_inode, name, stat.S_IFREG | stat.S_IMODE(mode), ctx.uid, ctx.gid, ctx.pid
+        )
         fh = await self.store.open(inode.ino, flags & ~os.O_TRUNC, ctx.pid)
         return pyfuse3.FileInfo(fh=fh, keep_cache=True), self._entry(inode)
 
@@ -199,7 +206,7 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
         h = self.store.handle(fh)
         inode = self.ns.inodes.get(h.ino)
         if h.writable and inode is not None:
-            await self.store.commit(inode)
+            await self.store.commit(inode, h.pid)
 
     @_errors
     async def release(self, fh: int) -> None:
@@ -207,9 +214,10 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
 
     @_errors
     async def fsync(self, fh: int, datasync: bool) -> None:
-        inode = self.ns.inodes.get(self.store.handle(fh).ino)
+        h = self.store.handle(fh)
+        inode = self.ns.inodes.get(h.ino)
         if inode is not None:
-            await self.store.commit(inode)
+            await self.store.commit(inode, h.pid)
         await self.store.journal.wait_durable()
 
     @_errors
@@ -255,7 +263,10 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
     async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: Any) -> None:
         if name == STATS_XATTR:
             raise pyfuse3.FUSEError(errno.EPERM)
+        if name in (POLICY_XATTR, QUOTA_XATTR):
+            check_group_xattr(name, value)
         self.ns.set_xattr(inode, name, value)
+        self.store.xattr_changed(inode, name)
 
     @_errors
     async def getxattr(self, inode: int, name: bytes, ctx: Any) -> bytes:
@@ -270,6 +281,7 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
     @_errors
     async def removexattr(self, inode: int, name: bytes, ctx: Any) -> None:
         self.ns.set_xattr(inode, name, None)
+        self.store.xattr_changed(inode, name)
 
     @_errors
     async def access(self, inode: int, mode: int, ctx: Any) -> bool:
@@ -283,6 +295,7 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
             "allocator": asdict(s.alloc.statistics()),
             "cache": asdict(s.cache.statistics()),
             "journal": asdict(s.journal.statistics()),
+            "eviction": asdict(s.evictor.statistics()),
             "devices": [asdict(d.statistics()) for d in s.pool.devices],
         }
         return json.dumps(out)
@@ -312,8 +325,13 @@ async def tune_readahead(mountpoint: str, kib: int) -> None:
         await trio.sleep(0.05)
 
 
-async def serve(store: Store, mountpoint: str, options: set[str],
-                ready: Callable[[], None] = lambda: None, readahead_kib: int = 4096) -> None:
+async def serve(
+    store: Store,
+    mountpoint: str,
+    options: set[str],
+    ready: Callable[[], None] = lambda: None,
+    readahead_kib: int = 4096,
+) -> None:
     """Mount, serve until unmounted or signalled, then commit and checkpoint."""
     import signal
 

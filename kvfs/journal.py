@@ -322,7 +322,10 @@ class Journal:
         self._checkpoints += 1
         log.info(
             "checkpoint generation %d: %d records, %d bytes, %.3f s",
-            generation, count, len(data), time.monotonic() - t0,
+            generation,
+            count,
+            len(data),
+            time.monotonic() - t0,
         )
 
     async def _write_blocks(self, offset: int, data: bytes, dirty: list[int]) -> None:
@@ -346,8 +349,13 @@ class Journal:
 
     def statistics(self) -> JournalStatistics:
         return JournalStatistics(
-            self.generation, self.half, self._offset, self._half_size,
-            self._flushes, self._checkpoints, self._durable,
+            self.generation,
+            self.half,
+            self._offset,
+            self._half_size,
+            self._flushes,
+            self._checkpoints,
+            self._durable,
         )
 
 

@@ -49,10 +49,22 @@ class Superblock:
 
     def encode(self) -> bytes:
         body = _SB.pack(
-            SB_MAGIC, self.version, _SB.size, self.pool_uuid, self.device_uuid,
-            self.device_index, self.device_count, self.unit_size, self.block_size,
-            self.device_size, self.data_start, self.data_units, self.meta_start,
-            self.meta_size, self.created_ns, self.pool_units,
+            SB_MAGIC,
+            self.version,
+            _SB.size,
+            self.pool_uuid,
+            self.device_uuid,
+            self.device_index,
+            self.device_count,
+            self.unit_size,
+            self.block_size,
+            self.device_size,
+            self.data_start,
+            self.data_units,
+            self.meta_start,
+            self.meta_size,
+            self.created_ns,
+            self.pool_units,
             self.label.encode()[:32],
         )
         body += _SB_CSUM.pack(xxhash.xxh64_intdigest(body))
@@ -63,6 +75,10 @@ class Superblock:
         """Parse a superblock; Corruption if it is not one or fails its checksum."""
         if block[:8] != SB_MAGIC:
             raise Corruption("no kvfs superblock")
+        if len(block) < _SB.size + _SB_CSUM.size:
+            raise Corruption("truncated superblock")
+        if any(block[_SB.size + _SB_CSUM.size : SB_BLOCK]):
+            raise Corruption("superblock padding is not zero")
         fields = _SB.unpack_from(block)
         (csum,) = _SB_CSUM.unpack_from(block, _SB.size)
         if csum != xxhash.xxh64_intdigest(block[: _SB.size]):
@@ -70,11 +86,20 @@ class Superblock:
         if fields[1] != FORMAT_VERSION:
             raise Corruption(f"unsupported format version {fields[1]}")
         return cls(
-            pool_uuid=fields[3], device_uuid=fields[4], device_index=fields[5],
-            device_count=fields[6], unit_size=fields[7], block_size=fields[8],
-            device_size=fields[9], data_start=fields[10], data_units=fields[11],
-            meta_start=fields[12], meta_size=fields[13], created_ns=fields[14],
-            pool_units=fields[15], label=fields[16].rstrip(b"\0").decode(errors="replace"),
+            pool_uuid=fields[3],
+            device_uuid=fields[4],
+            device_index=fields[5],
+            device_count=fields[6],
+            unit_size=fields[7],
+            block_size=fields[8],
+            device_size=fields[9],
+            data_start=fields[10],
+            data_units=fields[11],
+            meta_start=fields[12],
+            meta_size=fields[13],
+            created_ns=fields[14],
+            pool_units=fields[15],
+            label=fields[16].rstrip(b"\0").decode(errors="replace"),
             version=fields[1],
         )
 
@@ -203,6 +228,8 @@ NO_UNIT = -1
 """Marks a hole in an inode's unit map."""
 DEV_SHIFT = 48
 UNIT_MASK = (1 << DEV_SHIFT) - 1
+_MIN_UNIT = 64 * 1024
+"""Smallest unit size a pool can have: an inode maps at most ceil(size / this) units."""
 
 _INODE = struct.Struct("<BQIIIIQqqqIII")
 assert _INODE.size == 69
@@ -300,8 +327,19 @@ def encode_op(op: Op) -> bytes:
         runs = _runs(op.units)
         mapped = array("Q", (c for p, c in zip(op.units, op.csums, strict=True) if p != NO_UNIT))
         head = _INODE.pack(
-            OP_INODE, op.ino, op.mode, op.uid, op.gid, op.nlink, op.size, op.atime_ns,
-            op.mtime_ns, op.ctime_ns, op.flags, len(op.units), len(runs),
+            OP_INODE,
+            op.ino,
+            op.mode,
+            op.uid,
+            op.gid,
+            op.nlink,
+            op.size,
+            op.atime_ns,
+            op.mtime_ns,
+            op.ctime_ns,
+            op.flags,
+            len(op.units),
+            len(runs),
         )
         return head + b"".join(_RUN.pack(*r) for r in runs) + mapped.tobytes()
     if isinstance(op, Dentry):
@@ -325,23 +363,32 @@ def encode_ops(ops: list[Op]) -> bytes:
 
 def _decode_inode(buf: bytes, pos: int) -> tuple[InodeRecord, int]:
     f = _INODE.unpack_from(buf, pos)
-    nunits, nruns = f[11], f[12]
+    nunits, nruns, size = f[11], f[12], f[6]
     pos += _INODE.size
+    # Validate against the bytes present before allocating anything: a forged count
+    # must not turn into a multi-GiB unit map or a billion-step loop.
+    if nunits > -(-size // _MIN_UNIT):
+        raise Corruption(f"inode {f[1]}: {nunits} units for {size} bytes")
+    if pos + nruns * _RUN.size > len(buf):
+        raise Corruption(f"inode {f[1]}: truncated runs")
+    runs = [_RUN.unpack_from(buf, pos + i * _RUN.size) for i in range(nruns)]
+    pos += nruns * _RUN.size
+    mapped_count = 0
+    for ls, n, dev, ps in runs:
+        if ls + n > nunits or dev >= 1 << (63 - DEV_SHIFT) or ps + n > UNIT_MASK:
+            raise Corruption(f"inode {f[1]}: run beyond its unit map")
+        mapped_count += n
+    if pos + 8 * mapped_count > len(buf):
+        raise Corruption(f"inode {f[1]}: truncated checksums")
     units = array("q", [NO_UNIT]) * nunits
     csums = array("Q", [0]) * nunits
     order: list[int] = []
-    for _ in range(nruns):
-        ls, n, dev, ps = _RUN.unpack_from(buf, pos)
-        pos += _RUN.size
-        if ls + n > nunits:
-            raise Corruption(f"inode {f[1]}: run beyond its unit map")
+    for ls, n, dev, ps in runs:
         for i in range(n):
             units[ls + i] = phys(dev, ps + i)
             order.append(ls + i)
     mapped = array("Q")
     mapped.frombytes(buf[pos : pos + 8 * len(order)])
-    if len(mapped) != len(order):
-        raise Corruption(f"inode {f[1]}: truncated checksums")
     for lu, c in zip(order, mapped, strict=True):
         csums[lu] = c
     pos += 8 * len(order)
@@ -378,7 +425,11 @@ def decode_ops(buf: bytes) -> Iterator[Op]:
             elif kind == OP_BLOB:
                 _, nn, nd = _BLOB.unpack_from(buf, pos)
                 pos += _BLOB.size + nn + nd
-                yield Blob(buf[pos - nn - nd : pos - nd].decode(), buf[pos - nd : pos])
+                try:
+                    blob_name = buf[pos - nn - nd : pos - nd].decode()
+                except UnicodeDecodeError as e:
+                    raise Corruption(f"journal blob name is not UTF-8: {e}") from e
+                yield Blob(blob_name, buf[pos - nd : pos])
             else:
                 raise Corruption(f"unknown journal op {kind}")
     except struct.error as e:

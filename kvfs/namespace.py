@@ -69,6 +69,7 @@ class Inode:
     csums: array[int] = field(default_factory=_empty_csums)
     entries: dict[bytes, int] | None = None
     parent: int = ROOT_INO
+    name: bytes = b""
     xattrs: dict[bytes, bytes] | None = None
     lookups: int = 0
     opens: int = 0
@@ -79,8 +80,18 @@ class Inode:
 
     def record(self) -> InodeRecord:
         return InodeRecord(
-            self.ino, self.mode, self.uid, self.gid, self.nlink, self.size, self.atime_ns,
-            self.mtime_ns, self.ctime_ns, self.flags, self.units, self.csums,
+            self.ino,
+            self.mode,
+            self.uid,
+            self.gid,
+            self.nlink,
+            self.size,
+            self.atime_ns,
+            self.mtime_ns,
+            self.ctime_ns,
+            self.flags,
+            self.units,
+            self.csums,
         )
 
 
@@ -110,8 +121,8 @@ class Namespace:
             assert parent.entries is not None, "dentry in a non-directory"
             parent.entries[op.name] = op.ino
             child = self.inodes.get(op.ino)
-            if child is not None and child.is_dir:
-                child.parent = op.parent
+            if child is not None:
+                child.parent, child.name = op.parent, op.name
         elif isinstance(op, Undentry):
             entries = self.inodes[op.parent].entries
             assert entries is not None
@@ -154,8 +165,8 @@ class Namespace:
         for inode in self.inodes.values():
             for name, child in (inode.entries or {}).items():
                 yield Dentry(inode.ino, name, child)
-        for name, data in self.blobs.items():
-            yield Blob(name, data)
+        for blob_name, data in self.blobs.items():
+            yield Blob(blob_name, data)
 
     # ------------------------------------------------------------------ queries
     def get(self, ino: int) -> Inode:
@@ -202,8 +213,19 @@ class Namespace:
         now = time.time_ns()
         is_dir = stat.S_ISDIR(mode)
         inode = Inode(
-            self.next_ino, mode, uid, gid, 2 if is_dir else 1, 0, now, now, now,
-            flags=flags, entries={} if is_dir else None, parent=parent,
+            self.next_ino,
+            mode,
+            uid,
+            gid,
+            2 if is_dir else 1,
+            0,
+            now,
+            now,
+            now,
+            flags=flags,
+            entries={} if is_dir else None,
+            parent=parent,
+            name=name,
         )
         self.next_ino += 1
         self.inodes[inode.ino] = inode
@@ -228,6 +250,21 @@ class Namespace:
         self._touch_dir(parent)
         self._log([inode.record(), Dentry(parent, name, ino), self.inodes[parent].record()])
         return inode
+
+    def names_of(self, inode: Inode) -> list[tuple[int, bytes]]:
+        """Every (parent, name) of ``inode``: O(1) via its last-name hint for the
+        usual single link, a directory scan only for hard-linked files."""
+        hint = self.inodes.get(inode.parent)
+        single = inode.nlink <= 1 and hint is not None and hint.entries is not None
+        if single and hint.entries.get(inode.name) == inode.ino:  # type: ignore[union-attr]
+            return [(inode.parent, inode.name)]
+        return [
+            (d.ino, n)
+            for d in self.inodes.values()
+            if d.entries
+            for n, i in d.entries.items()
+            if i == inode.ino
+        ]
 
     def remove(self, parent: int, name: bytes, want_dir: bool) -> Inode:
         """unlink (``want_dir`` False) or rmdir; returns the inode, maybe now nlink 0."""
@@ -270,7 +307,8 @@ class Namespace:
         if flags & RENAME_EXCHANGE:
             if target_ino is None:
                 raise NotFound(new.decode(errors="replace"))
-            return self._exchange(old_parent, old, new_parent, new)
+            self._exchange(old_parent, old, new_parent, new)
+            return None
         if target_ino is not None and flags & RENAME_NOREPLACE:
             raise Exists(new.decode(errors="replace"))
         if target_ino == src.ino:
@@ -290,8 +328,8 @@ class Namespace:
         dst_entries[new] = src.ino
         now = time.time_ns()
         src.ctime_ns = now
+        src.parent, src.name = new_parent, new
         if src.is_dir and old_parent != new_parent:
-            src.parent = new_parent
             self.inodes[old_parent].nlink -= 1
             self.inodes[new_parent].nlink += 1
         self._touch_dir(old_parent, now)
@@ -307,6 +345,7 @@ class Namespace:
         if p1 != p2 and (a.is_dir or b.is_dir):
             raise InvalidArgument("exchanging directories across parents is not supported")
         e1[n1], e2[n2] = b.ino, a.ino
+        a.parent, a.name, b.parent, b.name = p2, n2, p1, n1
         self._touch_dir(p1)
         self._touch_dir(p2)
         self._log([Dentry(p1, n1, b.ino), Dentry(p2, n2, a.ino)])
@@ -334,9 +373,8 @@ class Namespace:
         inode = self.get(ino)
         if len(name) > XATTR_NAME_MAX or (value is not None and len(value) > XATTR_VALUE_MAX):
             raise NameTooLong("xattr name or value too long")
-        if value is None:
-            if not inode.xattrs or name not in inode.xattrs:
-                raise NoAttribute(name.decode(errors="replace"))
+        if value is None and (not inode.xattrs or name not in inode.xattrs):
+            raise NoAttribute(name.decode(errors="replace"))
         self._apply_xattr(Xattr(ino, name, value))
         inode.ctime_ns = time.time_ns()
         self._log([Xattr(ino, name, value), inode.record()])

@@ -420,34 +420,35 @@ class LRUPolicy(FIFOPolicy):
 
 
 class KvfsPolicy(_LinkedPolicy):
-    """Prefix-aware segmented policy for KV-cache chunk files.
+    """Prefix-aware segmented policy for KV-cache chunk files (docs/eviction.md).
 
-    Three lists, evicted in this order:
+    Three lists; ``victims()`` yields in this order:
 
     1. *dead*: keys whose learned predecessor was removed.  Under the prefix rule a
        chunk without its prefix can never be a hit, so these go first.
-    2. *cold main*: protected keys not used for longer than ``cold_factor`` times the
-       *horizon* (the longest recent reuse interval seen in main): finished chains.
-    3. *probation*: new keys and keys not (yet) admitted to main, oldest first.
-    4. *main*: the rest of main, least recently used first.
+    2. *cold main*: protected keys unused for longer than ``cold_factor`` times their
+       own last reuse interval (finished conversations).
+    3. *probation* while it holds more than ``1 - main_share`` of the bytes: new keys
+       and keys not admitted to main, oldest first.
+    4. *main*, least recently used first, then the rest of probation.
 
-    Admission to main (S3-FIFO-like, but loop-resistant): a key re-used while in
-    probation, re-written shortly after its eviction (a ghost hit), or written as
-    the continuation of a main chain enters main only if main is under
-    ``main_share`` of the tracked bytes or its oldest key is cold.  Otherwise it stays
-    in probation.  So a working set larger than the cache keeps a stable subset of
-    whole chains hot instead of cycling everything through (which is what LRU does
-    on multi-round QA).
+    Admission to main (S3-FIFO-like, but loop-resistant as in LIRS): a key re-read
+    while in probation, re-written after its eviction (a ghost hit) or written as the
+    continuation of a main chain enters main if main is under ``main_share`` of the
+    bytes, or main's oldest key is cold, or that key has been unused for longer than
+    ``admit_factor`` times the newcomer's reuse interval.  Otherwise it stays in
+    probation, so a working set larger than the cache keeps a stable subset of whole
+    chains hot instead of cycling everything through (what LRU does on multi-round QA).
 
     Chains are learned per stream: when a stream accesses key B right after a
-    different key A, A becomes B's predecessor (confirmed when seen twice in a
-    row).  Within a list, B is placed right *before* A, so the tail of a chain is
-    older than its head and is evicted first, and the rest of the chain follows.
-    Removing a key whose latest successor's confirmed predecessor it is moves that
-    successor to the dead list (and so on down the chain as they are removed).
+    different key A, A becomes B's predecessor (confirmed when seen twice in a row).
+    B is filed right *before* A in its list (for a re-read only if the link is
+    confirmed), so a chain's tail is older than its head and is evicted first.
+    Removing a key moves its latest successor, if that link is confirmed, to the
+    dead list; re-writing the key brings the successor back.
 
-    Memory: about nine dict entries per key (links, owner, size, predecessor,
-    successor, last use, flags) plus a ghost entry per recently evicted key.
+    Time is a logical clock of track/touch calls.  Memory: about 700 B per key in
+    CPython (seven dicts), plus one ghost entry per recently evicted key.
     """
 
     name = "kvfs"
@@ -630,7 +631,7 @@ class KvfsPolicy(_LinkedPolicy):
     def _main_admits(self, size: int, gap: int) -> bool:
         """Main takes a key re-used after ``gap`` ticks while under its share of the bytes,
         or if its oldest key is cold or unused for longer than ``gap`` (LIRS's test)."""
-        if self._seg_bytes[_MAIN] + size <= self.main_share * self._bytes:
+        if self._seg_bytes[_MAIN] + size <= self.main_share * (self._bytes - size):
             return True
         oldest = self._links.first(_MAIN)
         if oldest is None:

@@ -160,11 +160,20 @@ def _layout(devices: list[Device], unit: int, meta_size: int, label: str) -> lis
     pool_units = sum(u for *_, u in layout)
     return [
         Superblock(
-            pool_uuid=pool_uuid, device_uuid=uuid.uuid4().bytes, device_index=i,
-            device_count=len(devices), unit_size=unit, block_size=dev.logical_block,
-            device_size=dev.size, data_start=data_start, data_units=units,
-            meta_start=head if i == 0 else 0, meta_size=meta_size if i == 0 else 0,
-            created_ns=now, pool_units=pool_units, label=label,
+            pool_uuid=pool_uuid,
+            device_uuid=uuid.uuid4().bytes,
+            device_index=i,
+            device_count=len(devices),
+            unit_size=unit,
+            block_size=dev.logical_block,
+            device_size=dev.size,
+            data_start=data_start,
+            data_units=units,
+            meta_start=head if i == 0 else 0,
+            meta_size=meta_size if i == 0 else 0,
+            created_ns=now,
+            pool_units=pool_units,
+            label=label,
         )
         for i, dev, data_start, units in layout
     ]

@@ -17,6 +17,7 @@ FUSE-free and async. Concurrency contract (see ``docs/design.md``):
 
 from __future__ import annotations
 
+import functools
 import logging
 import mmap
 import os
@@ -32,7 +33,16 @@ import xxhash
 from kvfs.alloc import Allocator
 from kvfs.cache import UnitCache
 from kvfs.device import aligned_buffer
-from kvfs.errors import Corruption, DeviceError, FileTooLarge, IsADirectory, KvfsError
+from kvfs.errors import (
+    Corruption,
+    DeviceError,
+    FileTooLarge,
+    IsADirectory,
+    KvfsError,
+    NoSpace,
+    QuotaExceeded,
+)
+from kvfs.evict import QUOTA_XATTR, Evictor, EvictorStatistics
 from kvfs.journal import Journal, recover
 from kvfs.layout import (
     DEV_SHIFT,
@@ -64,8 +74,15 @@ class StoreConfig:
     queue_depth: int = 4
     max_file_size: int = 1 << 40
     commit_interval: float = 0.05
+    eviction_policy: str = "kvfs"
+    default_policy: str = "kvfs-managed"
+    high_watermark: float = 0.90
+    low_watermark: float = 0.80
+    discard: bool = True
 
     def __post_init__(self) -> None:
+        if not 0 < self.low_watermark < self.high_watermark <= 1:
+            raise ValueError("watermarks must satisfy 0 < low < high <= 1")
         for name in ("readahead_units", "writeback_units", "stripe_units", "read_piece_units"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
@@ -122,6 +139,8 @@ class StoreStatistics:
     device_bytes_read: int
     device_bytes_written: int
     corruptions: int
+    evictions: int
+    orphan_evictions: int
     quarantined: int
     open_handles: int
 
@@ -137,8 +156,14 @@ class Store:
         self.alloc = Allocator([sb.data_units for sb in pool.superblocks])
         meta, meta_start, meta_size = pool.meta
         self.journal = Journal(
-            meta, meta_start, meta_size, pool.devices, self.ns.snapshot, seed=pool.seed,
-            on_durable=self._release_frees, commit_interval=self.cfg.commit_interval,
+            meta,
+            meta_start,
+            meta_size,
+            pool.devices,
+            self.ns.snapshot,
+            seed=pool.seed,
+            on_durable=self._release_frees,
+            commit_interval=self.cfg.commit_interval,
         )
         self.cache = UnitCache(self.cfg.cache_bytes)
         self._zero = memoryview(bytes(self.unit))
@@ -154,6 +179,13 @@ class Store:
         self._reads = self._writes = self._bytes_read = self._bytes_written = 0
         self._corruptions = 0
         self.on_vanish: Callable[[int, bytes, int], None] = lambda parent, name, ino: None
+        self.evictor = Evictor(self.ns, self.cfg.eviction_policy, self.cfg.default_policy)
+        self._usage: dict[int, int] = {}  # quota group -> bytes mapped (computed lazily)
+        self._trim: list[int] = []
+        self._trimming = 0
+        self._trim_wake = trio.Event()
+        self._space_freed = trio.Event()
+        self._evict_wake = trio.Event()
 
     # ------------------------------------------------------------------ lifecycle
     def _log(self, ops: list[Op]) -> None:
@@ -170,11 +202,17 @@ class Store:
             raise Corruption("metadata has no root directory")
         incomplete, unlinked = self._drop_unfinished()
         self._rebuild_allocator()
+        self.evictor.adopt_all()
         self.journal.resume(found.generation, found.half, found.seq)
         files = sum(1 for i in self.ns.inodes.values() if not i.is_dir)
         report = RecoveryReport(
-            found.generation, found.transactions, files, len(self.ns.inodes) - files,
-            incomplete, unlinked, time.monotonic() - t0,
+            found.generation,
+            found.transactions,
+            files,
+            len(self.ns.inodes) - files,
+            incomplete,
+            unlinked,
+            time.monotonic() - t0,
         )
         log.info("recovered %s", report)
         return report
@@ -183,15 +221,17 @@ class Store:
         """Drop files left mid-write or unlinked-while-open by a crash, and names
         that point nowhere."""
         doomed = {
-            ino for ino, inode in self.ns.inodes.items()
-            if ino != ROOT_INO and (inode.flags & (FLAG_WRITING | FLAG_QUARANTINED)
-                                    or inode.nlink == 0)
+            ino
+            for ino, inode in self.ns.inodes.items()
+            if ino != ROOT_INO
+            and (inode.flags & (FLAG_WRITING | FLAG_QUARANTINED) or inode.nlink == 0)
         }
         incomplete = sum(1 for i in doomed if self.ns.inodes[i].nlink)
         for inode in self.ns.inodes.values():
             if inode.entries:
-                for name in [n for n, i in inode.entries.items()
-                             if i in doomed or i not in self.ns.inodes]:
+                for name in [
+                    n for n, i in inode.entries.items() if i in doomed or i not in self.ns.inodes
+                ]:
                     del inode.entries[name]
         for ino in doomed:
             del self.ns.inodes[ino]
@@ -210,6 +250,8 @@ class Store:
             self._nursery = nursery
             await nursery.start(self.journal.run)
             await self.journal.checkpoint()
+            nursery.start_soon(self._evict_loop)
+            nursery.start_soon(self._trim_loop)
             task_status.started()
             await trio.sleep_forever()
 
@@ -238,9 +280,41 @@ class Store:
         self._deferred.append((self.journal.last_seq, p))
 
     def _release_frees(self, durable: int) -> None:
+        """Units no durable record needs any more: TRIM them, then reuse them."""
+        released = False
         while self._deferred and self._deferred[0][0] <= durable:
             _, p = self._deferred.popleft()
-            self.alloc.free(p >> DEV_SHIFT, p & UNIT_MASK)
+            if self.cfg.discard:
+                self._trim.append(p)
+            else:
+                self.alloc.free(p >> DEV_SHIFT, p & UNIT_MASK)
+                released = True
+        if self._trim:
+            self._trim_wake.set()
+        if released:
+            self._signal_space()
+
+    def _signal_space(self) -> None:
+        freed, self._space_freed = self._space_freed, trio.Event()
+        freed.set()
+
+    async def _trim_loop(self) -> None:
+        """Discard freed units in large coalesced runs before they are reused."""
+        while True:
+            await self._trim_wake.wait()
+            self._trim_wake = trio.Event()
+            batch, self._trim = sorted(self._trim), []
+            self._trimming = len(batch)
+            for dev, start, count in _coalesce(batch):
+                device = self.pool.devices[dev]
+                offset, length = self.pool.unit_offset(dev, start), count * self.unit
+                try:
+                    await self._io(dev, functools.partial(device.discard, offset, length))
+                except DeviceError as e:
+                    log.warning("discard failed: %s", e)
+                self.alloc.free(dev, start, count)
+                self._trimming -= count
+            self._signal_space()
 
     # ------------------------------------------------------------------ handles
     def _state(self, ino: int) -> FileState:
@@ -263,6 +337,7 @@ class Store:
         if writable and flags & os.O_TRUNC and inode.size:
             await self.truncate(inode, 0)
         inode.opens += 1
+        self.evictor.opened(inode, pid)
         if writable:
             self._state(ino).writers += 1
         fh = self._next_fh
@@ -270,9 +345,20 @@ class Store:
         self._handles[fh] = Handle(ino, writable, pid)
         return fh
 
-    def create(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Inode:
+    def create(
+        self, parent: int, name: bytes, mode: int, uid: int, gid: int, pid: int = 0
+    ) -> Inode:
         """A new empty file, marked WRITING until its first commit."""
-        return self.ns.make(parent, name, mode, uid, gid, flags=FLAG_WRITING)
+        inode = self.ns.make(parent, name, mode, uid, gid, flags=FLAG_WRITING)
+        self.evictor.created(inode, pid)
+        return inode
+
+    def rename(self, old_parent: int, old: bytes, new_parent: int, new: bytes, flags: int) -> None:
+        victim = self.ns.rename(old_parent, old, new_parent, new, flags)
+        if victim is not None:
+            self.maybe_drop(victim)
+        if self._usage and old_parent != new_parent:
+            self._usage.clear()  # group membership may have changed: recount lazily
 
     async def release(self, fh: int) -> None:
         h = self._handles.pop(fh)
@@ -304,21 +390,25 @@ class Store:
 
     def maybe_drop(self, inode: Inode) -> None:
         """Free an inode once it has no names, no open handles and no kernel refs."""
-        if inode.nlink or inode.opens or inode.lookups or inode.is_dir:
-            if not (inode.is_dir and inode.nlink == 0 and not inode.lookups):
-                return
+        busy = inode.nlink or inode.lookups or (inode.opens and not inode.is_dir)
+        if busy:
+            return
         if self.ns.inodes.get(inode.ino) is not inode:
             return
         self._free_units(inode, 0)
         self._files.pop(inode.ino, None)
+        self.evictor.forget(inode.ino)
         self.ns.drop(inode)
 
     def _free_units(self, inode: Inode, first: int) -> None:
+        freed = 0
         for u in range(first, len(inode.units)):
             p = inode.units[u]
             if p != NO_UNIT:
                 self._defer_free(p)
+                freed += 1
             self.cache.discard((inode.ino, u))
+        self._charge(inode, -freed)
         del inode.units[first:]
         del inode.csums[first:]
 
@@ -408,14 +498,18 @@ class Store:
             full = inode.size // self.unit
             ready = sorted(u for u in st.dirty if u < full)
             if len(ready) >= self.cfg.writeback_units:
-                self._start_writeback(inode, st, ready)
+                await self._start_writeback(inode, st, ready)
         while self._dirty_bytes > self.cfg.max_dirty_bytes and (st.busy or st.dirty):
             if st.dirty:
-                self._start_writeback(inode, st, sorted(st.dirty))
+                await self._start_writeback(inode, st, sorted(st.dirty))
             await st.idle.wait()
 
-    def _start_writeback(self, inode: Inode, st: FileState, units: list[int]) -> None:
+    async def _start_writeback(self, inode: Inode, st: FileState, units: list[int]) -> None:
         """Allocate now (so ENOSPC reaches the caller), write in the background."""
+        await self._ensure_space(inode, len(units))
+        units = [u for u in units if u in st.dirty]  # the await may have let others in
+        if not units:
+            return
         plan = self._allocate(inode, units)
         bufs = {u: st.dirty.pop(u) for u in units}
         st.inflight.update(bufs)
@@ -440,7 +534,9 @@ class Store:
         try:
             for dev, lus in groups:
                 prev = inode.units[lus[0] - 1] if 0 < lus[0] <= len(inode.units) else NO_UNIT
-                near = (prev & UNIT_MASK) + 1 if prev != NO_UNIT and prev >> DEV_SHIFT == dev else -1
+                near = (
+                    (prev & UNIT_MASK) + 1 if prev != NO_UNIT and prev >> DEV_SHIFT == dev else -1
+                )
                 i = 0
                 for d, start, count in self.alloc.allocate(len(lus), dev, near):
                     plan.append((d, start, lus[i : i + count]))
@@ -462,7 +558,9 @@ class Store:
         try:
             async with trio.open_nursery() as nursery:
                 for dev, start, lus in plan:
-                    nursery.start_soon(self._write_run, dev, start, [bufs[u] for u in lus], lus, csums)
+                    nursery.start_soon(
+                        self._write_run, dev, start, [bufs[u] for u in lus], lus, csums
+                    )
         except KvfsError as e:
             log.error("write-back of inode %d failed: %s", inode.ino, e)
             st.error = e
@@ -514,23 +612,26 @@ class Store:
                 old = inode.units[u]
                 if old != NO_UNIT:
                     self._defer_free(old)
+                else:
+                    self._charge(inode, 1)
                 inode.units[u], inode.csums[u] = p, csums[u]
                 self.cache.discard((inode.ino, u))
 
-    async def commit(self, inode: Inode) -> None:
+    async def commit(self, inode: Inode, pid: int = 0) -> None:
         """Make the file's data and metadata durable (flush, fsync, close)."""
         st = self._files.get(inode.ino)
         if st is not None:
             async with st.lock:
                 while st.dirty or st.busy:
                     if st.dirty:
-                        self._start_writeback(inode, st, sorted(st.dirty))
+                        await self._start_writeback(inode, st, sorted(st.dirty))
                     await st.idle.wait()
                 self._raise_pending_error(st)
         if self.ns.inodes.get(inode.ino) is not inode or not inode.flags & FLAG_WRITING:
             return
         inode.flags &= ~FLAG_WRITING
         self.ns.commit(inode)
+        self.evictor.committed(inode, pid)
         await self.journal.wait_durable(self.journal.last_seq)
 
     async def truncate(self, inode: Inode, size: int) -> None:
@@ -600,7 +701,8 @@ class Store:
     def _readahead(self, inode: Inode, last: int) -> None:
         """Fetch the next window in the background while the kernel consumes this one."""
         nxt = [
-            u for u in range(last + 1, min(last + 1 + self.cfg.readahead_units, len(inode.units)))
+            u
+            for u in range(last + 1, min(last + 1 + self.cfg.readahead_units, len(inode.units)))
             if (inode.ino, u) not in self._fetching and self._resident(inode, None, u) is None
         ]
         if nxt and self._nursery is not None:
@@ -645,8 +747,12 @@ class Store:
             if p == NO_UNIT:
                 continue
             run = runs[-1] if runs else None
-            if (run and run[-1][1] + 1 == p and run[-1][0] + 1 == u
-                    and len(run) < self.cfg.read_piece_units):
+            if (
+                run
+                and run[-1][1] + 1 == p
+                and run[-1][0] + 1 == u
+                and len(run) < self.cfg.read_piece_units
+            ):
                 run.append((u, p, inode.csums[u]))
             else:
                 runs.append([(u, p, inode.csums[u])])
@@ -663,8 +769,10 @@ class Store:
         def work() -> list[int]:
             view = memoryview(buf)
             device.read_into(offset, view)
-            return [xxhash.xxh3_64_intdigest(view[i * u_size : (i + 1) * u_size])
-                    for i in range(len(run))]
+            return [
+                xxhash.xxh3_64_intdigest(view[i * u_size : (i + 1) * u_size])
+                for i in range(len(run))
+            ]
 
         sums = await self._io(dev, work)
         whole = memoryview(buf).toreadonly()
@@ -685,7 +793,10 @@ class Store:
         path = self.pool.devices[p >> DEV_SHIFT].path
         log.error(
             "checksum mismatch: inode %d unit %d at %s unit %d; file quarantined",
-            inode.ino, u, path, p & UNIT_MASK,
+            inode.ino,
+            u,
+            path,
+            p & UNIT_MASK,
         )
         inode.flags |= FLAG_QUARANTINED
         self.ns.commit(inode)
@@ -693,14 +804,108 @@ class Store:
         raise Corruption(f"inode {inode.ino}: checksum mismatch in unit {u}")
 
     def _unlink_everywhere(self, inode: Inode) -> None:
-        """Remove every name of ``inode`` (quarantine, eviction); kernel is told."""
-        for parent in list(self.ns.inodes.values()):
-            if not parent.entries:
-                continue
-            for name in [n for n, i in parent.entries.items() if i == inode.ino]:
-                self.ns.remove(parent.ino, name, want_dir=False)
-                self.on_vanish(parent.ino, name, inode.ino)
+        """Remove every name of ``inode`` (quarantine, eviction); the kernel is told,
+        so its cached dentries and attributes go too."""
+        for parent, name in self.ns.names_of(inode):
+            self.ns.remove(parent, name, want_dir=False)
+            self.on_vanish(parent, name, inode.ino)
+        self.evictor.forget(inode.ino)
+        if not inode.opens:
+            self._free_units(inode, 0)  # unreachable now: no name, no open handle
+            inode.size = 0
         self.maybe_drop(inode)
+
+    # ------------------------------------------------------------------ eviction
+    def _charge(self, inode: Inode, units: int) -> None:
+        """Account mapped units to the inode's group, if that group has a quota."""
+        if self._usage and units:
+            group = self.evictor.group_of(inode)
+            if group in self._usage:
+                self._usage[group] += units * self.unit
+
+    def _group_usage(self, group: int) -> int:
+        if group not in self._usage:
+            total, stack = 0, [group]
+            while stack:
+                node = self.ns.inodes[stack.pop()]
+                if node.entries is None:
+                    total += sum(1 for p in node.units if p != NO_UNIT) * self.unit
+                else:
+                    stack.extend(i for i in node.entries.values() if i in self.ns.inodes)
+            self._usage[group] = total
+        return self._usage[group]
+
+    def xattr_changed(self, ino: int, name: bytes) -> None:
+        if name == QUOTA_XATTR:
+            self._usage.pop(ino, None)
+
+    def _evictable(self, inode: Inode) -> bool:
+        if inode.is_dir or inode.opens or inode.flags & FLAG_WRITING or not inode.nlink:
+            return False
+        st = self._files.get(inode.ino)
+        return st is None or not (st.dirty or st.inflight or st.busy)
+
+    def _evict_units(self, units: int, group: int | None = None) -> int:
+        """Evict files, best victims first, until ``units`` units are on their way
+        back (sync: the frees complete once the journal has the unlinks)."""
+        freed = 0
+        for inode, orphan in self.evictor.candidates(self._evictable, group):
+            if freed >= units:
+                break
+            mapped = sum(1 for p in inode.units if p != NO_UNIT)
+            log.debug(
+                "evicting inode %d (%s, %d units)",
+                inode.ino,
+                "orphan" if orphan else "policy",
+                mapped,
+            )
+            self._unlink_everywhere(inode)
+            self.evictor.evictions += 1
+            self.evictor.orphan_evictions += orphan
+            freed += max(mapped, 1)
+        return freed
+
+    async def _ensure_space(self, inode: Inode, units: int) -> None:
+        """Make room for ``units`` new units (quota first, then the pool), evicting
+        as needed; NoSpace/QuotaExceeded only when nothing may be evicted."""
+        group = self.evictor.group_of(inode)
+        quota = self.evictor.group_quota(group)
+        if quota:
+            over = self._group_usage(group) + units * self.unit - quota
+            if over > 0 and self._evict_units(-(-over // self.unit), group) * self.unit < over:
+                raise QuotaExceeded(f"directory quota of {quota} bytes is full")
+        while self.alloc.free_units < units:
+            short = units - self.alloc.free_units
+            pending = self._pending_free()
+            if pending < short and self._evict_units(short - pending) == 0 and not pending:
+                raise NoSpace(f"pool full: {units} units needed, nothing may be evicted")
+            freed = self._space_freed
+            await self.journal.wait_durable()
+            if self.alloc.free_units < units:
+                await freed.wait()
+        if self._used_fraction() > self.cfg.high_watermark:
+            self._evict_wake.set()
+
+    def _pending_free(self) -> int:
+        """Units freed but not yet reusable (waiting for the journal or for TRIM)."""
+        return len(self._deferred) + len(self._trim) + self._trimming
+
+    def _used_fraction(self) -> float:
+        free = self.alloc.free_units + self._pending_free()
+        return 1 - free / max(self.alloc.total_units, 1)
+
+    async def _evict_loop(self) -> None:
+        """Keep usage under the high watermark, evicting down to the low one, so
+        writers rarely wait for eviction; also turns dead owners' files to orphans."""
+        while True:
+            with trio.move_on_after(0.5):
+                await self._evict_wake.wait()
+            self._evict_wake = trio.Event()
+            self.evictor.reap()
+            if self._used_fraction() > self.cfg.high_watermark:
+                target = self._used_fraction() - self.cfg.low_watermark
+                self._evict_units(int(target * self.alloc.total_units) + 1)
+                await self.journal.wait_durable()
 
     # ------------------------------------------------------------------ reporting
     def statistics(self) -> StoreStatistics:
@@ -709,18 +914,38 @@ class Store:
         cap = self.alloc.total_units * self.unit
         devs = [d.statistics() for d in self.pool.devices]
         return StoreStatistics(
-            files=files, directories=len(self.ns.inodes) - files, unit_size=self.unit,
-            capacity_bytes=cap, used_bytes=cap - free, free_bytes=free,
+            files=files,
+            directories=len(self.ns.inodes) - files,
+            unit_size=self.unit,
+            capacity_bytes=cap,
+            used_bytes=cap - free,
+            free_bytes=free,
             dirty_bytes=self._dirty_bytes,
             pending_free_bytes=len(self._deferred) * self.unit,
-            reads=self._reads, writes=self._writes, bytes_read=self._bytes_read,
+            reads=self._reads,
+            writes=self._writes,
+            bytes_read=self._bytes_read,
             bytes_written=self._bytes_written,
             device_bytes_read=sum(d.bytes_read for d in devs),
             device_bytes_written=sum(d.bytes_written for d in devs),
             corruptions=self._corruptions,
+            evictions=self.evictor.evictions,
+            orphan_evictions=self.evictor.orphan_evictions,
             quarantined=sum(1 for i in self.ns.inodes.values() if i.flags & FLAG_QUARANTINED),
             open_handles=len(self._handles),
         )
 
 
-__all__ = ["Awaitable", "FileState", "Handle", "Store", "StoreConfig", "StoreStatistics"]
+def _coalesce(units: list[int]) -> list[tuple[int, int, int]]:
+    """Sorted packed unit addresses -> (device, start, count) runs."""
+    runs: list[tuple[int, int, int]] = []
+    for p in units:
+        dev, unit = p >> DEV_SHIFT, p & UNIT_MASK
+        if runs and runs[-1][0] == dev and runs[-1][1] + runs[-1][2] == unit:
+            runs[-1] = (dev, runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((dev, unit, 1))
+    return runs
+
+
+__all__ = ["Awaitable", "EvictorStatistics", "FileState", "Handle", "Store", "StoreConfig"]

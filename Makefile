@@ -1,0 +1,41 @@
+# kvfs — see README.md
+PY ?= .venv/bin/python
+VENV = .venv
+DEMO_DIR ?= /tmp/kvfs-demo
+
+.PHONY: install demo test lint format bench trace clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	@command -v fusermount3 >/dev/null && pkg-config --exists fuse3 || { \
+	  echo "installing fuse3 libfuse3-dev pkg-config (needs root)"; \
+	  apt-get update -qq && apt-get install -y -qq fuse3 libfuse3-dev pkg-config; }
+	python3 -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -e '.[dev]'
+	touch $@
+
+demo: install
+	$(PY) tools/demo.py --dir $(DEMO_DIR)
+
+test: install
+	$(PY) -m pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check kvfs tests tools
+	$(VENV)/bin/ruff format --check kvfs tests tools
+	$(VENV)/bin/mypy kvfs
+
+format: install
+	$(VENV)/bin/ruff format kvfs tests tools
+	$(VENV)/bin/ruff check --fix kvfs tests tools
+
+bench: install
+	$(PY) tools/bench.py --out docs/bench
+
+trace: install
+	$(PY) tools/kvtrace.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,226 @@
+"""Who may be evicted, and in which order. Pure and synchronous.
+
+kvfs decides for the whole pool. Rules (``docs/eviction.md``):
+
+1. Never an open file, a directory, or a file with uncommitted data.
+2. Orphans first: files whose last user (the process that last opened them) is gone
+   and that no live process has opened since — e.g. everything an engine wrote
+   before it restarted. Liveness is checked by pid *and* process start time, so a
+   recycled pid does not keep a file alive.
+3. Then, only in directories whose policy is ``kvfs-managed``, the eviction
+   policy's order (prefix-aware by default, see :mod:`kvfs.policy`).
+   ``engine-managed`` directories only ever lose orphans.
+
+A *group* is a top-level directory (a child of the root; files directly in the root
+form the root's group). Its policy and byte quota are the xattrs
+``user.kvfs.policy`` and ``user.kvfs.quota`` on that directory, persisted like any
+xattr; a group without them uses the mount's defaults.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass
+
+from kvfs.errors import InvalidArgument
+from kvfs.namespace import ROOT_INO, Inode, Namespace
+from kvfs.policy import EvictionPolicy, make_policy
+
+POLICY_XATTR = b"user.kvfs.policy"
+QUOTA_XATTR = b"user.kvfs.quota"
+KVFS_MANAGED = "kvfs-managed"
+ENGINE_MANAGED = "engine-managed"
+POLICIES = (KVFS_MANAGED, ENGINE_MANAGED)
+
+
+def parse_quota(value: bytes) -> int:
+    """'100G', '5368709120', '0' (no quota) -> bytes; InvalidArgument otherwise."""
+    text = value.decode(errors="replace").strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(text[-1:], 1)
+    digits = text[:-1] if mult > 1 else text
+    if not digits.isdigit():
+        raise InvalidArgument(f"bad quota {value!r}: use bytes or a K/M/G/T suffix")
+    return int(digits) * mult
+
+
+def check_group_xattr(name: bytes, value: bytes) -> None:
+    """Reject a malformed policy or quota before it is stored."""
+    if name == POLICY_XATTR and value.decode(errors="replace") not in POLICIES:
+        raise InvalidArgument(f"policy must be one of {', '.join(POLICIES)}")
+    if name == QUOTA_XATTR:
+        parse_quota(value)
+
+
+@dataclass(frozen=True)
+class EvictorStatistics:
+    policy: str
+    tracked: int
+    orphans: int
+    owners: int
+    evictions: int
+    orphan_evictions: int
+
+
+def _start_time(pid: int) -> int | None:
+    """A process's start time (clock ticks since boot), None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    fields = data[data.rfind(b")") + 2 :].split()
+    return int(fields[19]) if fields[0] not in (b"Z", b"X") else None
+
+
+class Evictor:
+    """Ownership, orphans and eviction order over one namespace."""
+
+    def __init__(
+        self,
+        ns: Namespace,
+        policy: str = "kvfs",
+        default_policy: str = KVFS_MANAGED,
+        default_quota: int = 0,
+        alive: Callable[[int], int | None] = _start_time,
+    ) -> None:
+        if default_policy not in POLICIES:
+            raise ValueError(f"default policy must be one of {POLICIES}")
+        self.ns = ns
+        self.policy: EvictionPolicy = make_policy(policy)
+        self.default_policy = default_policy
+        self.default_quota = default_quota
+        self._alive = alive
+        self._owner: dict[int, tuple[int, int]] = {}  # ino -> (pid, start time)
+        self._owned: dict[tuple[int, int], set[int]] = {}
+        self.orphans: dict[int, None] = {}  # insertion-ordered set
+        self.evictions = self.orphan_evictions = 0
+
+    # ------------------------------------------------------------------ events
+    def adopt_all(self) -> None:
+        """After a mount: every file is an orphan, oldest first."""
+        files = sorted(
+            (i for i in self.ns.inodes.values() if not i.is_dir), key=lambda i: i.mtime_ns
+        )
+        for inode in files:
+            self.policy.track(inode.ino, inode.size, None)
+            self.orphans[inode.ino] = None
+
+    def opened(self, inode: Inode, pid: int) -> None:
+        """A live process opened the file: it is no orphan, and it is touched."""
+        self.orphans.pop(inode.ino, None)
+        self._set_owner(inode.ino, pid)
+        self.policy.touch(inode.ino, (pid, inode.parent))
+
+    def committed(self, inode: Inode, pid: int) -> None:
+        self.policy.track(inode.ino, inode.size, (pid, inode.parent))
+
+    def created(self, inode: Inode, pid: int) -> None:
+        self.orphans.pop(inode.ino, None)
+        self._set_owner(inode.ino, pid)
+
+    def forget(self, ino: int) -> None:
+        self.policy.remove(ino)
+        self.orphans.pop(ino, None)
+        owner = self._owner.pop(ino, None)
+        if owner is not None:
+            owned = self._owned.get(owner)
+            if owned is not None:
+                owned.discard(ino)
+                if not owned:
+                    del self._owned[owner]
+
+    def _set_owner(self, ino: int, pid: int) -> None:
+        if pid <= 0:
+            return
+        start = self._alive(pid)
+        if start is None:
+            return
+        key = (pid, start)
+        if self._owner.get(ino) == key:
+            return
+        self.forget_owner(ino)
+        self._owner[ino] = key
+        self._owned.setdefault(key, set()).add(ino)
+
+    def forget_owner(self, ino: int) -> None:
+        owner = self._owner.pop(ino, None)
+        if owner is not None and owner in self._owned:
+            self._owned[owner].discard(ino)
+            if not self._owned[owner]:
+                del self._owned[owner]
+
+    def reap(self) -> int:
+        """Turn the files of processes that exited into orphans; returns how many."""
+        count = 0
+        for key in [k for k in self._owned if self._alive(k[0]) != k[1]]:
+            for ino in self._owned.pop(key):
+                self._owner.pop(ino, None)
+                if ino in self.ns.inodes:
+                    self.orphans[ino] = None
+                    count += 1
+        return count
+
+    # ------------------------------------------------------------------ groups
+    def group_of(self, inode: Inode) -> int:
+        """The top-level directory containing ``inode`` (ROOT_INO for the root's files)."""
+        node = inode
+        for _ in range(4096):
+            if node.ino == ROOT_INO:
+                return ROOT_INO
+            if node.parent == ROOT_INO:
+                return node.ino
+            parent = self.ns.inodes.get(node.parent)
+            if parent is None:
+                return ROOT_INO
+            node = parent
+        return ROOT_INO
+
+    def group_policy(self, group: int) -> str:
+        xattrs = self.ns.inodes[group].xattrs if group in self.ns.inodes else None
+        raw = (xattrs or {}).get(POLICY_XATTR)
+        return raw.decode() if raw else self.default_policy
+
+    def group_quota(self, group: int) -> int:
+        xattrs = self.ns.inodes[group].xattrs if group in self.ns.inodes else None
+        raw = (xattrs or {}).get(QUOTA_XATTR)
+        return parse_quota(raw) if raw else self.default_quota
+
+    # ------------------------------------------------------------------ order
+    def candidates(
+        self, evictable: Callable[[Inode], bool], group: int | None = None
+    ) -> Iterator[tuple[Inode, bool]]:
+        """(inode, is_orphan) in eviction order; the caller evicts or skips each one
+        and must call :meth:`forget` for every inode it evicts."""
+        for ino in list(self.orphans):
+            inode = self.ns.inodes.get(ino)
+            if inode is None:
+                self.orphans.pop(ino, None)
+                continue
+            if evictable(inode) and (group is None or self.group_of(inode) == group):
+                yield inode, True
+        managed: dict[int, bool] = {}
+        for ino in self.policy.victims():
+            inode = self.ns.inodes.get(ino)
+            if inode is None or not evictable(inode):
+                continue
+            g = self.group_of(inode)
+            if group is not None and g != group:
+                continue
+            if g not in managed:
+                managed[g] = self.group_policy(g) == KVFS_MANAGED
+            if managed[g]:
+                yield inode, False
+
+    def statistics(self) -> EvictorStatistics:
+        return EvictorStatistics(
+            self.policy.name,
+            len(self.policy),
+            len(self.orphans),
+            len(self._owned),
+            self.evictions,
+            self.orphan_evictions,
+        )
+
+
+__all__ = ["Evictor", "Hashable", "os"]

@@ -1,0 +1,118 @@
+"""Run a kvfs mount in a child process and always clean it up.
+
+Used by the real-mount tests, the benchmarks and the demo: spawn the real CLI in the
+foreground, poll for the mount with a deadline (failing early if the child died), and
+on exit unmount lazily, wait, then terminate and kill.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+
+class MountFailed(RuntimeError):
+    pass
+
+
+def kvfs_command() -> list[str]:
+    return [sys.executable, "-m", "kvfs"]
+
+
+def is_mounted(path: str | Path) -> bool:
+    target = os.path.realpath(path)
+    with open("/proc/self/mounts") as f:
+        return any(line.split()[1] == target for line in f)
+
+
+def unmount(path: str | Path) -> None:
+    if is_mounted(path):
+        subprocess.run(["fusermount3", "-u", "-z", str(path)], capture_output=True)
+
+
+@contextmanager
+def mounted(
+    mountpoint: str | Path,
+    devices: Sequence[str | Path],
+    *extra: str,
+    log_file: str | Path | None = None,
+    timeout: float = 30.0,
+    env: dict[str, str] | None = None,
+) -> Iterator[subprocess.Popen[bytes]]:
+    """Mount ``devices`` at ``mountpoint`` with ``kvfs mount --foreground *extra``."""
+    Path(mountpoint).mkdir(parents=True, exist_ok=True)
+    cmd = [*kvfs_command(), "mount", "--foreground", str(mountpoint), *map(str, devices), *extra]
+    if log_file is not None:
+        cmd += ["--log-file", str(log_file)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        wait_mounted(proc, mountpoint, timeout)
+        yield proc
+    finally:
+        stop(proc, mountpoint)
+
+
+def wait_mounted(proc: subprocess.Popen[bytes], mountpoint: str | Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not is_mounted(mountpoint):
+        if proc.poll() is not None:
+            _, err = proc.communicate()
+            raise MountFailed(f"kvfs exited with {proc.returncode}: {err.decode().strip()}")
+        if time.monotonic() > deadline:
+            raise MountFailed(f"{mountpoint} not mounted after {timeout} s")
+        time.sleep(0.02)
+    # the kernel has the mount; wait until INIT is answered
+    os.stat(mountpoint)
+
+
+def stop(proc: subprocess.Popen[bytes], mountpoint: str | Path, timeout: float = 60.0) -> int:
+    """Unmount and wait for a clean exit (final checkpoint); escalate if it hangs."""
+    if proc.poll() is None:
+        unmount(mountpoint)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    unmount(mountpoint)
+    if proc.stdout:
+        proc.stdout.close()
+    if proc.stderr:
+        proc.stderr.close()
+    return proc.returncode
+
+
+def kill(proc: subprocess.Popen[bytes], mountpoint: str | Path) -> None:
+    """kill -9 the daemon (crash tests) and clear the dead mount."""
+    proc.kill()
+    proc.wait()
+    unmount(mountpoint)
+
+
+def make_image(path: str | Path, size: int) -> Path:
+    """A sparse image file of ``size`` bytes (a stand-in device)."""
+    p = Path(path)
+    with open(p, "wb") as f:
+        f.truncate(size)
+    return p
+
+
+@contextmanager
+def loop_device(image: str | Path) -> Iterator[str]:
+    """Attach ``image`` to a free loop device (root only)."""
+    dev = subprocess.run(
+        ["losetup", "-f", "--show", str(image)], check=True, capture_output=True, text=True
+    ).stdout.strip()
+    try:
+        yield dev
+    finally:
+        subprocess.run(["losetup", "-d", dev], capture_output=True)
