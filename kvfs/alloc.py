@@ -34,10 +34,16 @@ class Allocator:
         self._free = list(units_per_device)
         self._cursor = [0] * len(units_per_device)
         self.total_units = sum(units_per_device)
+        self.offline: set[int] = set()
 
     @property
     def free_units(self) -> int:
-        return sum(self._free)
+        """Free units on devices that are still taking writes."""
+        return sum(f for d, f in enumerate(self._free) if d not in self.offline)
+
+    def set_offline(self, dev: int) -> None:
+        """Stop placing new data on a device (it failed a write)."""
+        self.offline.add(dev)
 
     def device_free(self, dev: int) -> int:
         return self._free[dev]
@@ -67,7 +73,8 @@ class Allocator:
         """
         if count > self.free_units:
             raise NoSpace(f"need {count} units, {self.free_units} free")
-        order = [device, *(d for d in range(len(self._maps)) if d != device)]
+        order = [d for d in (device, *range(len(self._maps))) if d not in self.offline]
+        order = list(dict.fromkeys(order))
         for dev in order:
             start = self._find(dev, count, near if dev == device else -1)
             if start >= 0:

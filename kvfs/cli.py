@@ -78,6 +78,17 @@ def _parser() -> argparse.ArgumentParser:
         "--low-watermark", type=float, default=0.80, help="evict down to this used fraction (0.80)"
     )
     m.add_argument("--no-discard", action="store_true", help="do not TRIM freed extents")
+    m.add_argument(
+        "--degraded",
+        action="store_true",
+        help="mount even if devices other than the first are missing "
+        "(files with data on them are dropped)",
+    )
+
+    ck = sub.add_parser("fsck", help="check (and --repair) an unmounted pool")
+    ck.add_argument("devices", nargs="+")
+    ck.add_argument("--repair", action="store_true", help="drop what cannot be trusted")
+    ck.add_argument("--no-data", action="store_true", help="skip reading every data unit")
 
     pol = sub.add_parser("policy", help="show or set a top-level directory's policy/quota")
     pol.add_argument("directory")
@@ -121,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         "umount": cmd_umount,
         "stats": cmd_stats,
         "policy": cmd_policy,
+        "fsck": cmd_fsck,
     }
     try:
         return commands[args.command](args)
@@ -228,7 +240,7 @@ def _run_mount(args: argparse.Namespace, ready: Callable[[], None]) -> int:
     from kvfs.pool import open_pool
     from kvfs.store import Store, StoreConfig
 
-    pool = open_pool(args.devices)
+    pool = open_pool(args.devices, degraded=args.degraded)
     try:
         try:
             config = StoreConfig(
@@ -301,6 +313,13 @@ def _alive(pid: int) -> bool:
             return f.read().split(") ")[-1][:1] not in ("Z", "X")
     except OSError:
         return False
+
+
+def cmd_fsck(args: argparse.Namespace) -> int:
+    """Exit codes as e2fsck: 0 clean, 1 corrected, 4 uncorrected, 8 operational error."""
+    from kvfs.fsck import fsck
+
+    return fsck(args.devices, repair=args.repair, check_data=not args.no_data)
 
 
 def cmd_policy(args: argparse.Namespace) -> int:

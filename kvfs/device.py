@@ -286,6 +286,26 @@ class MemoryDevice(Device):
         self.data[offset : offset + length] = bytes(length)
 
 
+class MissingDevice(Device):
+    """Stands in for an absent device of a pool mounted ``--degraded``: every request
+    fails, nothing is allocated on it."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path, 0, ALIGN, 0)
+
+    def _pread(self, offset: int, buf: memoryview) -> int:
+        raise OSError(errno.ENODEV, "device missing (degraded pool)")
+
+    def _pwrite(self, offset: int, bufs: Sequence[memoryview]) -> int:
+        raise OSError(errno.ENODEV, "device missing (degraded pool)")
+
+    def _flush(self) -> None:
+        pass
+
+    def _discard(self, offset: int, length: int) -> None:
+        pass
+
+
 class FaultyDevice(Device):
     """Wraps a device and injects faults: EIO on ranges, or hangs, on demand (tests)."""
 

@@ -216,6 +216,9 @@ class Journal:
     def resume(self, generation: int, half: int, seq: int) -> None:
         """Continue after ``seq`` of ``generation`` (the next checkpoint switches half)."""
         self.generation, self.half, self._seq, self._durable = generation, half, seq, seq
+        # The write offset inside that half is unknown here: the first flush must be a
+        # checkpoint, or a transaction would be written over the recovered checkpoint.
+        self._want_checkpoint = True
 
     def append(self, ops: list[Op]) -> int:
         """Queue one atomic transaction; returns its sequence number (sync)."""
@@ -282,7 +285,8 @@ class Journal:
 
     def _needs_checkpoint(self) -> bool:
         grown = self._offset - self._ckpt_end + self._pending_bytes
-        return grown > self._checkpoint_bytes or self._offset + grown + 2 * ALIGN > self._half_size
+        full = self._offset + self._pending_bytes + 2 * ALIGN > self._half_size
+        return grown > self._checkpoint_bytes or full  # (offset + grown counted twice)
 
     async def _write_pending(self) -> None:
         data = b"".join(self._pending)
@@ -339,7 +343,10 @@ class Journal:
         def write() -> None:
             for dev in devices:
                 dev.flush()
-            self._meta.write(base + offset, [memoryview(buf)[: len(data)]])
+            # release the views even on error: a traceback holding one would make
+            # buf.close() raise BufferError instead of the DeviceError
+            with memoryview(buf) as whole, whole[: len(data)] as view:
+                self._meta.write(base + offset, [view])
             self._meta.flush()
 
         try:

@@ -348,7 +348,10 @@ class Namespace:
         a.parent, a.name, b.parent, b.name = p2, n2, p1, n1
         self._touch_dir(p1)
         self._touch_dir(p2)
-        self._log([Dentry(p1, n1, b.ino), Dentry(p2, n2, a.ino)])
+        ops: list[Op] = [Dentry(p1, n1, b.ino), Dentry(p2, n2, a.ino), self.inodes[p1].record()]
+        if p2 != p1:
+            ops.append(self.inodes[p2].record())
+        self._log(ops)  # the directories' new mtimes too, or replay differs
 
     def _check_not_ancestor(self, ino: int, target_dir: int) -> None:
         cur = target_dir

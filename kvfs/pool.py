@@ -6,15 +6,14 @@ worker thread); every problem a user can cause is a :class:`UserError` with one 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
 import uuid
 from dataclasses import dataclass
 
-import xxhash
-
-from kvfs.device import ALIGN, Device, FileDevice, aligned_buffer
+from kvfs.device import ALIGN, Device, FileDevice, MissingDevice, aligned_buffer
 from kvfs.errors import Corruption, DeviceError, UserError
 from kvfs.journal import encode_checkpoint, half_bounds
 from kvfs.layout import (
@@ -58,6 +57,11 @@ class Pool:
 
     def unit_offset(self, dev: int, unit: int) -> int:
         return self.superblocks[dev].data_start + unit * self.unit_size
+
+    @property
+    def missing(self) -> list[int]:
+        """Indexes of devices absent from a degraded pool."""
+        return [i for i, d in enumerate(self.devices) if isinstance(d, MissingDevice)]
 
     def close(self) -> None:
         for dev in self.devices:
@@ -207,12 +211,13 @@ def _write(dev: Device, offset: int, data: bytes) -> None:
         buf.close()
 
 
-def open_pool(paths: list[str]) -> Pool:
-    """Open and cross-check the devices of one pool (any order on the command line)."""
+def open_pool(paths: list[str], degraded: bool = False) -> Pool:
+    """Open and cross-check the devices of one pool (any order on the command line).
+    With ``degraded``, devices other than device 0 may be missing."""
     devices = _open_all(paths)
     try:
         sbs = [_read_superblock(dev) for dev in devices]
-        return _assemble(devices, sbs)
+        return _assemble(devices, sbs, degraded)
     except BaseException:
         for d in devices:
             d.close()
@@ -235,23 +240,30 @@ def _read_superblock(dev: Device) -> Superblock:
     return sb
 
 
-def _assemble(devices: list[Device], sbs: list[Superblock]) -> Pool:
+def _assemble(devices: list[Device], sbs: list[Superblock], degraded: bool = False) -> Pool:
     pools = {sb.pool_uuid for sb in sbs}
     if len(pools) > 1:
         raise UserError("the devices belong to different kvfs pools")
     count = sbs[0].device_count
     indexes = sorted(sb.device_index for sb in sbs)
-    if indexes != list(range(len(sbs))) or len(sbs) != count:
+    if len(set(indexes)) != len(indexes) or any(i >= count for i in indexes):
+        raise UserError("two of the given devices claim the same place in the pool")
+    if indexes != list(range(count)):
         have = ", ".join(str(i + 1) for i in indexes)
-        raise UserError(f"pool has {count} devices; given device number(s) {have}")
-    if len({(sb.unit_size, sb.meta_size if sb.device_index == 0 else 0) for sb in sbs}) > 1:
+        missing = sorted(set(range(count)) - set(indexes))
+        if not degraded or 0 in missing:
+            hint = " (device 1 holds the metadata)" if 0 in missing else " (or --degraded)"
+            raise UserError(f"pool has {count} devices; given device number(s) {have}{hint}")
+        for i in missing:
+            log.warning("device %d of %d is missing: mounting degraded", i + 1, count)
+            devices.append(MissingDevice(f"<missing device {i + 1}>"))
+            sbs.append(
+                dataclasses.replace(sbs[0], device_index=i, data_units=0, meta_start=0, meta_size=0)
+            )
+    if len({(sb.unit_size, sb.pool_units, sb.device_count) for sb in sbs}) > 1:
         raise UserError("device superblocks disagree on the pool geometry")
     order = sorted(range(len(sbs)), key=lambda i: sbs[i].device_index)
     return Pool([devices[i] for i in order], [sbs[i] for i in order])
-
-
-def pool_digest(pool: Pool) -> str:
-    return xxhash.xxh64_hexdigest(pool.superblocks[0].pool_uuid)
 
 
 __all__ = ["DeviceError", "Pool", "format_pool", "open_pool"]

@@ -183,6 +183,7 @@ class Store:
         self._usage: dict[int, int] = {}  # quota group -> bytes mapped (computed lazily)
         self._trim: list[int] = []
         self._trimming = 0
+        self.lost: dict[int, bytes] = {}
         self._trim_wake = trio.Event()
         self._space_freed = trio.Event()
         self._evict_wake = trio.Event()
@@ -218,14 +219,16 @@ class Store:
         return report
 
     def _drop_unfinished(self) -> tuple[int, int]:
-        """Drop files left mid-write or unlinked-while-open by a crash, and names
-        that point nowhere."""
+        """Drop files left mid-write or unlinked-while-open by a crash, files with
+        data on a missing device (degraded mount), and names that point nowhere."""
         doomed = {
             ino
             for ino, inode in self.ns.inodes.items()
             if ino != ROOT_INO
             and (inode.flags & (FLAG_WRITING | FLAG_QUARANTINED) or inode.nlink == 0)
         }
+        self.lost = self._lost_to_missing_devices()
+        doomed |= set(self.lost)
         incomplete = sum(1 for i in doomed if self.ns.inodes[i].nlink)
         for inode in self.ns.inodes.values():
             if inode.entries:
@@ -236,6 +239,26 @@ class Store:
         for ino in doomed:
             del self.ns.inodes[ino]
         return incomplete, len(doomed) - incomplete
+
+    def _lost_to_missing_devices(self) -> dict[int, bytes]:
+        missing = set(self.pool.missing)
+        if not missing:
+            return {}
+        lost = {
+            inode.ino: inode.name
+            for inode in self.ns.inodes.values()
+            if any(p != NO_UNIT and p >> DEV_SHIFT in missing for p in inode.units)
+        }
+        size = sum(self.ns.inodes[i].size for i in lost)
+        log.warning(
+            "degraded: %d file(s), %d bytes lost with missing device(s) %s",
+            len(lost),
+            size,
+            ", ".join(str(i + 1) for i in sorted(missing)),
+        )
+        for ino, name in list(lost.items())[:50]:
+            log.warning("lost: inode %d %s", ino, name.decode(errors="replace"))
+        return lost
 
     def _rebuild_allocator(self) -> None:
         for inode in self.ns.inodes.values():
@@ -275,6 +298,13 @@ class Store:
             )
         path = self.pool.devices[dev].path
         raise DeviceError(f"{path}: request missed its {self.cfg.io_timeout:g} s deadline")
+
+    def _take_offline(self, dev: int) -> None:
+        if dev not in self.alloc.offline:
+            log.error(
+                "device %s failed a write: no new data goes there", self.pool.devices[dev].path
+            )
+            self.alloc.set_offline(dev)
 
     def _defer_free(self, p: int) -> None:
         self._deferred.append((self.journal.last_seq, p))
@@ -563,6 +593,9 @@ class Store:
                     )
         except KvfsError as e:
             log.error("write-back of inode %d failed: %s", inode.ino, e)
+            for dev, _, _ in plan:
+                if self.pool.devices[dev].statistics().errors:
+                    self._take_offline(dev)
             st.error = e
             for dev, start, lus in plan:
                 self.alloc.free(dev, start, len(lus))
