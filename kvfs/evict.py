@@ -19,6 +19,7 @@ xattr; a group without them uses the mount's defaults.
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ QUOTA_XATTR = b"user.kvfs.quota"
 KVFS_MANAGED = "kvfs-managed"
 ENGINE_MANAGED = "engine-managed"
 POLICIES = (KVFS_MANAGED, ENGINE_MANAGED)
+ORPHAN_SCAN = 4096
+"""Orphans examined per eviction pass (keeps a pass O(1) with millions of orphans)."""
 
 
 def parse_quota(value: bytes) -> int:
@@ -94,6 +97,7 @@ class Evictor:
         self._owner: dict[int, tuple[int, int]] = {}  # ino -> (pid, start time)
         self._owned: dict[tuple[int, int], set[int]] = {}
         self.orphans: dict[int, None] = {}  # insertion-ordered set
+        self._starts: dict[int, int] = {}
         self.evictions = self.orphan_evictions = 0
 
     # ------------------------------------------------------------------ events
@@ -130,10 +134,22 @@ class Evictor:
                 if not owned:
                     del self._owned[owner]
 
+    def _start_of(self, pid: int) -> int | None:
+        """A process's start time, cached for the lifetime of the process entry:
+        opens are frequent, /proc reads are not free."""
+        start = self._starts.get(pid)
+        if start is None:
+            start = self._alive(pid)
+            if start is not None:
+                if len(self._starts) > 65536:
+                    self._starts.clear()
+                self._starts[pid] = start
+        return start
+
     def _set_owner(self, ino: int, pid: int) -> None:
         if pid <= 0:
             return
-        start = self._alive(pid)
+        start = self._start_of(pid)
         if start is None:
             return
         key = (pid, start)
@@ -153,7 +169,10 @@ class Evictor:
     def reap(self) -> int:
         """Turn the files of processes that exited into orphans; returns how many."""
         count = 0
-        for key in [k for k in self._owned if self._alive(k[0]) != k[1]]:
+        dead = [k for k in self._owned if self._alive(k[0]) != k[1]]
+        for pid, _ in dead:
+            self._starts.pop(pid, None)
+        for key in dead:
             for ino in self._owned.pop(key):
                 self._owner.pop(ino, None)
                 if ino in self.ns.inodes:
@@ -192,7 +211,7 @@ class Evictor:
     ) -> Iterator[tuple[Inode, bool]]:
         """(inode, is_orphan) in eviction order; the caller evicts or skips each one
         and must call :meth:`forget` for every inode it evicts."""
-        for ino in list(self.orphans):
+        for ino in list(itertools.islice(self.orphans, ORPHAN_SCAN)):
             inode = self.ns.inodes.get(ino)
             if inode is None:
                 self.orphans.pop(ino, None)

@@ -45,13 +45,15 @@ _HEADER = struct.Struct("<4sBBHqq")  # magic, version, kind, list count, clock, 
 assert _HEADER.size == 24
 _COUNT = struct.Struct("<q")
 _CRC = struct.Struct("<I")
-_NO_KEY = -1  # "no predecessor" in persisted columns
+_NO_KEY = -1  # "no key" in the chain columns and in persisted columns
+_FREE = -1  # owner of a slot that holds no key
 
-# List sentinels.  Keys are >= 0, so negative ints can never collide with a key.
-_ORDER = -1  # the single list of LRUPolicy / FIFOPolicy
-_DEAD = -1  # KvfsPolicy: keys whose learned predecessor is gone
-_PROBATION = -2  # KvfsPolicy: new, not (yet) re-used keys; FIFO/LRU order
-_MAIN = -3  # KvfsPolicy: protected keys, LRU order
+# List ids double as the slot numbers of the lists' sentinels (slots 0..lists-1).
+_ORDER = 0  # the single list of LRUPolicy / FIFOPolicy
+_DEAD = 0  # KvfsPolicy: keys whose learned predecessor is gone
+_PROBATION = 1  # KvfsPolicy: new, not (yet) re-used keys; FIFO/LRU order
+_MAIN = 2  # KvfsPolicy: protected keys, LRU order
+_GHOST = 3  # KvfsPolicy: recently evicted keys (not resident), oldest first
 
 _CONFIRMED = 1  # flag: the learned predecessor was observed at least twice in a row
 _STREAM_MEMORY = 4096  # streams remembered for chain learning (oldest forgotten first)
@@ -113,116 +115,169 @@ class EvictionPolicy(Protocol):
         """Replace the state by one from ``persist()``; raise ValueError on bad data."""
 
 
-class _Links:
-    """Circular doubly-linked lists of int keys, all sharing two dicts.
+class _Slots:
+    """Per-key state as parallel arrays indexed by slot, plus intrusive circular lists.
 
-    Each list is identified by a negative sentinel; a key is in at most one list.
-    Costs one ``prev``, one ``next`` and one ``owner`` dict entry per key.
+    ``index`` maps a key to its slot; every other per-key field is one entry of an
+    ``array('q')`` column, so a key costs one dict entry, one int object (the slot)
+    and 8 bytes per column.  Slots ``0 .. lists-1`` are the lists' sentinels; freed
+    slots are reused (a free-slot stack), so the arrays never shrink but never grow
+    beyond the peak number of keys.  A slot is in at most one list (``owner``).
     """
 
-    def __init__(self, sentinels: tuple[int, ...]) -> None:
-        self.sentinels = sentinels
-        self.prev: dict[int, int] = {s: s for s in sentinels}
-        self.next: dict[int, int] = {s: s for s in sentinels}
-        self.owner: dict[int, int] = {}
-        self.count: dict[int, int] = dict.fromkeys(sentinels, 0)
+    def __init__(self, lists: int, columns: int) -> None:
+        self.index: dict[int, int] = {}
+        self.key = array("q", [_NO_KEY] * lists)
+        self.prev = array("q", range(lists))
+        self.next = array("q", range(lists))
+        self.owner = array("b", range(lists))
+        self.columns = [array("q", [0] * lists) for _ in range(columns)]
+        self.count = [0] * lists
+        self.free = array("q")
 
-    def insert_before(self, anchor: int, key: int, sentinel: int) -> None:
-        """Put ``key`` (in no list) right before ``anchor`` (a member of ``sentinel``)."""
+    def new(self, key: int) -> int:
+        """Allocate a slot for ``key`` (in no list, every column 0) and index it."""
+        if self.free:
+            slot = self.free.pop()
+            self.key[slot] = key
+        else:
+            slot = len(self.key)
+            self.key.append(key)
+            self.prev.append(slot)
+            self.next.append(slot)
+            self.owner.append(_FREE)
+            for column in self.columns:
+                column.append(0)
+        self.index[key] = slot
+        return slot
+
+    def release(self, slot: int) -> None:
+        """Unindex the key of ``slot`` (in no list) and free the slot."""
+        del self.index[self.key[slot]]
+        self.key[slot] = _NO_KEY
+        for column in self.columns:
+            column[slot] = 0
+        self.free.append(slot)
+
+    def insert_before(self, anchor: int, slot: int, lst: int) -> None:
+        """Link ``slot`` (in no list) right before ``anchor``, a member or sentinel of ``lst``."""
         before = self.prev[anchor]
-        self.prev[key] = before
-        self.next[key] = anchor
-        self.next[before] = key
-        self.prev[anchor] = key
-        self.owner[key] = sentinel
-        self.count[sentinel] += 1
+        self.prev[slot] = before
+        self.next[slot] = anchor
+        self.next[before] = slot
+        self.prev[anchor] = slot
+        self.owner[slot] = lst
+        self.count[lst] += 1
 
-    def append(self, sentinel: int, key: int) -> None:
-        """Put ``key`` at the newest end of list ``sentinel``."""
-        self.insert_before(sentinel, key, sentinel)
+    def append(self, lst: int, slot: int) -> None:
+        """Link ``slot`` at the newest end of list ``lst``."""
+        self.insert_before(lst, slot, lst)
 
-    def unlink(self, key: int) -> int:
-        """Take ``key`` out of its list and return that list's sentinel."""
-        before, after = self.prev.pop(key), self.next.pop(key)
+    def unlink(self, slot: int) -> int:
+        """Take ``slot`` out of its list and return the list."""
+        before, after = self.prev[slot], self.next[slot]
         self.next[before] = after
         self.prev[after] = before
-        sentinel = self.owner.pop(key)
-        self.count[sentinel] -= 1
-        return sentinel
+        lst = self.owner[slot]
+        self.owner[slot] = _FREE
+        self.count[lst] -= 1
+        return lst
 
-    def first(self, sentinel: int) -> int | None:
-        """Return the oldest key of list ``sentinel``, or None if it is empty."""
-        key = self.next[sentinel]
-        return None if key == sentinel else key
+    def first(self, lst: int) -> int | None:
+        """Return the oldest slot of list ``lst``, or None if it is empty."""
+        slot = self.next[lst]
+        return None if slot == lst else slot
 
-    def keys(self, sentinel: int) -> Iterator[int]:
-        """Iterate one list oldest first; the lists must not change meanwhile."""
-        key = self.next[sentinel]
-        while key != sentinel:
-            yield key
-            key = self.next[key]
+    def slots(self, lst: int) -> Iterator[int]:
+        """Iterate one list's slots oldest first; the lists must not change meanwhile."""
+        slot = self.next[lst]
+        while slot != lst:
+            yield slot
+            slot = self.next[slot]
 
-    def walk(self, sentinel: int) -> Iterator[int]:
-        """Iterate one list oldest first, tolerating removal of the yielded key.
+    def walk(self, lst: int) -> Iterator[int]:
+        """Yield the keys of one list oldest first, tolerating removal of the yielded key.
 
         If both the yielded key and its successor left the list meanwhile, the walk
         restarts from the oldest end (callers filter keys they have already seen).
         """
-        key = self.next[sentinel]
-        while key != sentinel:
-            after = self.next[key]
+        slot = self.next[lst]
+        while slot != lst:
+            after = self.next[slot]
+            key = self.key[slot]
             yield key
-            if self.owner.get(key) == sentinel:
-                key = self.next[key]
-            elif after == sentinel or self.owner.get(after) == sentinel:
-                key = after
+            if self.owner[slot] == lst and self.key[slot] == key:
+                slot = self.next[slot]
+            elif after == lst or self.owner[after] == lst:
+                slot = after
             else:
-                key = self.next[sentinel]
+                slot = self.next[lst]
 
 
 class _LinkedPolicy:
-    """Shared state and persistence of the policies: sizes, lists and counters."""
+    """Shared state and persistence of the policies: slots, sizes, lists and counters."""
 
     name: str = ""
     _kind: ClassVar[int] = 0
-    _sentinels: ClassVar[tuple[int, ...]] = (_ORDER,)
+    _lists: ClassVar[tuple[int, ...]] = (_ORDER,)  # persisted lists, in image order
+    _slot_lists: ClassVar[int] = 1  # lists including unpersisted ones (the ghost)
+    _columns: ClassVar[int] = 1  # column 0 is the size
 
     def __init__(self) -> None:
-        self._links = _Links(self._sentinels)
-        self._size: dict[int, int] = {}
+        self._slots = _Slots(self._slot_lists, self._columns)
+        self._size = self._slots.columns[0]
+        self._resident = 0
         self._bytes = 0
         self._tracks = 0
         self._touches = 0
         self._removes = 0
 
+    def _slot(self, key: object) -> int | None:
+        """Return the slot of resident ``key``, or None."""
+        slot = self._slots.index.get(key)  # type: ignore[call-overload]
+        if slot is None or self._slots.owner[slot] not in self._lists:
+            return None
+        return int(slot)
+
     def __contains__(self, key: object) -> bool:
-        return key in self._size
+        return self._slot(key) is not None
 
     def __len__(self) -> int:
-        return len(self._size)
+        return self._resident
 
     def reset(self) -> None:
         """Forget every key and counter."""
         self.__init__()  # type: ignore[misc]
 
-    def _set_size(self, key: int, size: int) -> bool:
-        """Record ``size`` for ``key``; return True if the key is new."""
+    def _check(self, key: int, size: int) -> None:
         if key < 0 or size < 0:
             raise ValueError(f"key and size must be >= 0, got {key}, {size}")
-        old = self._size.get(key)
-        self._size[key] = size
-        self._bytes += size - (old or 0)
         self._tracks += 1
-        return old is None
 
-    def _forget(self, key: int) -> int | None:
-        """Drop ``key`` from the size table and its list; return its list or None."""
-        size = self._size.pop(key, None)
-        if size is None:
-            return None
-        self._bytes -= size
+    def _add(self, key: int, size: int) -> int:
+        """Make ``key`` resident (in no list yet) with ``size``; return its slot."""
+        slot = self._slots.index.get(key)
+        if slot is None:
+            slot = self._slots.new(key)
+            self._init_slot(slot)
+        self._size[slot] = size
+        self._bytes += size
+        self._resident += 1
+        return slot
+
+    def _init_slot(self, slot: int) -> None:
+        """Set the columns of a newly allocated slot (all 0 before)."""
+
+    def _resize(self, slot: int, size: int) -> None:
+        self._bytes += size - self._size[slot]
+        self._size[slot] = size
+
+    def _drop(self, slot: int) -> int:
+        """Make the key of ``slot`` non-resident (slot kept, in no list); return its list."""
+        self._bytes -= self._size[slot]
+        self._resident -= 1
         self._removes += 1
-        return self._links.unlink(key)
+        return self._slots.unlink(slot)
 
     def _base_statistics(self, **segments: int) -> PolicyStatistics:
         fields = {
@@ -238,7 +293,7 @@ class _LinkedPolicy:
         fields.update(segments)
         return PolicyStatistics(
             name=self.name,
-            keys=len(self._size),
+            keys=self._resident,
             bytes=self._bytes,
             tracks=self._tracks,
             touches=self._touches,
@@ -248,8 +303,8 @@ class _LinkedPolicy:
 
     # -- persistence ---------------------------------------------------------------
 
-    def _key_columns(self, key: int) -> tuple[int, int, int]:
-        """Return (predecessor or -1, last access clock, flags) to persist for ``key``."""
+    def _key_columns(self, slot: int) -> tuple[int, int, int]:
+        """Return (predecessor or -1, last access clock, flags) to persist for ``slot``."""
         return _NO_KEY, 0, 0
 
     def _scalars(self) -> tuple[int, int]:
@@ -263,15 +318,14 @@ class _LinkedPolicy:
     def persist(self) -> bytes:
         """Encode the state: header, per list five int64 columns, ghost keys, CRC32."""
         clock, horizon = self._scalars()
-        parts = [
-            _HEADER.pack(_MAGIC, FORMAT_VERSION, self._kind, len(self._sentinels), clock, horizon)
-        ]
-        for sentinel in self._sentinels:
-            keys = array("q", self._links.keys(sentinel))
-            columns = [self._key_columns(k) for k in keys]
-            parts.append(_COUNT.pack(len(keys)))
-            parts.append(keys.tobytes())
-            parts.append(array("q", (self._size[k] for k in keys)).tobytes())
+        parts = [_HEADER.pack(_MAGIC, FORMAT_VERSION, self._kind, len(self._lists), clock, horizon)]
+        table = self._slots
+        for lst in self._lists:
+            slots = list(table.slots(lst))
+            columns = [self._key_columns(slot) for slot in slots]
+            parts.append(_COUNT.pack(len(slots)))
+            parts.append(array("q", (table.key[slot] for slot in slots)).tobytes())
+            parts.append(array("q", (self._size[slot] for slot in slots)).tobytes())
             for index in range(3):
                 parts.append(array("q", (c[index] for c in columns)).tobytes())
         ghost = self._ghost_items()
@@ -283,16 +337,14 @@ class _LinkedPolicy:
 
     def recover(self, data: bytes) -> None:
         """Replace the state by the one ``data`` encodes; on ValueError nothing changes."""
-        decoded = _decode(data, self._kind, len(self._sentinels))
+        decoded = _decode(data, self._kind, len(self._lists))
         self.reset()
         self._restore(decoded)
 
     def _restore(self, decoded: _Decoded) -> None:
-        for sentinel, rows in zip(self._sentinels, decoded.lists, strict=True):
+        for lst, rows in zip(self._lists, decoded.lists, strict=True):
             for key, size, _pred, _last, _flags in rows:
-                self._size[key] = size
-                self._bytes += size
-                self._links.append(sentinel, key)
+                self._slots.append(lst, self._add(key, size))
 
 
 @dataclass(frozen=True)
@@ -378,21 +430,28 @@ class FIFOPolicy(_LinkedPolicy):
 
     def track(self, key: int, size: int, stream: Hashable) -> None:
         """Record a write; a rewrite of a tracked key keeps its place."""
-        if self._set_size(key, size):
-            self._links.append(_ORDER, key)
+        self._check(key, size)
+        slot = self._slot(key)
+        if slot is None:
+            self._slots.append(_ORDER, self._add(key, size))
+        else:
+            self._resize(slot, size)
 
     def touch(self, key: int, stream: Hashable) -> None:
         """Count a read; FIFO order ignores reads."""
-        if key in self._size:
+        if self._slot(key) is not None:
             self._touches += 1
 
     def remove(self, key: int) -> None:
         """Forget ``key`` (no-op if unknown)."""
-        self._forget(key)
+        slot = self._slot(key)
+        if slot is not None:
+            self._drop(slot)
+            self._slots.release(slot)
 
     def victims(self) -> Iterator[int]:
         """Yield keys oldest write first; removing the yielded key is allowed."""
-        return self._links.walk(_ORDER)
+        return self._slots.walk(_ORDER)
 
     def statistics(self) -> PolicyStatistics:
         """Return a snapshot of the counters."""
@@ -407,16 +466,22 @@ class LRUPolicy(FIFOPolicy):
 
     def track(self, key: int, size: int, stream: Hashable) -> None:
         """Record a write; it counts as a use."""
-        if not self._set_size(key, size):
-            self._links.unlink(key)
-        self._links.append(_ORDER, key)
+        self._check(key, size)
+        slot = self._slot(key)
+        if slot is None:
+            slot = self._add(key, size)
+        else:
+            self._resize(slot, size)
+            self._slots.unlink(slot)
+        self._slots.append(_ORDER, slot)
 
     def touch(self, key: int, stream: Hashable) -> None:
         """Record a read: ``key`` becomes the newest."""
-        if key in self._size:
+        slot = self._slot(key)
+        if slot is not None:
             self._touches += 1
-            self._links.unlink(key)
-            self._links.append(_ORDER, key)
+            self._slots.unlink(slot)
+            self._slots.append(_ORDER, slot)
 
 
 class KvfsPolicy(_LinkedPolicy):
@@ -428,17 +493,21 @@ class KvfsPolicy(_LinkedPolicy):
        chunk without its prefix can never be a hit, so these go first.
     2. *cold main*: protected keys unused for longer than ``cold_factor`` times their
        own last reuse interval (finished conversations).
-    3. *probation* while it holds more than ``1 - main_share`` of the bytes: new keys
-       and keys not admitted to main, oldest first.
+    3. *probation* while it would keep ``1 - main_share`` of the bytes after the
+       eviction: new keys and keys not admitted to main, oldest first.
     4. *main*, least recently used first, then the rest of probation.
 
     Admission to main (S3-FIFO-like, but loop-resistant as in LIRS): a key re-read
     while in probation, re-written after its eviction (a ghost hit) or written as the
-    continuation of a main chain enters main if main is under ``main_share`` of the
-    bytes, or main's oldest key is cold, or that key has been unused for longer than
-    ``admit_factor`` times the newcomer's reuse interval.  Otherwise it stays in
-    probation, so a working set larger than the cache keeps a stable subset of whole
-    chains hot instead of cycling everything through (what LRU does on multi-round QA).
+    continuation of a main chain enters main if main stays within ``main_share`` of
+    the bytes *after the eviction the admission causes*, or main's oldest key is cold,
+    or that key has been unused for longer than ``admit_factor`` times the newcomer's
+    reuse interval.  Otherwise it stays in probation, so a working set larger than
+    the cache keeps a stable subset of whole chains hot instead of cycling everything
+    through (what LRU does on multi-round QA).  The share test and the probation
+    floor use the same post-eviction byte count; with the pre-eviction count a full
+    main admitted every newcomer while the floor forbade evicting from probation, and
+    main degenerated into an LRU (the ``main_share`` cliff, docs/eviction.md).
 
     Chains are learned per stream: when a stream accesses key B right after a
     different key A, A becomes B's predecessor (confirmed when seen twice in a row).
@@ -447,16 +516,18 @@ class KvfsPolicy(_LinkedPolicy):
     Removing a key moves its latest successor, if that link is confirmed, to the
     dead list; re-writing the key brings the successor back.
 
-    Time is a logical clock of track/touch calls.  Memory: about 700 B per key in
-    CPython (seven dicts), plus one ghost entry per recently evicted key.
+    Time is a logical clock of track/touch calls.  State is kept in parallel arrays
+    (see :class:`_Slots`): about 130 B per key in CPython, the same per ghost key.
     """
 
     name = "kvfs"
     _kind = 2
-    _sentinels = (_DEAD, _PROBATION, _MAIN)
+    _lists = (_DEAD, _PROBATION, _MAIN)
+    _slot_lists = 4  # and the ghost list
+    _columns = 5  # size, predecessor key, latest successor key, last use, gap << 1 | flags
 
     def __init__(
-        self, main_share: float = 0.9, cold_factor: float = 1.5, admit_factor: float = 1.5
+        self, main_share: float = 0.9, cold_factor: float = 2.0, admit_factor: float = 1.5
     ) -> None:
         if not 0.0 <= main_share <= 1.0 or cold_factor <= 0.0 or admit_factor <= 0.0:
             raise ValueError("main_share must be in [0, 1], the factors > 0")
@@ -464,63 +535,70 @@ class KvfsPolicy(_LinkedPolicy):
         self.main_share = main_share
         self.cold_factor = cold_factor
         self.admit_factor = admit_factor
-        self._pred: dict[int, int] = {}
-        self._succ: dict[int, int] = {}
-        self._last: dict[int, int] = {}
-        self._info: dict[int, int] = {}
-        self._ghost: OrderedDict[int, int] = OrderedDict()  # evicted key -> last use
+        columns = self._slots.columns
+        self._pred, self._succ, self._last, self._info = columns[1:]
         self._streams: OrderedDict[Hashable, int] = OrderedDict()
         self._clock = 0
         self._horizon = 0
-        self._seg_bytes = dict.fromkeys(self._sentinels, 0)
+        self._seg_bytes = [0] * self._slot_lists
         self._promotions = 0
 
     def reset(self) -> None:
         """Forget every key, chain and counter (keeps the tuning parameters)."""
         self.__init__(self.main_share, self.cold_factor, self.admit_factor)  # type: ignore[misc]
 
+    def _init_slot(self, slot: int) -> None:
+        self._pred[slot] = _NO_KEY
+        self._succ[slot] = _NO_KEY
+
     # -- verbs -----------------------------------------------------------------------
 
     def track(self, key: int, size: int, stream: Hashable) -> None:
         """Record a write of ``key``; a rewrite of a tracked key counts as a use."""
-        old = self._size.get(key)
-        is_new = self._set_size(key, size)
-        if old is not None:
-            self._seg_bytes[self._links.owner[key]] += size - old
-        prev = self._observe(key, stream)
-        if not is_new:
-            self._use(key, prev)
+        self._check(key, size)
+        slot = self._slot(key)
+        if slot is not None:
+            self._seg_bytes[self._slots.owner[slot]] += size - self._size[slot]
+            self._resize(slot, size)
+            self._use(slot, self._observe(slot, stream))
             return
-        last_use = self._ghost.pop(key, None)
-        ghost_hit = last_use is not None
-        gap = 0 if last_use is None else self._clock - last_use
-        self._info[key] = (gap << 1) | (self._info.get(key, 0) & _CONFIRMED)
-        continues_main = prev is not None and self._links.owner.get(prev) == _MAIN
-        admitted = (ghost_hit or continues_main) and self._main_admits(size, gap)
-        self._place(key, prev, _MAIN if admitted else _PROBATION)
-        self._last[key] = self._clock
-        self._revive_successor(key)
+        ghost = self._slots.index.get(key)  # resident keys were handled above
+        if ghost is not None:
+            self._slots.unlink(ghost)
+        slot = self._add(key, size)
+        prev = self._observe(slot, stream)
+        gap = 0 if ghost is None else self._clock - self._last[slot]
+        self._info[slot] = (gap << 1) | (self._info[slot] & _CONFIRMED)
+        continues_main = prev is not None and self._slots.owner[prev] == _MAIN
+        admitted = (ghost is not None or continues_main) and self._main_admits(size, gap)
+        self._place(slot, prev, _MAIN if admitted else _PROBATION)
+        self._last[slot] = self._clock
+        self._revive_successor(slot)
 
     def touch(self, key: int, stream: Hashable) -> None:
         """Record a read of ``key`` by ``stream``; unknown keys are ignored."""
-        if key not in self._size:
+        slot = self._slot(key)
+        if slot is None:
             return
         self._touches += 1
-        self._use(key, self._observe(key, stream))
+        self._use(slot, self._observe(slot, stream))
 
     def remove(self, key: int) -> None:
         """Forget ``key``; its chain successor becomes a dead tail.  No-op if unknown."""
-        size = self._size.get(key, 0)
-        owner = self._forget(key)
-        if owner is None:
+        slot = self._slot(key)
+        if slot is None:
             return
-        self._seg_bytes[owner] -= size
-        last = self._last.pop(key, self._clock)
-        self._info.pop(key, None)
-        self._unchain(key)
-        self._ghost[key] = last
-        while len(self._ghost) > max(_GHOST_MIN, len(self._size)):
-            self._ghost.popitem(last=False)
+        self._seg_bytes[self._slots.owner[slot]] -= self._size[slot]
+        self._drop(slot)
+        self._size[slot] = 0
+        self._info[slot] = 0
+        self._unchain(slot)
+        table = self._slots
+        table.append(_GHOST, slot)  # keeps the last use (and a successor to revive)
+        while table.count[_GHOST] > max(_GHOST_MIN, self._resident):
+            oldest = table.next[_GHOST]
+            table.unlink(oldest)
+            table.release(oldest)
 
     def victims(self) -> Iterator[int]:
         """Yield keys best victim first: dead, cold main, probation, then main (LRU).
@@ -530,10 +608,11 @@ class KvfsPolicy(_LinkedPolicy):
         Keys the caller skips are not yielded again by this iterator.
         """
         seen: set[int] = set()
-        phases = (self._links.walk(_DEAD), self._cold_main(), self._probation_excess())
-        for phase in (*phases, self._links.walk(_MAIN), self._links.walk(_PROBATION)):
+        walk = self._slots.walk
+        phases = (walk(_DEAD), self._cold_main(), self._probation_excess())
+        for phase in (*phases, walk(_MAIN), walk(_PROBATION)):
             for key in phase:
-                if key in seen or key not in self._size:
+                if key in seen or key not in self:
                     continue
                 seen.add(key)
                 yield key
@@ -541,163 +620,178 @@ class KvfsPolicy(_LinkedPolicy):
 
     def statistics(self) -> PolicyStatistics:
         """Return a snapshot of the counters."""
-        count = self._links.count
+        count = self._slots.count
         return self._base_statistics(
             probation_keys=count[_PROBATION],
             main_keys=count[_MAIN],
             main_bytes=self._seg_bytes[_MAIN],
             dead_keys=count[_DEAD],
-            ghost_keys=len(self._ghost),
+            ghost_keys=count[_GHOST],
             promotions=self._promotions,
-            chain_links=sum(info & _CONFIRMED for info in self._info.values()),
+            chain_links=sum(info & _CONFIRMED for info in self._info),
             horizon=self._horizon,
         )
 
     # -- chain learning ----------------------------------------------------------------
 
-    def _observe(self, key: int, stream: Hashable) -> int | None:
-        """Advance the clock; return the stream's previous key if it precedes ``key``."""
+    def _observe(self, slot: int, stream: Hashable) -> int | None:
+        """Advance the clock; return the slot of the stream's previous key if it precedes."""
         self._clock += 1
+        key = self._slots.key[slot]
         prev = self._streams.pop(stream, None)
         self._streams[stream] = key
         if len(self._streams) > _STREAM_MEMORY:
             self._streams.popitem(last=False)
-        if prev is None or prev == key or prev not in self._size:
+        if prev is None or prev == key:
             return None
-        info = self._info.get(key, 0) & ~_CONFIRMED
-        if self._pred.get(key) == prev:
+        prev_slot = self._slot(prev)
+        if prev_slot is None:
+            return None
+        info = self._info[slot] & ~_CONFIRMED
+        if self._pred[slot] == prev:
             info |= _CONFIRMED
         else:
-            self._pred[key] = prev
-        self._info[key] = info
-        self._succ[prev] = key
-        return prev
+            self._pred[slot] = prev
+        self._info[slot] = info
+        self._succ[prev_slot] = key
+        return prev_slot
 
-    def _unchain(self, key: int) -> None:
-        """Drop ``key``'s chain links; mark its successor dead if the link is confirmed."""
-        pred = self._pred.pop(key, None)
-        if pred is not None and self._succ.get(pred) == key:
-            del self._succ[pred]
-        succ = self._succ.pop(key, None)
-        if succ is None or self._pred.get(succ) != key or not self._confirmed(succ):
+    def _unchain(self, slot: int) -> None:
+        """Drop ``slot``'s chain links; mark its successor dead if the link is confirmed."""
+        key = self._slots.key[slot]
+        pred, self._pred[slot] = self._pred[slot], _NO_KEY
+        pred_slot = self._slots.index.get(pred) if pred != _NO_KEY else None
+        if pred_slot is not None and self._succ[pred_slot] == key:
+            self._succ[pred_slot] = _NO_KEY
+        succ, self._succ[slot] = self._succ[slot], _NO_KEY
+        succ_slot = self._slot(succ) if succ != _NO_KEY else None
+        if succ_slot is None or self._pred[succ_slot] != key:
             return
-        if self._links.owner.get(succ) in (_PROBATION, _MAIN):
-            self._move(succ, _DEAD)
-            self._succ[key] = succ  # so that rewriting ``key`` revives it
+        if self._info[succ_slot] & _CONFIRMED and self._slots.owner[succ_slot] != _DEAD:
+            self._move(succ_slot, _DEAD)
+            self._succ[slot] = succ  # so that rewriting ``key`` revives it
 
-    def _revive_successor(self, key: int) -> None:
+    def _revive_successor(self, slot: int) -> None:
         """A rewritten key brings its dead successor back to probation."""
-        succ = self._succ.get(key)
-        if succ is not None and self._links.owner.get(succ) == _DEAD:
-            self._move(succ, _PROBATION)
+        succ = self._succ[slot]
+        succ_slot = self._slot(succ) if succ != _NO_KEY else None
+        if succ_slot is not None and self._slots.owner[succ_slot] == _DEAD:
+            self._move(succ_slot, _PROBATION)
 
     # -- segments ----------------------------------------------------------------------
 
-    def _use(self, key: int, prev: int | None) -> None:
+    def _use(self, slot: int, prev: int | None) -> None:
         """Handle a re-use: refresh main keys, promote probation and dead ones if admitted."""
-        age = self._clock - self._last.get(key, self._clock)
-        self._last[key] = self._clock
+        age = self._clock - self._last[slot]
+        self._last[slot] = self._clock
         if age > 0:
-            self._info[key] = (age << 1) | (self._info.get(key, 0) & _CONFIRMED)
-        if not self._confirmed(key):
+            self._info[slot] = (age << 1) | (self._info[slot] & _CONFIRMED)
+        if not self._info[slot] & _CONFIRMED:
             prev = None  # e.g. a request boundary: do not file a hot key next to a stale one
-        owner = self._unlink(key)
+        owner = self._unlink(slot)
         if owner == _MAIN:
             self._horizon = max(age, self._horizon - (self._horizon >> 10))
-            self._place(key, prev, _MAIN)
-        elif self._main_admits(self._size[key], age):
+            self._place(slot, prev, _MAIN)
+        elif self._main_admits(self._size[slot], age):
             self._promotions += 1
-            self._place(key, prev, _MAIN)
+            self._place(slot, prev, _MAIN)
         else:
-            self._place(key, prev, _PROBATION)
+            self._place(slot, prev, _PROBATION)
 
-    def _place(self, key: int, prev: int | None, sentinel: int) -> None:
-        """Insert ``key`` as newest of ``sentinel``, but just before ``prev`` if it is there."""
-        self._seg_bytes[sentinel] += self._size[key]
-        if prev is not None and self._links.owner.get(prev) == sentinel:
-            self._links.insert_before(prev, key, sentinel)
+    def _place(self, slot: int, prev: int | None, lst: int) -> None:
+        """Link ``slot`` as newest of ``lst``, but just before ``prev`` if it is there."""
+        self._seg_bytes[lst] += self._size[slot]
+        if prev is not None and self._slots.owner[prev] == lst:
+            self._slots.insert_before(prev, slot, lst)
         else:
-            self._links.append(sentinel, key)
+            self._slots.append(lst, slot)
 
-    def _unlink(self, key: int) -> int:
-        owner = self._links.unlink(key)
-        self._seg_bytes[owner] -= self._size[key]
+    def _unlink(self, slot: int) -> int:
+        owner = self._slots.unlink(slot)
+        self._seg_bytes[owner] -= self._size[slot]
         return owner
 
-    def _move(self, key: int, sentinel: int) -> None:
-        self._unlink(key)
-        self._place(key, None, sentinel)
+    def _move(self, slot: int, lst: int) -> None:
+        self._unlink(slot)
+        self._place(slot, None, lst)
 
     def _main_admits(self, size: int, gap: int) -> bool:
-        """Main takes a key re-used after ``gap`` ticks while under its share of the bytes,
-        or if its oldest key is cold or unused for longer than ``gap`` (LIRS's test)."""
+        """Main takes a key re-used after ``gap`` ticks if it stays within its share of
+        the bytes left after the eviction this causes, or if its oldest key is cold or
+        unused for longer than ``admit_factor`` x ``gap`` (LIRS's test)."""
         if self._seg_bytes[_MAIN] + size <= self.main_share * (self._bytes - size):
             return True
-        oldest = self._links.first(_MAIN)
+        oldest = self._slots.first(_MAIN)
         if oldest is None:
             return False
         age = self._clock - self._last[oldest]
         return self._is_cold(oldest) or (gap > 0 and age > self.admit_factor * gap)
 
-    def _is_cold(self, key: int) -> bool:
-        gap = (self._info.get(key, 0) >> 1) or self._horizon
-        return gap > 0 and self._clock - self._last[key] > self.cold_factor * gap
-
-    def _confirmed(self, key: int) -> bool:
-        return bool(self._info.get(key, 0) & _CONFIRMED)
+    def _is_cold(self, slot: int) -> bool:
+        gap = (self._info[slot] >> 1) or self._horizon
+        return gap > 0 and self._clock - self._last[slot] > self.cold_factor * gap
 
     def _cold_main(self) -> Iterator[int]:
-        for key in self._links.walk(_MAIN):
-            if not self._is_cold(key):
+        index = self._slots.index
+        for key in self._slots.walk(_MAIN):
+            if not self._is_cold(index[key]):
                 return
             yield key
 
     def _probation_excess(self) -> Iterator[int]:
-        """Yield probation keys while probation holds more than its floor share."""
-        floor = (1.0 - self.main_share) * self._bytes
-        for key in self._links.walk(_PROBATION):
-            if self._seg_bytes[_PROBATION] <= floor:
+        """Yield probation keys while probation keeps its floor share after the eviction."""
+        keep = 1.0 - self.main_share
+        index, seg = self._slots.index, self._seg_bytes
+        for key in self._slots.walk(_PROBATION):
+            size = self._size[index[key]]
+            if seg[_PROBATION] - size < keep * (self._bytes - size):
                 return
             yield key
 
     def _new_dead(self, seen: set[int]) -> Iterator[int]:
         """Yield dead keys not yet seen (they appear when the caller removes a head)."""
-        if self._links.count[_DEAD] == 0:
+        if self._slots.count[_DEAD] == 0:
             return
-        for key in self._links.walk(_DEAD):
+        for key in self._slots.walk(_DEAD):
             if key not in seen:
                 seen.add(key)
                 yield key
 
     # -- persistence ---------------------------------------------------------------------
 
-    def _key_columns(self, key: int) -> tuple[int, int, int]:
-        return self._pred.get(key, _NO_KEY), self._last[key], self._info.get(key, 0)
+    def _key_columns(self, slot: int) -> tuple[int, int, int]:
+        return self._pred[slot], self._last[slot], self._info[slot]
 
     def _scalars(self) -> tuple[int, int]:
         return self._clock, self._horizon
 
     def _ghost_items(self) -> list[tuple[int, int]]:
-        return list(self._ghost.items())
+        table = self._slots
+        return [(table.key[slot], self._last[slot]) for slot in table.slots(_GHOST)]
 
     def _restore(self, decoded: _Decoded) -> None:
         self._clock, self._horizon = decoded.clock, decoded.horizon
-        for sentinel, rows in zip(self._sentinels, decoded.lists, strict=True):
+        links: list[tuple[int, int]] = []
+        for lst, rows in zip(self._lists, decoded.lists, strict=True):
             for key, size, pred, last, flags in rows:
-                self._size[key] = size
-                self._bytes += size
-                self._links.append(sentinel, key)
-                self._seg_bytes[sentinel] += size
-                self._last[key] = last
-                self._restore_chain(key, pred, flags)
-        self._ghost.update(decoded.ghost)
-
-    def _restore_chain(self, key: int, pred: int, flags: int) -> None:
-        if pred != _NO_KEY:
-            self._pred[key] = pred
-            self._succ[pred] = key
-        if flags:
-            self._info[key] = flags
+                slot = self._add(key, size)
+                self._slots.append(lst, slot)
+                self._seg_bytes[lst] += size
+                self._last[slot] = last
+                self._pred[slot] = pred
+                self._info[slot] = flags
+                if pred != _NO_KEY:
+                    links.append((pred, key))
+        for key, last in decoded.ghost:
+            if key not in self._slots.index:
+                slot = self._slots.new(key)
+                self._init_slot(slot)
+                self._last[slot] = last
+                self._slots.append(_GHOST, slot)
+        for pred, key in links:
+            pred_slot = self._slots.index.get(pred)
+            if pred_slot is not None:
+                self._succ[pred_slot] = key
 
 
 _FACTORIES: dict[str, type[LRUPolicy] | type[FIFOPolicy] | type[KvfsPolicy]] = {

@@ -23,7 +23,8 @@ import mmap
 import os
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -285,8 +286,8 @@ class Store:
             if inode is not None:
                 try:
                     await self.commit(inode)
-                except KvfsError as e:
-                    log.error("unmount: could not commit inode %d: %s", ino, e)
+                except KvfsError as e:  # stays WRITING: recovery drops it
+                    log.warning("unmount: could not commit inode %d: %s", ino, e)
         await self.journal.checkpoint()
 
     # ------------------------------------------------------------------ device I/O
@@ -403,9 +404,24 @@ class Store:
             try:
                 await self.commit(inode)
             except KvfsError as e:
-                log.error("release of inode %d: %s", h.ino, e)
+                log.warning("release of inode %d: %s", h.ino, e)
+        if inode.opens == 0 and inode.flags & FLAG_WRITING and h.writable:
+            self._abandon(inode)
         self._maybe_forget_state(inode)
         self.maybe_drop(inode)
+
+    def _abandon(self, inode: Inode) -> None:
+        """The last writer closed a file whose commit failed (the error reached it at
+        close). Its bytes were never all stored: remove it rather than ever serve
+        the gaps as data."""
+        if self.ns.inodes.get(inode.ino) is not inode:
+            return
+        st = self._files.get(inode.ino)
+        if st is not None:
+            self._dirty_bytes -= self.unit * len(st.dirty)
+            st.dirty.clear()
+        log.warning("inode %d could not be committed; removing the incomplete file", inode.ino)
+        self._unlink_everywhere(inode)
 
     def _maybe_forget_state(self, inode: Inode) -> None:
         st = self._files.get(inode.ino)
@@ -517,7 +533,8 @@ class Store:
             return
         buf = st.dirty.get(u)
         if buf is None:
-            if inode.units[u] == NO_UNIT:
+            # a unit still being written back holds the old tail too: copy it dirty
+            if inode.units[u] == NO_UNIT and u not in st.inflight:
                 return
             buf = await self._dirty_unit(inode, st, u, load=True)
         buf[uo:] = bytes(self.unit - uo)
@@ -586,7 +603,7 @@ class Store:
     ) -> None:
         csums: dict[int, int] = {}
         try:
-            async with trio.open_nursery() as nursery:
+            async with _nursery() as nursery:
                 for dev, start, lus in plan:
                     nursery.start_soon(
                         self._write_run, dev, start, [bufs[u] for u in lus], lus, csums
@@ -759,7 +776,7 @@ class Store:
         results: dict[int, memoryview] = {}
         try:
             if mine:
-                async with trio.open_nursery() as nursery:
+                async with _nursery() as nursery:
                     for run in self._read_runs(inode, mine):
                         nursery.start_soon(self._read_run, inode, run, results)
         finally:
@@ -776,7 +793,8 @@ class Store:
         """Group units into (logical, physical, checksum) runs contiguous on one device."""
         runs: list[list[tuple[int, int, int]]] = []
         for u in sorted(units):
-            p = inode.units[u]
+            # a readahead scheduled before a truncate may ask for units now gone
+            p = inode.units[u] if u < len(inode.units) else NO_UNIT
             if p == NO_UNIT:
                 continue
             run = runs[-1] if runs else None
@@ -967,6 +985,24 @@ class Store:
             quarantined=sum(1 for i in self.ns.inodes.values() if i.flags & FLAG_QUARANTINED),
             open_handles=len(self._handles),
         )
+
+
+@asynccontextmanager
+async def _nursery() -> AsyncIterator[trio.Nursery]:
+    """A nursery that fails with the first KvfsError itself when only KvfsErrors
+    failed it: trio wraps child errors in an ExceptionGroup, but callers (and the
+    FUSE adapter, which maps only KvfsError) must see the domain error."""
+    try:
+        async with trio.open_nursery() as nursery:
+            yield nursery
+    except BaseExceptionGroup as group:
+        matched, rest = group.split(KvfsError)
+        if matched is None or rest is not None:
+            raise
+        first: BaseException = matched
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        raise first from None
 
 
 def _coalesce(units: list[int]) -> list[tuple[int, int, int]]:
