@@ -140,7 +140,7 @@ def test_open_file_survives_pressure_and_evicted_files_are_clean_misses(pool: Pa
         with pytest.raises(FileNotFoundError):
             os.stat(d / n)
         with pytest.raises(FileNotFoundError):
-            open(d / n, "rb")
+            os.open(d / n, os.O_RDONLY)
     assert set(evicted).isdisjoint(os.listdir(d))
     for n in set(names) - set(evicted):
         check_file(d / n, 4 * MiB)
