@@ -442,7 +442,9 @@ class Store:
         if self.ns.inodes.get(inode.ino) is not inode:
             return
         self._free_units(inode, 0)
-        self._files.pop(inode.ino, None)
+        st = self._files.pop(inode.ino, None)
+        if st is not None:
+            self._dirty_bytes -= self.unit * len(st.dirty)
         self.evictor.forget(inode.ino)
         self.ns.drop(inode)
 
@@ -490,6 +492,7 @@ class Store:
             if buf is None:
                 covers = uo == 0 and pos + n >= min((u + 1) * u_size, inode.size)
                 buf = await self._dirty_unit(inode, st, u, load=not covers)
+                self._begin_data_change(inode)  # a commit may have run during the await
             buf[uo : uo + n] = view[pos - off : pos - off + n]
             pos += n
         if end > inode.size:
@@ -537,6 +540,7 @@ class Store:
             if inode.units[u] == NO_UNIT and u not in st.inflight:
                 return
             buf = await self._dirty_unit(inode, st, u, load=True)
+        self._begin_data_change(inode)
         buf[uo:] = bytes(self.unit - uo)
 
     async def _maybe_writeback(self, inode: Inode, st: FileState) -> None:
@@ -659,6 +663,7 @@ class Store:
                     self.alloc.free(dev, start + i)  # superseded or truncated meanwhile
                     continue
                 del st.inflight[u]
+                self._begin_data_change(inode)  # the map changes: uncommitted until commit
                 old = inode.units[u]
                 if old != NO_UNIT:
                     self._defer_free(old)
