@@ -20,6 +20,7 @@ xattr; a group without them uses the mount's defaults.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
@@ -28,11 +29,14 @@ from kvfs.errors import InvalidArgument
 from kvfs.namespace import ROOT_INO, Inode, Namespace
 from kvfs.policy import EvictionPolicy, make_policy
 
+log = logging.getLogger(__name__)
+
 POLICY_XATTR = b"user.kvfs.policy"
 QUOTA_XATTR = b"user.kvfs.quota"
 KVFS_MANAGED = "kvfs-managed"
 ENGINE_MANAGED = "engine-managed"
 POLICIES = (KVFS_MANAGED, ENGINE_MANAGED)
+POLICY_BLOB = "eviction-policy"
 ORPHAN_SCAN = 4096
 """Orphans examined per eviction pass (keeps a pass O(1) with millions of orphans)."""
 
@@ -102,13 +106,28 @@ class Evictor:
 
     # ------------------------------------------------------------------ events
     def adopt_all(self) -> None:
-        """After a mount: every file is an orphan, oldest first."""
+        """After a mount: every file is an orphan, oldest first; the policy resumes
+        from the state saved at the last clean unmount (learned chains included)."""
+        saved = self.ns.blobs.get(POLICY_BLOB)
+        if saved:
+            try:
+                self.policy.recover(saved)
+            except ValueError as e:
+                log.warning("saved eviction state unusable (%s); starting afresh", e)
+                self.policy.reset()
+            for key in [k for k in self.policy.victims() if k not in self.ns.inodes]:
+                self.policy.remove(key)
         files = sorted(
             (i for i in self.ns.inodes.values() if not i.is_dir), key=lambda i: i.mtime_ns
         )
         for inode in files:
-            self.policy.track(inode.ino, inode.size, None)
+            if inode.ino not in self.policy:
+                self.policy.track(inode.ino, inode.size, None)
             self.orphans[inode.ino] = None
+
+    def save(self) -> None:
+        """Store the policy's state in the namespace (written by the next checkpoint)."""
+        self.ns.set_blob(POLICY_BLOB, self.policy.persist())
 
     def opened(self, inode: Inode, pid: int) -> None:
         """A live process opened the file: it is no orphan, and it is touched."""

@@ -297,6 +297,7 @@ class Store:
                     await self.commit(inode)
                 except KvfsError as e:  # stays WRITING: recovery drops it
                     log.warning("unmount: could not commit inode %d: %s", ino, e)
+        self.evictor.save()
         await self.journal.checkpoint()
 
     # ------------------------------------------------------------------ device I/O

@@ -1,0 +1,429 @@
+"""Store tests without a mount: the data path over memory devices and image files,
+checked against byte models; clean reopen, crash images, corruption, device faults,
+deadlines and a full pool."""
+
+from __future__ import annotations
+
+import os
+import random
+import stat
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+import trio
+
+from kvfs import pool as pool_mod
+from kvfs.device import Device, FaultyDevice, MemoryDevice
+from kvfs.errors import Corruption, DeviceError, KvfsError, NoSpace, NotFound
+from kvfs.layout import DEV_SHIFT, FLAG_WRITING, NO_UNIT, UNIT_MASK
+from kvfs.namespace import ROOT_INO
+from kvfs.pool import Pool, format_pool, open_pool
+from kvfs.store import Store, StoreConfig
+
+UNIT = 64 * 1024
+FILE = stat.S_IFREG | 0o644
+CFG = StoreConfig(
+    cache_bytes=4 << 20,
+    commit_interval=0.005,
+    io_timeout=10.0,
+    default_policy="engine-managed",  # these tests want ENOSPC, not eviction
+)
+
+
+def memory_pool(devices: int = 1, size: int = 16 << 20, unit: int = UNIT) -> Pool:
+    devs: list[Device] = [MemoryDevice(size, f"mem{i}") for i in range(devices)]
+    sbs = pool_mod._layout(devs, unit, 1 << 20, "test")
+    pool_mod._write_empty_pool(devs, sbs)
+    return Pool(devs, sbs)
+
+
+def crash_image(pool: Pool) -> Pool:
+    """The devices' bytes right now, as a pool a new process would open."""
+    devs: list[Device] = []
+    for dev in pool.devices:
+        inner = dev.inner if isinstance(dev, FaultyDevice) else dev
+        assert isinstance(inner, MemoryDevice)
+        copy = MemoryDevice(inner.size, inner.path)
+        copy.data[:] = inner.data
+        devs.append(copy)
+    return Pool(devs, list(pool.superblocks))
+
+
+@asynccontextmanager
+async def serving(pool: Pool, cfg: StoreConfig = CFG) -> AsyncIterator[Store]:
+    """A loaded, running store; cancelled (not closed) on exit: closing is explicit."""
+    store = Store(pool, cfg)
+    store.load()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(store.run)
+        yield store
+        nursery.cancel_scope.cancel()
+
+
+async def wait_until(cond: Callable[[], bool], limit: float = 5.0) -> None:
+    """Poll a condition the store has no event for, with a deadline."""
+    with trio.fail_after(limit):
+        while not cond():  # noqa: ASYNC110 - no event to wait on
+            await trio.sleep(0.005)
+
+
+def referenced_units(store: Store) -> int:
+    return sum(1 for i in store.ns.inodes.values() for p in i.units if p != NO_UNIT)
+
+
+def no_leaks(store: Store) -> bool:
+    return store.alloc.free_units + referenced_units(store) == store.alloc.total_units
+
+
+async def create(store: Store, name: bytes, parent: int = ROOT_INO) -> tuple[int, int]:
+    inode = store.create(parent, name, FILE, 0, 0)
+    return inode.ino, await store.open(inode.ino, os.O_RDWR)
+
+
+async def put(store: Store, name: bytes, data: bytes, chunk: int = 100_000) -> int:
+    ino, fh = await create(store, name)
+    for off in range(0, len(data), chunk):
+        await store.write(fh, off, data[off : off + chunk])
+    await store.commit(store.ns.get(ino))
+    await store.release(fh)
+    return ino
+
+
+async def get(store: Store, ino: int, chunk: int = 1 << 20) -> bytes:
+    fh = await store.open(ino, os.O_RDONLY)
+    size = store.ns.get(ino).size
+    parts = [bytes(await store.read(fh, off, chunk)) for off in range(0, size, chunk)]
+    assert await store.read(fh, size, 10) == b""
+    await store.release(fh)
+    return b"".join(parts)
+
+
+def files(store: Store) -> dict[bytes, int]:
+    return dict(store.ns.directory(ROOT_INO))
+
+
+async def unlink(store: Store, name: bytes) -> None:
+    store.maybe_drop(store.ns.remove(ROOT_INO, name, want_dir=False))
+
+
+def sparse_images(where: Path, count: int, size: int) -> list[str]:
+    paths = [str(where / f"dev{i}.img") for i in range(count)]
+    for p in paths:
+        with open(p, "wb") as f:
+            f.truncate(size)
+    return paths
+
+
+# ----------------------------------------------------------------------------- data path
+async def test_big_sequential_file_on_image_files_survives_clean_reopen(tmp_path: Path) -> None:
+    paths = sparse_images(tmp_path, 2, 64 << 20)
+    format_pool(paths, unit_size=UNIT, meta_size=8 << 20)
+    rng = random.Random(1)
+    data = rng.randbytes(6 << 20) + b"tail"
+    pool = open_pool(paths)
+    try:
+        async with serving(pool) as store:
+            ino = await put(store, b"big", data, chunk=128 * 1024)
+            assert await get(store, ino) == data
+            assert await get(store, ino, chunk=4096 * 3 + 5) == data
+            await store.close()
+    finally:
+        pool.close()
+    pool = open_pool(list(reversed(paths)))  # any order on the command line
+    try:
+        async with serving(pool) as store:
+            assert store.ns.lookup(ROOT_INO, b"big").flags & FLAG_WRITING == 0
+            assert await get(store, store.ns.lookup(ROOT_INO, b"big").ino) == data
+            assert no_leaks(store)
+            await store.close()
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("seed", range(11, 19))
+async def test_random_writes_reads_truncates_match_a_byte_model(seed: int) -> None:
+    rng = random.Random(seed)
+    pool = memory_pool(devices=2)
+    model: dict[bytes, bytearray] = {}
+    # small write-back batches and dirty limits: write-back races with the next calls
+    tight = {"writeback_units": 2, "max_dirty_bytes": 6 * UNIT, "readahead_units": 2}
+    cfg = StoreConfig(**{**CFG.__dict__, **(tight if seed % 2 else {})})
+    async with serving(pool, cfg) as store:
+        handles: dict[bytes, tuple[int, int]] = {}
+        for n in range(4):
+            name = b"f%d" % n
+            handles[name] = await create(store, name)
+            model[name] = bytearray()
+        for step in range(400):
+            name = rng.choice(list(handles))
+            ino, fh = handles[name]
+            m = model[name]
+            action = rng.random()
+            if action < 0.45:
+                off = rng.randrange(0, max(len(m), 1) + 3 * UNIT)
+                data = rng.randbytes(rng.choice([1, 100, 4096, UNIT, UNIT + 7, 3 * UNIT - 1]))
+                assert await store.write(fh, off, data) == len(data)
+                if off > len(m):
+                    m.extend(bytes(off - len(m)))
+                m[off : off + len(data)] = data
+            elif action < 0.8:
+                off = rng.randrange(0, len(m) + 10)
+                size = rng.choice([1, 4096, UNIT, 2 * UNIT + 3, 1 << 20])
+                got = bytes(await store.read(fh, off, size))
+                assert got == bytes(m[off : off + size]), (step, name, off, size)
+            elif action < 0.9:
+                size = rng.randrange(0, len(m) + 2 * UNIT)
+                await store.truncate(store.ns.get(ino), size)
+                del m[size:]
+                m.extend(bytes(size - len(m)))
+            else:
+                await store.commit(store.ns.get(ino))
+            assert store.ns.get(ino).size == len(m)
+        for name, (ino, fh) in handles.items():
+            await store.commit(store.ns.get(ino))
+            await store.release(fh)
+            assert await get(store, ino) == model[name]
+        await store.close()
+    async with serving(pool) as store:
+        assert set(files(store)) == set(model)
+        for name, ino in files(store).items():
+            assert await get(store, ino) == model[name]
+        assert no_leaks(store)
+
+
+async def test_holes_read_as_zeros_and_truncate_zeroes_the_tail() -> None:
+    pool = memory_pool()
+    async with serving(pool) as store:
+        ino, fh = await create(store, b"sparse")
+        await store.write(fh, 5 * UNIT + 100, b"X" * 10)
+        assert bytes(await store.read(fh, 0, 5 * UNIT + 100)) == bytes(5 * UNIT + 100)
+        assert bytes(await store.read(fh, 5 * UNIT + 95, 20)) == bytes(5) + b"X" * 10
+        inode = store.ns.get(ino)
+        await store.commit(inode)
+        assert list(inode.units[:5]) == [NO_UNIT] * 5  # holes take no space
+        await store.write(fh, 0, b"A" * (2 * UNIT))
+        await store.truncate(inode, UNIT + 10)  # shrink into the middle of a unit
+        await store.truncate(inode, 4 * UNIT)  # extend: the old bytes must not reappear
+        expect = b"A" * (UNIT + 10) + bytes(3 * UNIT - 10)
+        assert bytes(await store.read(fh, 0, 8 * UNIT)) == expect
+        await store.write(fh, UNIT, b"B")  # overwrite in place
+        expect = expect[:UNIT] + b"B" + expect[UNIT + 1 :]
+        await store.commit(inode)
+        await store.release(fh)
+        assert await get(store, ino) == expect
+        await store.close()
+    async with serving(pool) as store:
+        assert await get(store, store.ns.lookup(ROOT_INO, b"sparse").ino) == expect
+
+
+async def test_empty_committed_file_survives() -> None:
+    pool = memory_pool()
+    async with serving(pool) as store:
+        ino, fh = await create(store, b"empty")
+        await store.commit(store.ns.get(ino))
+        await store.release(fh)
+    async with serving(crash_image(pool)) as store:
+        assert store.ns.lookup(ROOT_INO, b"empty").size == 0
+
+
+async def test_unlink_while_open_keeps_data_until_release() -> None:
+    pool = memory_pool()
+    data = random.Random(2).randbytes(5 * UNIT + 3)
+    async with serving(pool) as store:
+        ino = await put(store, b"f", data)
+        fh = await store.open(ino, os.O_RDONLY)
+        await unlink(store, b"f")
+        with pytest.raises(NotFound):
+            store.ns.lookup(ROOT_INO, b"f")
+        store.cache = type(store.cache)(0)  # force device reads
+        assert bytes(await store.read(fh, 0, len(data))) == data
+        assert ino in store.ns.inodes
+        await store.release(fh)
+        assert ino not in store.ns.inodes
+        await store.journal.wait_durable()
+        await wait_until(lambda: store.alloc.free_units == store.alloc.total_units)
+
+
+async def test_big_file_is_striped_over_all_devices() -> None:
+    pool = memory_pool(devices=3)
+    data = random.Random(3).randbytes(3 * CFG.stripe_units * UNIT + 5)
+    async with serving(pool) as store:
+        ino = await put(store, b"striped", data)
+        units = store.ns.get(ino).units
+        assert {p >> DEV_SHIFT for p in units} == {0, 1, 2}
+        assert await get(store, ino) == data
+        await store.close()
+    async with serving(pool) as store:
+        assert await get(store, ino) == data
+        assert no_leaks(store)
+
+
+# ----------------------------------------------------------------------------- crashes
+async def test_crash_keeps_committed_files_and_drops_unfinished_ones() -> None:
+    pool = memory_pool(devices=2)
+    rng = random.Random(4)
+    a, b, c, d = (rng.randbytes(n) for n in (3 * UNIT, 10 * UNIT + 1, 4 * UNIT, 2 * UNIT))
+    async with serving(pool) as store:
+        await put(store, b"a", a)
+        await put(store, b"b", b)
+        _, fh_c = await create(store, b"c")
+        await store.write(fh_c, 0, c)  # written, never committed
+        ino_d = await put(store, b"d", d)
+        fh_d = await store.open(ino_d, os.O_RDWR)
+        await store.write(fh_d, 0, b"changed")  # committed once, then changed again
+        await store.journal.wait_durable()
+        image = crash_image(pool)  # the process dies here: no close, no release
+    async with serving(image) as store:
+        assert set(files(store)) == {b"a", b"b"}
+        assert await get(store, files(store)[b"a"]) == a
+        assert await get(store, files(store)[b"b"]) == b
+        assert no_leaks(store)
+        assert not any(i.flags & FLAG_WRITING for i in store.ns.inodes.values())
+
+
+async def test_crash_at_random_moments_gives_committed_files_or_nothing() -> None:
+    pool = memory_pool(devices=2, size=8 << 20)
+    rng = random.Random(5)
+    contents: dict[bytes, bytes] = {}
+    images: list[tuple[Pool, set[bytes]]] = []
+    committed: set[bytes] = set()
+
+    def snap() -> None:  # the process may die at any of these moments
+        if rng.random() < 0.4:
+            images.append((crash_image(pool), set(committed)))
+
+    async with serving(pool) as store:
+        for n in range(24):
+            name = b"file%d" % n
+            contents[name] = rng.randbytes(rng.randrange(1, 6 * UNIT))
+            ino, fh = await create(store, name)
+            snap()
+            await store.write(fh, 0, contents[name])
+            snap()
+            await store.commit(store.ns.get(ino))
+            committed.add(name)
+            snap()
+            await store.release(fh)
+            if n % 5 == 4:
+                victim = rng.choice(sorted(committed))
+                await unlink(store, victim)
+                snap()
+                await store.journal.wait_durable()
+                committed.discard(victim)
+            snap()
+    assert len(images) > 15
+    for image, durable in images:
+        async with serving(image) as store:
+            present = files(store)
+            assert durable <= set(present) <= set(contents)
+            for name, ino in present.items():
+                assert await get(store, ino) == contents[name], name
+            assert no_leaks(store)
+
+
+# ----------------------------------------------------------------------------- faults
+async def test_flipped_data_byte_is_corruption_and_quarantines_the_file() -> None:
+    pool = memory_pool()
+    data = random.Random(6).randbytes(3 * UNIT)
+    async with serving(pool) as store:
+        ino = await put(store, b"victim", data)
+        other = await put(store, b"other", data)
+        p = store.ns.get(ino).units[1]
+        dev = pool.devices[p >> DEV_SHIFT]
+        assert isinstance(dev, MemoryDevice)
+        dev.data[pool.unit_offset(p >> DEV_SHIFT, p & UNIT_MASK) + 123] ^= 0x40
+        store.cache = type(store.cache)(0)
+        fh = await store.open(ino, os.O_RDONLY)
+        assert bytes(await store.read(fh, 0, UNIT)) == data[:UNIT]
+        with pytest.raises(Corruption):
+            await store.read(fh, UNIT, UNIT)
+        with pytest.raises(NotFound):
+            store.ns.lookup(ROOT_INO, b"victim")
+        with pytest.raises(Corruption):  # never served later either
+            await store.read(fh, UNIT, UNIT)
+        assert store.statistics().corruptions == 1
+        await store.release(fh)
+        assert await get(store, other) == data
+        await store.journal.wait_durable()
+    async with serving(crash_image(pool)) as store:
+        assert set(files(store)) == {b"other"}
+        assert no_leaks(store)
+
+
+def faulty_pool() -> tuple[Pool, FaultyDevice]:
+    base = memory_pool()
+    faulty = FaultyDevice(base.devices[0])
+    return Pool([faulty], base.superblocks), faulty
+
+
+async def test_read_errors_are_device_errors_not_hangs() -> None:
+    pool, faulty = faulty_pool()
+    data = random.Random(7).randbytes(2 * UNIT)
+    async with serving(pool) as store:
+        ino = await put(store, b"f", data)
+        store.cache = type(store.cache)(0)
+        fh = await store.open(ino, os.O_RDONLY)
+        faulty.fail_reads = True
+        with trio.fail_after(5), pytest.raises(DeviceError):
+            await store.read(fh, 0, UNIT)
+        faulty.fail_reads = False
+        assert bytes(await store.read(fh, 0, 2 * UNIT)) == data
+        await store.release(fh)
+
+
+async def test_hung_device_becomes_device_error_within_the_deadline() -> None:
+    pool, faulty = faulty_pool()
+    data = random.Random(8).randbytes(UNIT)
+    cfg = StoreConfig(**{**CFG.__dict__, "io_timeout": 0.5})
+    async with serving(pool, cfg) as store:
+        ino = await put(store, b"f", data)
+        store.cache = type(store.cache)(0)
+        fh = await store.open(ino, os.O_RDONLY)
+        faulty.hang.set()
+        try:
+            start = trio.current_time()
+            with trio.fail_after(5), pytest.raises(DeviceError):
+                await store.read(fh, 0, UNIT)
+            assert trio.current_time() - start < 2.0
+        finally:
+            faulty.hang.clear()
+            faulty.release.set()  # let the abandoned worker thread finish
+        await store.release(fh)
+
+
+async def test_full_pool_is_nospace_and_space_is_reusable_after_unlink() -> None:
+    pool = memory_pool(size=8 << 20)  # 6 MiB of data units
+    rng = random.Random(9)
+    keep = rng.randbytes(UNIT)
+    async with serving(pool) as store:
+        await put(store, b"keep", keep)
+        ino, fh = await create(store, b"huge")
+        with pytest.raises(NoSpace):  # at write-back or at the latest at commit
+            with trio.fail_after(10):
+                for off in range(0, 16 << 20, UNIT):
+                    await store.write(fh, off, rng.randbytes(UNIT))
+                await store.commit(store.ns.get(ino))
+        await store.release(fh)  # its last commit failed: the file is abandoned
+        with pytest.raises(NotFound):
+            store.ns.lookup(ROOT_INO, b"huge")
+        await store.journal.wait_durable()
+        await wait_until(lambda: no_leaks(store))
+        data = rng.randbytes(4 << 20)
+        ino2 = await put(store, b"again", data)
+        assert await get(store, ino2) == data
+        assert await get(store, store.ns.lookup(ROOT_INO, b"keep").ino) == keep
+        await store.close()
+    async with serving(pool) as store:
+        assert set(files(store)) == {b"keep", b"again"}
+        assert no_leaks(store)
+
+
+async def test_store_errors_are_kvfs_errors() -> None:
+    pool = memory_pool()
+    async with serving(pool) as store:
+        with pytest.raises(KvfsError):
+            await store.open(ROOT_INO, os.O_RDONLY)
+        with pytest.raises(NotFound):
+            await store.open(12345, os.O_RDONLY)
