@@ -215,8 +215,13 @@ def _daemonize(args: argparse.Namespace) -> int:
         w.write("ok\n")
         w.close()
         devnull = os.open(os.devnull, os.O_RDWR)
-        for fd in (0, 1) if args.log_file else (0, 1, 2):
+        for fd in (0, 1, 2):  # never hold the caller's pipes: `$(kvfs mount ...)` returns
             os.dup2(devnull, fd)
+        if args.log_file:  # tracebacks that bypass logging still reach the log
+            err = os.open(args.log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            os.dup2(err, 2)
+            os.close(err)
+        os.close(devnull)
 
     try:
         code = _run_mount(args, ready)

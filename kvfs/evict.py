@@ -22,6 +22,8 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
+from array import array
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 
@@ -37,6 +39,8 @@ KVFS_MANAGED = "kvfs-managed"
 ENGINE_MANAGED = "engine-managed"
 POLICIES = (KVFS_MANAGED, ENGINE_MANAGED)
 POLICY_BLOB = "eviction-policy"
+OWNERS_BLOB = "file-owners"
+"""(inode, pid, process start time) triples, int64: who last opened each file."""
 ORPHAN_SCAN = 4096
 """Orphans examined per eviction pass (keeps a pass O(1) with millions of orphans)."""
 
@@ -80,6 +84,19 @@ def _start_time(pid: int) -> int | None:
     return int(fields[19]) if fields[0] not in (b"Z", b"X") else None
 
 
+def _thread_group(tid: int) -> int | None:
+    """The process (thread group) of a thread id: FUSE reports the calling *thread*,
+    and a finished worker thread of a live engine must not orphan its files."""
+    try:
+        with open(f"/proc/{tid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Tgid:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
 class Evictor:
     """Ownership, orphans and eviction order over one namespace."""
 
@@ -90,6 +107,7 @@ class Evictor:
         default_policy: str = KVFS_MANAGED,
         default_quota: int = 0,
         alive: Callable[[int], int | None] = _start_time,
+        thread_group: Callable[[int], int | None] = _thread_group,
     ) -> None:
         if default_policy not in POLICIES:
             raise ValueError(f"default policy must be one of {POLICIES}")
@@ -98,6 +116,8 @@ class Evictor:
         self.default_policy = default_policy
         self.default_quota = default_quota
         self._alive = alive
+        self._thread_group = thread_group
+        self._tgids: dict[int, tuple[int, float]] = {}
         self._owner: dict[int, tuple[int, int]] = {}  # ino -> (pid, start time)
         self._owned: dict[tuple[int, int], set[int]] = {}
         self.orphans: dict[int, None] = {}  # insertion-ordered set
@@ -120,14 +140,34 @@ class Evictor:
         files = sorted(
             (i for i in self.ns.inodes.values() if not i.is_dir), key=lambda i: i.mtime_ns
         )
+        owners = self._saved_owners()
         for inode in files:
             if inode.ino not in self.policy:
                 self.policy.track(inode.ino, inode.size, None)
-            self.orphans[inode.ino] = None
+            owner = owners.get(inode.ino)
+            if owner is not None and self._alive(owner[0]) == owner[1]:
+                self._owner[inode.ino] = owner  # its engine outlived the remount
+                self._owned.setdefault(owner, set()).add(inode.ino)
+            else:
+                self.orphans[inode.ino] = None
+
+    def _saved_owners(self) -> dict[int, tuple[int, int]]:
+        raw = self.ns.blobs.get(OWNERS_BLOB, b"")
+        if len(raw) % 24:
+            log.warning("saved file owners unusable; every file starts as an orphan")
+            return {}
+        cols = array("q")
+        cols.frombytes(raw)
+        return {cols[i]: (cols[i + 1], cols[i + 2]) for i in range(0, len(cols), 3)}
 
     def save(self) -> None:
-        """Store the policy's state in the namespace (written by the next checkpoint)."""
-        self.ns.set_blob(POLICY_BLOB, self.policy.persist())
+        """Put the policy's state and the file owners into the namespace's blobs,
+        so the next checkpoint carries them (no journal record: checkpoints only)."""
+        self.ns.blobs[POLICY_BLOB] = self.policy.persist()
+        cols = array("q")
+        for ino, (pid, start) in self._owner.items():
+            cols.extend((ino, pid, start))
+        self.ns.blobs[OWNERS_BLOB] = cols.tobytes()
 
     def opened(self, inode: Inode, pid: int) -> None:
         """A live process opened the file: it is no orphan, and it is touched."""
@@ -165,8 +205,22 @@ class Evictor:
                 self._starts[pid] = start
         return start
 
-    def _set_owner(self, ino: int, pid: int) -> None:
-        if pid <= 0:
+    def _process(self, tid: int) -> int | None:
+        """Thread id -> process id, cached for a second (tids are recycled)."""
+        now = time.monotonic()
+        hit = self._tgids.get(tid)
+        if hit is not None and now - hit[1] < 1.0:
+            return hit[0]
+        tgid = self._thread_group(tid)
+        if tgid is not None:
+            if len(self._tgids) > 65536:
+                self._tgids.clear()
+            self._tgids[tid] = (tgid, now)
+        return tgid
+
+    def _set_owner(self, ino: int, tid: int) -> None:
+        pid = self._process(tid) if tid > 0 else None
+        if pid is None:
             return
         start = self._start_of(pid)
         if start is None:

@@ -140,14 +140,14 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
     async def mknod(
         self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: Any
     ) -> pyfuse3.EntryAttributes:
-        inode = self.ns.make(parent_inode, name, mode, ctx.uid, ctx.gid)
+        inode = await self.store.make(parent_inode, name, mode, ctx.uid, ctx.gid)
         return self._entry(inode)
 
     @_errors
     async def mkdir(
         self, parent_inode: int, name: bytes, mode: int, ctx: Any
     ) -> pyfuse3.EntryAttributes:
-        inode = self.ns.make(
+        inode = await self.store.make(
             parent_inode, name, stat.S_IFDIR | stat.S_IMODE(mode), ctx.uid, ctx.gid
         )
         return self._entry(inode)
@@ -176,6 +176,7 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
     async def link(
         self, inode: int, new_parent_inode: int, new_name: bytes, ctx: Any
     ) -> pyfuse3.EntryAttributes:
+        await self.store.check_metadata_room()
         return self._entry(self.ns.link(inode, new_parent_inode, new_name))
 
     @_errors
@@ -187,7 +188,7 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
     async def create(
         self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: Any
     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
-        inode = self.store.create(
+        inode = await self.store.create(
             parent_inode, name, stat.S_IFREG | stat.S_IMODE(mode), ctx.uid, ctx.gid, ctx.pid
         )
         fh = await self.store.open(inode.ino, flags & ~os.O_TRUNC, ctx.pid)
@@ -238,6 +239,7 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
                 continue
             if not pyfuse3.readdir_reply(token, name, self._attr(inode), i + 1):
                 return
+            inode.lookups += 1  # readdirplus: the kernel now holds a reference
 
     @_errors
     async def releasedir(self, fh: int) -> None:
@@ -265,6 +267,7 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
             raise pyfuse3.FUSEError(errno.EPERM)
         if name in (POLICY_XATTR, QUOTA_XATTR):
             check_group_xattr(name, value)
+        await self.store.check_metadata_room()
         self.ns.set_xattr(inode, name, value)
         self.store.xattr_changed(inode, name)
 

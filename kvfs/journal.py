@@ -17,6 +17,7 @@ flush ends on a block boundary (a PAD entry), so a durable block is never rewrit
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -47,6 +48,8 @@ from kvfs.layout import (
 log = logging.getLogger(__name__)
 
 READ_CHUNK = 8 << 20
+META_FULL = 0.75
+"""Fraction of a half a checkpoint may fill before growth is refused (ENOSPC)."""
 CKPT_OPS = 4096
 """Operations per checkpoint entry (a few hundred KiB)."""
 
@@ -186,6 +189,7 @@ class Journal:
         on_durable: Callable[[int], None] = lambda seq: None,
         checkpoint_bytes: int = 0,
         commit_interval: float = 0.05,
+        io_timeout: float = 30.0,
     ) -> None:
         self._meta = meta
         self._meta_start, self._meta_size = meta_start, meta_size
@@ -196,6 +200,7 @@ class Journal:
         _, self._half_size = half_bounds(meta_start, meta_size, 0)
         self._checkpoint_bytes = checkpoint_bytes or self._half_size // 2
         self._interval = commit_interval
+        self._io_timeout = io_timeout
         self.generation = 0
         self.half = 0
         self._offset = 0  # bytes of the current half in use (block aligned)
@@ -271,7 +276,12 @@ class Journal:
     async def flush_once(self) -> None:
         async with self._lock:
             try:
-                if self._want_checkpoint or self._needs_checkpoint():
+                if self._failed is not None:
+                    # fail-stop: the failed batch is gone, so a later write would leave a
+                    # sequence gap that recovery stops at, silently losing "durable" txns
+                    self._pending.clear()
+                    self._pending_bytes = 0
+                elif self._want_checkpoint or self._needs_checkpoint():
                     await self._write_checkpoint()
                 elif self._pending:
                     await self._write_pending()
@@ -350,9 +360,28 @@ class Journal:
             self._meta.flush()
 
         try:
-            await trio.to_thread.run_sync(write)
-        finally:
-            buf.close()
+            # a hung device must not hang every commit: same deadline as data I/O; the
+            # abandoned thread keeps ``buf`` alive through its views until it returns
+            with trio.move_on_after(self._io_timeout):
+                await trio.to_thread.run_sync(write, abandon_on_cancel=True)
+                buf.close()
+                return
+            raise DeviceError(
+                f"{self._meta.path}: journal write missed its {self._io_timeout:g} s deadline"
+            )
+        except BaseException:
+            with contextlib.suppress(BufferError):
+                buf.close()  # BufferError: the abandoned thread still uses it
+            raise
+
+    @property
+    def metadata_full(self) -> bool:
+        """The last checkpoint fills more than META_FULL of a half: refuse growth.
+
+        Between checkpoints the state can only grow by what the journal holds, and
+        the journal part of a half is at least 1 - META_FULL of it, so the next
+        checkpoint always fits (docs/design.md, "Limits")."""
+        return self._ckpt_end > self._half_size * META_FULL
 
     def statistics(self) -> JournalStatistics:
         return JournalStatistics(

@@ -57,6 +57,15 @@ _GHOST = 3  # KvfsPolicy: recently evicted keys (not resident), oldest first
 
 _CONFIRMED = 1  # flag: the learned predecessor was observed at least twice in a row
 _STREAM_MEMORY = 4096  # streams remembered for chain learning (oldest forgotten first)
+# Adaptive coldness threshold (multiple of a key's reuse interval), see KvfsPolicy.
+_COLD_MIN = 1.25  # below this, the +-20 % jitter of a live loop looks cold
+_COLD_MAX = 4.0
+_COLD_UP = 0.25  # a key evicted as cold came back: be slower to call keys cold
+_COLD_DOWN = 0.02  # per cold eviction: so ~8 % of cold evictions may be mistakes
+# Adaptive main share (ARC-like), see KvfsPolicy._ghost_hit.
+_SHARE_MIN = 0.5
+_SHARE_MAX = 0.95
+_SOON = 4  # a probation ghost hit counts if its gap is under horizon / _SOON
 _GHOST_MIN = 1024  # evicted keys remembered at least, whatever the resident count
 
 
@@ -491,23 +500,33 @@ class KvfsPolicy(_LinkedPolicy):
 
     1. *dead*: keys whose learned predecessor was removed.  Under the prefix rule a
        chunk without its prefix can never be a hit, so these go first.
-    2. *cold main*: protected keys unused for longer than ``cold_factor`` times their
-       own last reuse interval (finished conversations).
-    3. *probation* while it would keep ``1 - main_share`` of the bytes after the
+    2. *cold main*: protected keys unused for longer than the coldness threshold
+       times their own last reuse interval (finished conversations).
+    3. *probation* while main stays within its share of the bytes after the
        eviction: new keys and keys not admitted to main, oldest first.
     4. *main*, least recently used first, then the rest of probation.
 
     Admission to main (S3-FIFO-like, but loop-resistant as in LIRS): a key re-read
     while in probation, re-written after its eviction (a ghost hit) or written as the
-    continuation of a main chain enters main if main stays within ``main_share`` of
-    the bytes *after the eviction the admission causes*, or main's oldest key is cold,
-    or that key has been unused for longer than ``admit_factor`` times the newcomer's
-    reuse interval.  Otherwise it stays in probation, so a working set larger than
-    the cache keeps a stable subset of whole chains hot instead of cycling everything
-    through (what LRU does on multi-round QA).  The share test and the probation
-    floor use the same post-eviction byte count; with the pre-eviction count a full
-    main admitted every newcomer while the floor forbade evicting from probation, and
-    main degenerated into an LRU (the ``main_share`` cliff, docs/eviction.md).
+    continuation of a main chain enters main if main stays within its share of the
+    bytes *after the eviction the admission causes*, or main's oldest key is cold,
+    or that key has been unused for longer than ``admit_factor`` times the
+    newcomer's reuse interval.  Otherwise it stays in probation, so a working set
+    larger than the cache keeps a stable subset of whole chains hot instead of
+    cycling everything through (what LRU does on multi-round QA).  The share test
+    of admission and the one that lets probation be evicted are the same
+    expression: when they differed by one key (or one float rounding), a full main
+    admitted every newcomer while probation could not be evicted, and main became
+    an LRU (the ``main_share`` cliff of the first version, docs/eviction.md).
+
+    Two thresholds adapt, both only from *near* ghost hits (the key was evicted
+    fewer than ``len(self)`` evictions ago, so a cache twice as large would have
+    hit it): main's share starts at ``main_share`` and moves by the key's share of
+    the bytes, up when a key evicted from main comes back, down when a key
+    evicted from probation comes back within a quarter of the reuse horizon
+    (agentic fan-out rather than a QA loop), within [0.5, 0.95]; the coldness
+    threshold starts at ``cold_factor``, rises by 0.25 when a key evicted as cold
+    comes back and falls by 0.02 per cold eviction, within [1.25, 4].
 
     Chains are learned per stream: when a stream accesses key B right after a
     different key A, A becomes B's predecessor (confirmed when seen twice in a row).
@@ -517,7 +536,8 @@ class KvfsPolicy(_LinkedPolicy):
     dead list; re-writing the key brings the successor back.
 
     Time is a logical clock of track/touch calls.  State is kept in parallel arrays
-    (see :class:`_Slots`): about 130 B per key in CPython, the same per ghost key.
+    (see :class:`_Slots`): about 140 B per key in CPython, the same per ghost key.
+    The adaptive thresholds are not persisted; ``recover()`` restarts them.
     """
 
     name = "kvfs"
@@ -527,7 +547,7 @@ class KvfsPolicy(_LinkedPolicy):
     _columns = 5  # size, predecessor key, latest successor key, last use, gap << 1 | flags
 
     def __init__(
-        self, main_share: float = 0.9, cold_factor: float = 2.0, admit_factor: float = 1.5
+        self, main_share: float = 0.93, cold_factor: float = 2.0, admit_factor: float = 1.5
     ) -> None:
         if not 0.0 <= main_share <= 1.0 or cold_factor <= 0.0 or admit_factor <= 0.0:
             raise ValueError("main_share must be in [0, 1], the factors > 0")
@@ -542,6 +562,9 @@ class KvfsPolicy(_LinkedPolicy):
         self._horizon = 0
         self._seg_bytes = [0] * self._slot_lists
         self._promotions = 0
+        self._cold = min(_COLD_MAX, max(_COLD_MIN, cold_factor))
+        self._evictions = 0
+        self._share = main_share
 
     def reset(self) -> None:
         """Forget every key, chain and counter (keeps the tuning parameters)."""
@@ -565,6 +588,7 @@ class KvfsPolicy(_LinkedPolicy):
         ghost = self._slots.index.get(key)  # resident keys were handled above
         if ghost is not None:
             self._slots.unlink(ghost)
+            self._ghost_hit(self._size[ghost], size, self._clock + 1 - self._last[ghost])
         slot = self._add(key, size)
         prev = self._observe(slot, stream)
         gap = 0 if ghost is None else self._clock - self._last[slot]
@@ -588,10 +612,16 @@ class KvfsPolicy(_LinkedPolicy):
         slot = self._slot(key)
         if slot is None:
             return
-        self._seg_bytes[self._slots.owner[slot]] -= self._size[slot]
+        owner = self._slots.owner[slot]
+        cold = owner == _MAIN and self._is_cold(slot)
+        self._seg_bytes[owner] -= self._size[slot]
         self._drop(slot)
-        self._size[slot] = 0
+        self._evictions += 1
+        # a ghost's size column: eviction number << 2 | evicted from main << 1 | was cold
+        self._size[slot] = self._evictions << 2 | (owner == _MAIN) << 1 | cold
         self._info[slot] = 0
+        if cold:
+            self._cold = max(_COLD_MIN, self._cold - _COLD_DOWN)
         self._unchain(slot)
         table = self._slots
         table.append(_GHOST, slot)  # keeps the last use (and a successor to revive)
@@ -690,7 +720,7 @@ class KvfsPolicy(_LinkedPolicy):
             prev = None  # e.g. a request boundary: do not file a hot key next to a stale one
         owner = self._unlink(slot)
         if owner == _MAIN:
-            self._horizon = max(age, self._horizon - (self._horizon >> 10))
+            self._horizon = max(age, self._horizon - ((self._horizon >> 10) or 1))
             self._place(slot, prev, _MAIN)
         elif self._main_admits(self._size[slot], age):
             self._promotions += 1
@@ -719,7 +749,7 @@ class KvfsPolicy(_LinkedPolicy):
         """Main takes a key re-used after ``gap`` ticks if it stays within its share of
         the bytes left after the eviction this causes, or if its oldest key is cold or
         unused for longer than ``admit_factor`` x ``gap`` (LIRS's test)."""
-        if self._seg_bytes[_MAIN] + size <= self.main_share * (self._bytes - size):
+        if self._within_share(self._seg_bytes[_MAIN] + size, size):
             return True
         oldest = self._slots.first(_MAIN)
         if oldest is None:
@@ -727,9 +757,25 @@ class KvfsPolicy(_LinkedPolicy):
         age = self._clock - self._last[oldest]
         return self._is_cold(oldest) or (gap > 0 and age > self.admit_factor * gap)
 
+    def _within_share(self, main: int, size: int) -> bool:
+        """Is ``main`` bytes within main's share once ``size`` bytes are evicted?"""
+        return main <= self._share * (self._bytes - size)
+
+    def _ghost_hit(self, record: int, size: int, gap: int) -> None:
+        """Learn from an evicted key written again (``record`` from ``remove()``)."""
+        if self._evictions - (record >> 2) > self._resident or not self._bytes:
+            return  # not a near miss: a cache twice as large would not have hit it either
+        if record & 1:  # evicted as cold, yet back: detect coldness later
+            self._cold = min(_COLD_MAX, self._cold + _COLD_UP)
+        step = size / self._bytes
+        if record & 2:  # main was too small to keep it
+            self._share = min(max(_SHARE_MAX, self.main_share), self._share + step)
+        elif gap * _SOON < self._horizon:  # probation was, and it came back soon
+            self._share = max(min(_SHARE_MIN, self.main_share), self._share - step)
+
     def _is_cold(self, slot: int) -> bool:
         gap = (self._info[slot] >> 1) or self._horizon
-        return gap > 0 and self._clock - self._last[slot] > self.cold_factor * gap
+        return gap > 0 and self._clock - self._last[slot] > self._cold * gap
 
     def _cold_main(self) -> Iterator[int]:
         index = self._slots.index
@@ -739,12 +785,14 @@ class KvfsPolicy(_LinkedPolicy):
             yield key
 
     def _probation_excess(self) -> Iterator[int]:
-        """Yield probation keys while probation keeps its floor share after the eviction."""
-        keep = 1.0 - self.main_share
+        """Yield probation keys while main stays within its share after the eviction.
+
+        The very expression of :meth:`_main_admits`, so that a key admitted to main
+        because of free share is always followed by a probation eviction.
+        """
         index, seg = self._slots.index, self._seg_bytes
         for key in self._slots.walk(_PROBATION):
-            size = self._size[index[key]]
-            if seg[_PROBATION] - size < keep * (self._bytes - size):
+            if not self._within_share(seg[_MAIN], self._size[index[key]]):
                 return
             yield key
 

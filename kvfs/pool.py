@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 MIN_UNIT = 64 * 1024
 MAX_UNIT = 64 << 20
 DEFAULT_UNIT = 1 << 20
-MIN_META = 8 << 20
+MIN_META = 32 << 20
 MAX_META = 8 << 30
 
 

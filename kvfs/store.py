@@ -23,7 +23,7 @@ import mmap
 import os
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -161,10 +161,11 @@ class Store:
             meta_start,
             meta_size,
             pool.devices,
-            self.ns.snapshot,
+            self._snapshot,
             seed=pool.seed,
             on_durable=self._release_frees,
             commit_interval=self.cfg.commit_interval,
+            io_timeout=self.cfg.io_timeout,
         )
         self.cache = UnitCache(self.cfg.cache_bytes)
         self._zero = memoryview(bytes(self.unit))
@@ -185,6 +186,7 @@ class Store:
         self._trim: list[int] = []
         self._trimming = 0
         self.lost: dict[int, bytes] = {}
+        self._ckpt_inodes = 0
         self._trim_wake = trio.Event()
         self._space_freed = trio.Event()
         self._evict_wake = trio.Event()
@@ -192,6 +194,12 @@ class Store:
     # ------------------------------------------------------------------ lifecycle
     def _log(self, ops: list[Op]) -> None:
         self.journal.append(ops)
+
+    def _snapshot(self) -> Iterator[Op]:
+        """What a checkpoint holds: the namespace plus the evictor's learned state."""
+        self.evictor.save()
+        self._ckpt_inodes = len(self.ns.inodes)
+        return self.ns.snapshot()
 
     def load(self) -> RecoveryReport:
         """Rebuild the index from the metadata log (blocking; before serving)."""
@@ -297,7 +305,6 @@ class Store:
                     await self.commit(inode)
                 except KvfsError as e:  # stays WRITING: recovery drops it
                     log.warning("unmount: could not commit inode %d: %s", ino, e)
-        self.evictor.save()
         await self.journal.checkpoint()
 
     # ------------------------------------------------------------------ device I/O
@@ -386,11 +393,28 @@ class Store:
         self._handles[fh] = Handle(ino, writable, pid)
         return fh
 
-    def create(
+    async def check_metadata_room(self) -> None:
+        """NoSpace for an operation that would grow the index past its area. Room
+        freed by removals shows in the next checkpoint, so take one first if the
+        index shrank since the last."""
+        if self.journal.metadata_full and len(self.ns.inodes) < self._ckpt_inodes:
+            await self.journal.checkpoint()
+        if self.journal.metadata_full:
+            log.warning("metadata area full: reformat with a larger --meta-size")
+            raise NoSpace("metadata area full")
+
+    async def make(
+        self, parent: int, name: bytes, mode: int, uid: int, gid: int, flags: int = 0
+    ) -> Inode:
+        """mkdir / mknod: a new committed directory or empty file."""
+        await self.check_metadata_room()
+        return self.ns.make(parent, name, mode, uid, gid, flags=flags)
+
+    async def create(
         self, parent: int, name: bytes, mode: int, uid: int, gid: int, pid: int = 0
     ) -> Inode:
         """A new empty file, marked WRITING until its first commit."""
-        inode = self.ns.make(parent, name, mode, uid, gid, flags=FLAG_WRITING)
+        inode = await self.make(parent, name, mode, uid, gid, flags=FLAG_WRITING)
         self.evictor.created(inode, pid)
         return inode
 
@@ -934,6 +958,7 @@ class Store:
     async def _ensure_space(self, inode: Inode, units: int) -> None:
         """Make room for ``units`` new units (quota first, then the pool), evicting
         as needed; NoSpace/QuotaExceeded only when nothing may be evicted."""
+        await self.check_metadata_room()
         group = self.evictor.group_of(inode)
         quota = self.evictor.group_quota(group)
         if quota:
