@@ -10,6 +10,7 @@ from a clean unmount.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -164,10 +165,8 @@ class KvfsMount:
         try:
             if proc.poll() is None:
                 harness.unmount(self.path)
-                try:
-                    proc.wait(60)
-                except subprocess.TimeoutExpired:
-                    pass  # harness.stop escalates
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(60)  # on time-out, harness.stop escalates
             if proc.poll() is not None and proc.stderr is not None:
                 self.stderr.append(proc.stderr.read().decode(errors="replace"))
         finally:
@@ -210,9 +209,9 @@ class KvfsMount:
         pats = [re.compile(p) for p in self.expect_errors]
         bad = []
         for line in self.log.read_text(errors="replace").splitlines():
-            if " ERROR " in line or " CRITICAL " in line or line.startswith("Traceback"):
-                if not any(p.search(line) for p in pats):
-                    bad.append(line)
+            serious = " ERROR " in line or " CRITICAL " in line or line.startswith("Traceback")
+            if serious and not any(p.search(line) for p in pats):
+                bad.append(line)
         return bad
 
 

@@ -8,6 +8,7 @@ reads).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -54,10 +55,8 @@ def lmcache_name(
 
 def lmcache_start(root: Path) -> os.statvfs_result:
     """Start-up: mkdir (EEXIST fine), stat, statfs."""
-    try:
+    with contextlib.suppress(FileExistsError):
         os.mkdir(root)
-    except FileExistsError:
-        pass
     assert os.stat(root).st_mode & 0o040000
     st = os.statvfs(root)
     assert st.f_bsize == 4096, "LMCache needs f_bsize 4096 for O_DIRECT"

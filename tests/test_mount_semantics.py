@@ -6,6 +6,7 @@ committed byte and attribute.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import json
@@ -608,10 +609,8 @@ def test_closed_files_survive_a_crash(kvfs_mount: KvfsMount) -> None:
     try:
         kvfs_mount.crash()
     finally:
-        try:
+        with contextlib.suppress(OSError):  # the connection died with the daemon
             os.close(fd)
-        except OSError:
-            pass  # the connection died with the daemon
     _verify_subset(mnt, files)
     if (mnt / "open-at-crash").exists():
         assert read_all(mnt / "open-at-crash") in (partial, b"")
