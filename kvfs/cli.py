@@ -71,11 +71,15 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument(
         "--high-watermark",
         type=float,
-        default=0.90,
-        help="start evicting above this used fraction (0.90)",
+        default=0.97,
+        help="start evicting above this used fraction (0.97)",
     )
     m.add_argument(
-        "--low-watermark", type=float, default=0.80, help="evict down to this used fraction (0.80)"
+        "--low-watermark",
+        type=float,
+        default=0.94,
+        help="evict down to this used fraction (0.94; deeper batches cost hit rate, "
+        "see docs/eviction.md)",
     )
     m.add_argument("--no-discard", action="store_true", help="do not TRIM freed extents")
     m.add_argument(

@@ -38,6 +38,7 @@ QUOTA_XATTR = b"user.kvfs.quota"
 KVFS_MANAGED = "kvfs-managed"
 ENGINE_MANAGED = "engine-managed"
 POLICIES = (KVFS_MANAGED, ENGINE_MANAGED)
+REAP_INTERVAL = 0.05
 POLICY_BLOB = "eviction-policy"
 OWNERS_BLOB = "file-owners"
 """(inode, pid, process start time) triples, int64: who last opened each file."""
@@ -118,6 +119,7 @@ class Evictor:
         self._alive = alive
         self._thread_group = thread_group
         self._tgids: dict[int, tuple[int, float]] = {}
+        self._reaped = 0.0
         self._owner: dict[int, tuple[int, int]] = {}  # ino -> (pid, start time)
         self._owned: dict[tuple[int, int], set[int]] = {}
         self.orphans: dict[int, None] = {}  # insertion-ordered set
@@ -240,7 +242,12 @@ class Evictor:
                 del self._owned[owner]
 
     def reap(self) -> int:
-        """Turn the files of processes that exited into orphans; returns how many."""
+        """Turn the files of processes that exited into orphans; returns how many.
+        Runs at most every REAP_INTERVAL seconds (it reads /proc per owner)."""
+        now = time.monotonic()
+        if now - self._reaped < REAP_INTERVAL:
+            return 0
+        self._reaped = now
         count = 0
         dead = [k for k in self._owned if self._alive(k[0]) != k[1]]
         for pid, _ in dead:

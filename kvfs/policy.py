@@ -66,6 +66,7 @@ _COLD_DOWN = 0.02  # per cold eviction: so ~8 % of cold evictions may be mistake
 _SHARE_MIN = 0.5
 _SHARE_MAX = 0.95
 _SOON = 4  # a probation ghost hit counts if its gap is under horizon / _SOON
+_PEAK_DECAY = 16  # the byte high-water mark forgets 1/65536 per new key
 _GHOST_MIN = 1024  # evicted keys remembered at least, whatever the resident count
 
 
@@ -502,8 +503,9 @@ class KvfsPolicy(_LinkedPolicy):
        chunk without its prefix can never be a hit, so these go first.
     2. *cold main*: protected keys unused for longer than the coldness threshold
        times their own last reuse interval (finished conversations).
-    3. *probation* while main stays within its share of the bytes after the
-       eviction: new keys and keys not admitted to main, oldest first.
+    3. *probation* while main stays within its share of the bytes (of their
+       high-water mark, about the capacity) after the eviction: new keys and keys
+       not admitted to main, oldest first.
     4. *main*, least recently used first, then the rest of probation.
 
     Admission to main (S3-FIFO-like, but loop-resistant as in LIRS): a key re-read
@@ -565,6 +567,7 @@ class KvfsPolicy(_LinkedPolicy):
         self._cold = min(_COLD_MAX, max(_COLD_MIN, cold_factor))
         self._evictions = 0
         self._share = main_share
+        self._peak = 0
 
     def reset(self) -> None:
         """Forget every key, chain and counter (keeps the tuning parameters)."""
@@ -590,6 +593,7 @@ class KvfsPolicy(_LinkedPolicy):
             self._slots.unlink(ghost)
             self._ghost_hit(self._size[ghost], size, self._clock + 1 - self._last[ghost])
         slot = self._add(key, size)
+        self._peak = max(self._bytes, self._peak - (self._peak >> _PEAK_DECAY))
         prev = self._observe(slot, stream)
         gap = 0 if ghost is None else self._clock - self._last[slot]
         self._info[slot] = (gap << 1) | (self._info[slot] & _CONFIRMED)
@@ -758,8 +762,13 @@ class KvfsPolicy(_LinkedPolicy):
         return self._is_cold(oldest) or (gap > 0 and age > self.admit_factor * gap)
 
     def _within_share(self, main: int, size: int) -> bool:
-        """Is ``main`` bytes within main's share once ``size`` bytes are evicted?"""
-        return main <= self._share * (self._bytes - size)
+        """Is ``main`` bytes within main's share once ``size`` bytes are evicted?
+
+        The share is of the bytes' high-water mark (about the capacity), not of the
+        current bytes, so it does not shrink when a store evicts below capacity.
+        (Batches deeper than probation still rotate main: docs/eviction.md.)
+        """
+        return main <= self._share * (self._peak - size)
 
     def _ghost_hit(self, record: int, size: int, gap: int) -> None:
         """Learn from an evicted key written again (``record`` from ``remove()``)."""

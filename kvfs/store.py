@@ -77,8 +77,8 @@ class StoreConfig:
     commit_interval: float = 0.05
     eviction_policy: str = "kvfs"
     default_policy: str = "kvfs-managed"
-    high_watermark: float = 0.90
-    low_watermark: float = 0.80
+    high_watermark: float = 0.97
+    low_watermark: float = 0.94
     discard: bool = True
 
     def __post_init__(self) -> None:
@@ -939,6 +939,7 @@ class Store:
         """Evict files, best victims first, until ``units`` units are on their way
         back (sync: the frees complete once the journal has the unlinks)."""
         freed = 0
+        self.evictor.reap()  # a writer that just exited leaves orphans: they go first
         for inode, orphan in self.evictor.candidates(self._evictable, group):
             if freed >= units:
                 break

@@ -1,9 +1,12 @@
 """kvtrace: generate KV-cache chunk traces and score eviction policies on them.
 
-Two workloads from ``docs/workloads.md`` (multi-round QA, agentic shared-context
-bursts) become traces of requests; a request is the list of its 256-token chunk keys
-(key = hash of the whole prefix up to and including the chunk, so identical prefixes
-share keys) plus a stream id (the engine process that sends it).
+Two workloads from ``docs/workloads.md`` become traces of requests: multi-round QA,
+in two modes ("qa": all users arrive once, concurrency ramps up and down; "qa-steady":
+a constant number of concurrent users, a finished user replaced by a new one, as in
+vLLM's benchmark), and agentic shared-context bursts ("agentic").  A request is
+the list of its 256-token chunk keys (key = hash of the whole prefix up to and
+including the chunk, so identical prefixes share keys) plus a stream id (the engine
+process that sends it).
 
 ``simulate()`` replays a trace against a policy from :mod:`kvfs.policy` at a capacity
 in bytes; ``simulate_belady()`` replays it against the prefix-aware offline optimum;
@@ -41,7 +44,7 @@ from kvfs.policy import POLICY_NAMES, EvictionPolicy, make_policy
 CHUNK_TOKENS = 256
 LLAMA3_8B_CHUNK_BYTES = 32 * 1024 * 1024  # 256 tokens x 128 KiB/token (docs/workloads.md)
 CAPACITY_FRACTIONS = (0.1, 0.3, 0.5)
-WORKLOADS = ("qa", "agentic")
+WORKLOADS = ("qa", "qa-steady", "agentic")
 _INF = sys.maxsize
 
 Piece = tuple[str, int]  # (segment name, token count): a run of tokens unique to the name
@@ -69,6 +72,7 @@ class QAConfig:
     arrival_rounds: float = 5.0  # users join spread over this many round intervals
     engines: int = 4
     seed: int = 1
+    concurrent: int = 0  # > 0: steady mode, this many users at once (see multi_round_qa)
 
 
 @dataclass(frozen=True)
@@ -122,18 +126,28 @@ def _make_request(pieces: Sequence[Piece], stream: int) -> Request:
 def multi_round_qa(config: QAConfig = QAConfig()) -> list[Request]:
     """Generate a multi-round QA trace: every round re-sends the whole conversation.
 
-    User u joins at a time spread over ``arrival_rounds`` round intervals and sends
-    round r one interval (x0.8..1.2 jitter) after round r-1; requests are ordered by
-    time.  Prompt of round r = system prompt + user history + (question, answer) of
-    all earlier rounds + this round's question.
+    A user sends round r one interval (x0.8..1.2 jitter) after round r-1; requests
+    are ordered by time.  Prompt of round r = system prompt + user history +
+    (question, answer) of all earlier rounds + this round's question.
+
+    Arrival mode (``concurrent == 0``): all ``users`` join spread over
+    ``arrival_rounds`` intervals, so concurrency ramps up to ``users`` and down again.
+    Steady mode (``concurrent > 0``, like vLLM's multi-round QA benchmark): that many
+    users join spread over ``arrival_rounds`` intervals; when one finishes (one
+    interval after its last round) a new user takes its place, until ``users`` users
+    have started, so concurrency stays at ``concurrent`` for most of the trace.
     """
     rng = random.Random(config.seed)
     events: list[tuple[float, int, int]] = []
+    slots = config.concurrent if config.concurrent > 0 else config.users
+    free = [config.arrival_rounds * slot / max(slots, 1) for slot in range(slots)]
+    heapq.heapify(free)
     for user in range(config.users):
-        when = config.arrival_rounds * user / max(config.users, 1)
+        when = heapq.heappop(free)
         for round_ in range(config.rounds):
             events.append((when, user, round_))
             when += rng.uniform(0.8, 1.2)
+        heapq.heappush(free, when if config.concurrent > 0 else _INF)
     events.sort()
     return [_qa_request(config, user, round_) for _, user, round_ in events]
 
@@ -187,9 +201,16 @@ def _agentic_request(
 
 
 def make_trace(workload: str, scale: float = 1.0, seed: int = 1) -> list[Request]:
-    """Return the default trace of ``workload`` with user/agent counts times ``scale``."""
+    """Return the default trace of ``workload`` with user/agent counts times ``scale``.
+
+    "qa": 64 users arriving over 5 round intervals; "qa-steady": 64 users, 32 at a
+    time (so both have the same footprint); "agentic": 16 agents.
+    """
     if workload == "qa":
         return multi_round_qa(QAConfig(users=max(1, round(64 * scale)), seed=seed))
+    if workload == "qa-steady":
+        users, concurrent = max(2, round(64 * scale)), max(1, round(32 * scale))
+        return multi_round_qa(QAConfig(users=users, concurrent=concurrent, seed=seed))
     if workload == "agentic":
         return agentic(AgenticConfig(agents=max(1, round(16 * scale)), seed=seed))
     raise ValueError(f"unknown workload {workload!r}")
@@ -478,12 +499,12 @@ def _row(workload: str, fraction: float, footprint: int, result: SimResult) -> d
 def format_table(rows: Sequence[dict[str, object]]) -> str:
     """Render rows as a fixed-width table (hit %, TiB written, evictions)."""
     lines = [
-        f"{'workload':8} {'cap':>4} {'policy':7} {'hit %':>6} {'written GiB':>12} {'evictions':>9}",
+        f"{'workload':9} {'cap':>4} {'policy':7} {'hit %':>6} {'written GiB':>12} {'evictions':>9}",
     ]
     for row in rows:
         written = int(str(row["bytes_written"])) / 2**30
         lines.append(
-            f"{row['workload']!s:8} {float(str(row['capacity_fraction'])):4.0%} "
+            f"{row['workload']!s:9} {float(str(row['capacity_fraction'])):4.0%} "
             f"{row['policy']!s:7} {100 * float(str(row['hit_rate'])):6.1f} "
             f"{written:12.0f} {row['evictions']!s:>9}"
         )
