@@ -1,0 +1,316 @@
+"""Corruption on a real mount: flipped data units, journal entries, checkpoint pieces
+and superblocks of image files (``docs/design.md`` "Integrity").
+
+Data units: a read fails with EIO (never wrong bytes), the file is quarantined (later
+lookups ENOENT), ``kvfs stats --json`` counts the corruption, the log names inode and
+unit; ``kvfs fsck`` finds it offline and ``--repair`` drops the file. Metadata: the
+mount recovers a consistent earlier state (a journal prefix, or the older checkpoint
+generation) or refuses with a one-line message; it never serves wrong data.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from conftest import pattern, require_fuse
+
+from kvfs import harness
+from kvfs.journal import _scan, half_bounds, recover
+from kvfs.layout import DEV_SHIFT, KIND_CKPT_DATA, KIND_TXN, NO_UNIT, UNIT_MASK
+from kvfs.namespace import ROOT_INO, Namespace
+from kvfs.pool import open_pool
+
+MiB = 1 << 20
+KVFS = [sys.executable, "-m", "kvfs"]
+
+
+def kvfs(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*KVFS, *map(str, args)], capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def pool(tmp_path: Path) -> list[Path]:
+    require_fuse()
+    return [harness.make_image(tmp_path / "pool.img", 256 * MiB)]
+
+
+@contextmanager
+def mount(tmp_path: Path, devices: list[Path], *extra: str) -> Iterator[Path]:
+    mnt = tmp_path / "mnt"
+    with harness.mounted(mnt, devices, *extra, log_file=tmp_path / "kvfs.log"):
+        yield mnt
+
+
+def write(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+def read_or_errno(path: Path) -> bytes | int:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        return e.errno
+    try:
+        out = b""
+        while chunk := os.read(fd, 4 * MiB):
+            out += chunk
+        return out
+    except OSError as e:
+        return e.errno
+    finally:
+        os.close(fd)
+
+
+def flip(image: Path, offset: int, n: int = 16) -> None:
+    """XOR ``n`` bytes at ``offset`` of an unmounted image."""
+    fd = os.open(image, os.O_RDWR)
+    try:
+        old = os.pread(fd, n, offset)
+        os.pwrite(fd, bytes(b ^ 0xA5 for b in old), offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def index(devices: list[Path]) -> tuple[Namespace, list[int]]:
+    """The pool's recovered namespace (offline) and each device's data_start."""
+    p = open_pool([str(d) for d in devices])
+    try:
+        meta, start, size = p.meta
+        ns = Namespace(lambda ops: None)
+        for op in recover(meta, start, size, p.seed).ops:
+            ns.apply(op)
+        return ns, [sb.data_start for sb in p.superblocks]
+    finally:
+        p.close()
+
+
+def unit_location(devices: list[Path], name: bytes, u: int) -> tuple[Path, int, int, int]:
+    """(image, byte offset, inode, physical unit) of logical unit ``u`` of /name."""
+    ns, _ = index(devices)
+    inode = ns.inodes[ns.inodes[ROOT_INO].entries[name]]  # type: ignore[index]
+    p = inode.units[u]
+    assert p != NO_UNIT
+    dev, unit = p >> DEV_SHIFT, p & UNIT_MASK
+    p0 = open_pool([str(d) for d in devices])
+    try:
+        path = Path(p0.devices[dev].path)
+        offset = p0.unit_offset(dev, unit)
+    finally:
+        p0.close()
+    return path, offset, inode.ino, unit
+
+
+def log_entries(image: Path) -> tuple[int, list[tuple[int, int, int]]]:
+    """Newest generation's half: (generation, [(absolute offset, end, kind)])."""
+    p = open_pool([str(image)])
+    try:
+        meta, start, size = p.meta
+        found = recover(meta, start, size, p.seed)
+        base, hsize = half_bounds(start, size, found.half)
+        out, prev = [], 0
+        for end, entry in _scan(meta, base, hsize, found.generation, p.seed):
+            out.append((base + prev, base + end, entry.kind))
+            prev = end
+        return found.generation, out
+    finally:
+        p.close()
+
+
+def files(n: int, size: int = 3 * MiB + 123) -> dict[bytes, bytes]:
+    return {f"f{i}".encode(): pattern(("integrity", i), size + i) for i in range(n)}
+
+
+# ------------------------------------------------------------------------ data units
+def test_corrupt_data_unit_is_eio_quarantined_counted_and_logged(
+    tmp_path: Path, pool: list[Path]
+) -> None:
+    data = files(3)
+    with mount(tmp_path, pool, "--format", "--meta-size", "8M") as mnt:
+        for name, content in data.items():
+            write(mnt / name.decode(), content)
+    image, offset, ino, unit = unit_location(pool, b"f1", 1)
+    flip(image, offset + 4000)
+    with mount(tmp_path, pool) as mnt:
+        assert read_or_errno(mnt / "f1") == errno.EIO  # never the flipped bytes
+        with pytest.raises(FileNotFoundError):
+            os.stat(mnt / "f1")  # quarantined: unlinked, the kernel's dentry invalidated
+        assert sorted(os.listdir(mnt)) == ["f0", "f2"]
+        for name in (b"f0", b"f2"):
+            assert read_or_errno(mnt / name.decode()) == data[name]
+        r = kvfs("stats", "--json", mnt)
+        assert r.returncode == 0, r.stderr
+        store = json.loads(r.stdout)["store"]
+        assert store["corruptions"] == 1
+        assert store["files"] == 2
+    log = (tmp_path / "kvfs.log").read_text()
+    want = f"checksum mismatch: inode {ino} unit 1 at {image} unit {unit}; file quarantined"
+    assert want in log, log[-2000:]
+    # the quarantine is durable, and what remains is clean
+    with mount(tmp_path, pool) as mnt:
+        assert sorted(os.listdir(mnt)) == ["f0", "f2"]
+        assert read_or_errno(mnt / "f1") == errno.ENOENT
+    r = kvfs("fsck", *pool)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_fsck_finds_and_repairs_a_corrupt_data_unit(tmp_path: Path, pool: list[Path]) -> None:
+    data = files(4, 2 * MiB)
+    with mount(tmp_path, pool, "--format", "--meta-size", "8M") as mnt:
+        for name, content in data.items():
+            write(mnt / name.decode(), content)
+    image, offset, ino, unit = unit_location(pool, b"f2", 0)
+    flip(image, offset + 17)
+    r = kvfs("fsck", *pool)
+    assert r.returncode == 4, r.stdout + r.stderr
+    assert f"inode {ino} (f2) unit 0 at device 0 unit {unit}: checksum mismatch" in r.stdout
+    assert kvfs("fsck", "--no-data", *pool).returncode == 0  # index itself is fine
+    r = kvfs("fsck", "--repair", *pool)
+    assert r.returncode == 1, r.stdout + r.stderr
+    r = kvfs("fsck", *pool)
+    assert r.returncode == 0, r.stdout + r.stderr
+    with mount(tmp_path, pool) as mnt:
+        assert sorted(os.listdir(mnt)) == ["f0", "f1", "f3"]
+        for name in (b"f0", b"f1", b"f3"):
+            assert read_or_errno(mnt / name.decode()) == data[name]
+        stats = json.loads(kvfs("stats", "--json", mnt).stdout)
+        assert stats["store"]["corruptions"] == 0
+        # the dropped file's units are free again: nothing leaked
+        unit_size = stats["store"]["unit_size"]
+        used = sum(-(-len(data[n]) // unit_size) * unit_size for n in (b"f0", b"f1", b"f3"))
+        assert stats["store"]["used_bytes"] == used
+
+
+# ------------------------------------------------------------------------ metadata
+def test_corrupt_journal_entry_recovers_a_consistent_prefix(
+    tmp_path: Path, pool: list[Path]
+) -> None:
+    """Files committed one by one, then a crash (no final checkpoint): the journal holds
+    their transactions. Damage one in the middle: recovery stops there — every file is
+    intact or absent, never wrong; the earliest survive, the latest are gone."""
+    data = files(12, 1 * MiB + 7)
+    mnt = tmp_path / "mnt"
+    with harness.mounted(
+        mnt, pool, "--format", "--meta-size", "8M", log_file=tmp_path / "kvfs.log"
+    ) as proc:
+        for name, content in data.items():
+            write(mnt / name.decode(), content)  # close = commit: one flush each
+        harness.kill(proc, mnt)
+    _, entries = log_entries(pool[0])
+    txns = [(start, end) for start, end, kind in entries if kind == KIND_TXN]
+    assert len(txns) >= 12, entries
+    start, _ = txns[len(txns) // 2]
+    flip(pool[0], start + 40, 8)  # inside the payload: the entry's checksum fails
+    assert kvfs("fsck", "--no-data", *pool).returncode == 0
+    with mount(tmp_path, pool) as mnt:
+        seen = {}
+        for name, content in data.items():
+            got = read_or_errno(mnt / name.decode())
+            assert got in (content, errno.ENOENT), f"{name!r}: wrong data or error {got!r}"
+            seen[name] = got == content
+        assert seen[b"f0"] and not seen[b"f11"], seen
+        survivors = [n for n, ok in seen.items() if ok]
+        assert survivors == list(data)[: len(survivors)], "not a prefix of the commits"
+        assert sorted(os.listdir(mnt)) == sorted(n.decode() for n in survivors)
+    r = kvfs("fsck", *pool)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_corrupt_newest_checkpoint_falls_back_to_the_older_generation(
+    tmp_path: Path, pool: list[Path]
+) -> None:
+    """A clean unmount leaves the newest checkpoint in one half and the previous
+    generation + its journal (the same state) in the other: damage a piece of the
+    newest checkpoint and the mount recovers everything from the older one."""
+    data = files(6, 512 * 1024)
+    with mount(tmp_path, pool, "--format", "--meta-size", "8M") as mnt:
+        for name, content in data.items():
+            write(mnt / name.decode(), content)
+        for i in range(5000):  # enough records for several checkpoint pieces
+            os.close(os.open(mnt / f"e{i}", os.O_CREAT | os.O_WRONLY, 0o644))
+    generation, entries = log_entries(pool[0])
+    pieces = [(s, e) for s, e, kind in entries if kind == KIND_CKPT_DATA]
+    assert len(pieces) >= 2, entries[:5]
+    s, e = pieces[1]
+    flip(pool[0], (s + e) // 2, 8)
+    r = kvfs("fsck", "--no-data", *pool)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"checkpoint generation {generation - 1} " in r.stdout, r.stdout
+    with mount(tmp_path, pool) as mnt:
+        for name, content in data.items():
+            assert read_or_errno(mnt / name.decode()) == content
+        assert len(os.listdir(mnt)) == len(data) + 5000
+    log = (tmp_path / "kvfs.log").read_text()
+    assert f"checkpoint generation {generation} is incomplete" in log
+    r = kvfs("fsck", *pool)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_both_checkpoints_destroyed_refuses_to_mount(tmp_path: Path, pool: list[Path]) -> None:
+    with mount(tmp_path, pool, "--format", "--meta-size", "8M") as mnt:
+        write(mnt / "a", b"x" * 5000)
+    p = open_pool([str(pool[0])])
+    meta_start, meta_size = p.superblocks[0].meta_start, p.superblocks[0].meta_size
+    p.close()
+    for half in (0, 1):
+        base, _ = half_bounds(meta_start, meta_size, half)
+        flip(pool[0], base, 64)  # the CKPT_BEGIN entry of each half
+    r = subprocess.run(
+        [*KVFS, "mount", "--foreground", str(tmp_path / "mnt"), str(pool[0])],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode != 0
+    err = r.stderr.strip()
+    assert "no complete metadata checkpoint" in err, err
+    assert "Traceback" not in err, err
+    assert len(err.splitlines()) == 1, err
+    assert not harness.is_mounted(tmp_path / "mnt")
+    r = kvfs("fsck", *pool)
+    assert r.returncode == 4 and "UNRECOVERABLE" in r.stdout, r.stdout + r.stderr
+
+
+def test_garbage_superblock_is_refused_and_data_stays_intact(tmp_path: Path) -> None:
+    require_fuse()
+    devs = [harness.make_image(tmp_path / f"d{i}.img", 192 * MiB) for i in range(2)]
+    data = files(4, 20 * MiB)  # striped over both devices
+    with mount(tmp_path, devs, "--format", "--meta-size", "8M") as mnt:
+        for name, content in data.items():
+            write(mnt / name.decode(), content)
+    for victim in devs:
+        saved = victim.read_bytes()[:4096]
+        flip(victim, 100, 32)
+        r = subprocess.run(
+            [*KVFS, "mount", "--foreground", str(tmp_path / "mnt"), *map(str, devs)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert r.returncode == 2, r.stderr
+        err = r.stderr.strip()
+        assert f"{victim}: damaged or foreign superblock (superblock checksum mismatch)" in err
+        assert len(err.splitlines()) == 1 and "Traceback" not in err
+        assert not harness.is_mounted(tmp_path / "mnt")
+        r = kvfs("fsck", *devs)
+        assert r.returncode == 8 and "damaged or foreign superblock" in r.stdout, r.stdout
+        fd = os.open(victim, os.O_WRONLY)
+        os.pwrite(fd, saved, 0)
+        os.close(fd)
+    # refusing touched nothing: every byte of every file is still there
+    with mount(tmp_path, devs) as mnt:
+        for name, content in data.items():
+            assert read_or_errno(mnt / name.decode()) == content
+    assert kvfs("fsck", *devs).returncode == 0

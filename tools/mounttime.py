@@ -1,0 +1,197 @@
+"""Mount time vs file count: build pools of 10^4..10^6 one-unit files without FUSE,
+then time ``Store.load()`` and a full ``kvfs mount`` (until mounted, which includes the
+mount-time checkpoint), and the daemon's RSS. Median of N runs.
+
+    python tools/mounttime.py --dir /var/tmp/kvfs-mt --files 10000 100000 1000000
+    python tools/mounttime.py --dir ... --files 1000000 --profile   # cProfile hot spots
+
+A pool is a sparse image (one 1 MiB unit per file, 60% full: ~1.6 TiB for 10^6 files) formatted
+with ``format_pool``; a checkpoint of a namespace filled programmatically (directories
+of 1000 files, each file mapping a distinct unit) is written straight into the second
+log half as generation 2. Data units are never written: mounting reads only metadata.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import stat
+import statistics
+import subprocess
+import sys
+import time
+from array import array
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvfs import harness
+from kvfs.journal import encode_checkpoint, half_bounds
+from kvfs.layout import phys
+from kvfs.namespace import ROOT_INO, Inode, Namespace
+from kvfs.pool import _write, format_pool, open_pool
+from kvfs.store import Store
+
+UNIT = 1 << 20
+PER_DIR = 1000
+
+
+def build(image: Path, files: int) -> int:
+    """Format a sparse pool and write a checkpoint holding ``files`` files; returns the
+    checkpoint's size in bytes."""
+    meta_size = max(8 << 20, -(-files * 400 // UNIT) * UNIT)
+    # 60% full: below the eviction watermarks, or remounts would evict (all orphans)
+    size = (2 << 20) + meta_size + (files * 5 // 3 + 64) * UNIT
+    image.unlink(missing_ok=True)
+    harness.make_image(image, size)
+    format_pool([str(image)], meta_size=meta_size)
+    pool = open_pool([str(image)])
+    try:
+        ns = Namespace(lambda ops: None)
+        ns.init_root(0, 0)
+        now = time.time_ns()
+        root = ns.inodes[ROOT_INO]
+        ino, d = ROOT_INO + 1, None
+        for i in range(files):
+            if i % PER_DIR == 0:
+                d = Inode(
+                    ino,
+                    stat.S_IFDIR | 0o755,
+                    0,
+                    0,
+                    2,
+                    0,
+                    now,
+                    now,
+                    now,
+                    entries={},
+                    parent=ROOT_INO,
+                    name=b"d%05d" % (i // PER_DIR),
+                )
+                ns.inodes[ino] = d
+                root.entries[d.name] = ino  # type: ignore[index]
+                root.nlink += 1
+                ino += 1
+            assert d is not None and d.entries is not None
+            name = b"chunk-%08d.pt" % i
+            f = Inode(
+                ino,
+                stat.S_IFREG | 0o644,
+                0,
+                0,
+                1,
+                UNIT,
+                now,
+                now,
+                now,
+                units=array("q", [phys(0, i)]),
+                csums=array("Q", [i * 2654435761]),
+                parent=d.ino,
+                name=name,
+            )
+            ns.inodes[ino] = f
+            d.entries[name] = ino
+            ino += 1
+        ns.next_ino = ino
+        data, _, _ = encode_checkpoint(ns.snapshot(), 2, 0, pool.seed)
+        meta, start, msize = pool.meta
+        base, half = half_bounds(start, msize, 1)
+        assert len(data) <= half, (len(data), half)
+        _write(meta, base, data)
+        meta.flush()
+        return len(data)
+    finally:
+        pool.close()
+
+
+def time_load(image: Path, profile: bool = False) -> tuple[float, str]:
+    pool = open_pool([str(image)])
+    try:
+        store = Store(pool)
+        prof = cProfile.Profile() if profile else None
+        t0 = time.perf_counter()
+        if prof:
+            prof.enable()
+        store.load()
+        if prof:
+            # the mount-time checkpoint's CPU part: snapshot + encode (no device write)
+            encode_checkpoint(store.ns.snapshot(), 99, 0, pool.seed)
+            prof.disable()
+        took = time.perf_counter() - t0
+        out = ""
+        if prof:
+            s = io.StringIO()
+            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(14)
+            out = s.getvalue()
+        return took, out
+    finally:
+        pool.close()
+
+
+def rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def time_mount(image: Path, mnt: Path) -> tuple[float, float, int]:
+    """(seconds until mounted, seconds for the clean unmount, daemon RSS in KiB)."""
+    mnt.mkdir(exist_ok=True)
+    cmd = [*harness.kvfs_command(), "mount", "--foreground", str(mnt), str(image)]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        harness.wait_mounted(proc, mnt, 900)
+        mounted = time.perf_counter() - t0
+        rss = rss_kib(proc.pid)
+        t1 = time.perf_counter()
+        harness.stop(proc, mnt, timeout=900)
+        return mounted, time.perf_counter() - t1, rss
+    finally:
+        if proc.poll() is None:
+            harness.stop(proc, mnt)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", default="/var/tmp/kvfs-mounttime")
+    ap.add_argument("--files", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--profile", action="store_true", help="cProfile one load + checkpoint")
+    ap.add_argument("--keep", action="store_true", help="keep the images")
+    args = ap.parse_args()
+    work = Path(args.dir)
+    work.mkdir(parents=True, exist_ok=True)
+    print(
+        "| files | checkpoint | build | Store.load() | mount (incl. checkpoint) "
+        "| clean unmount | daemon RSS |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for n in args.files:
+        image = work / f"pool-{n}.img"
+        t0 = time.perf_counter()
+        ckpt = build(image, n)
+        built = time.perf_counter() - t0
+        loads = [time_load(image)[0] for _ in range(args.runs)]
+        mounts = [time_mount(image, work / "mnt") for _ in range(args.runs)]
+        print(
+            f"| {n:,} | {ckpt / 2**20:.1f} MiB | {built:.1f} s "
+            f"| {statistics.median(loads):.2f} s "
+            f"| {statistics.median(m[0] for m in mounts):.2f} s "
+            f"| {statistics.median(m[1] for m in mounts):.2f} s "
+            f"| {statistics.median(m[2] for m in mounts) / 1024:.0f} MiB |",
+            flush=True,
+        )
+        if args.profile:
+            _, text = time_load(image, profile=True)
+            print(text)
+        if not args.keep:
+            image.unlink()
+
+
+if __name__ == "__main__":
+    main()
