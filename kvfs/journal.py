@@ -75,6 +75,8 @@ class Recovered:
     seq: int
     transactions: int
     ops: list[Op]
+    fell_back: bool = False
+    """The newest checkpoint was incomplete; this is the older half."""
 
 
 def half_bounds(meta_start: int, meta_size: int, half: int) -> tuple[int, int]:
@@ -92,9 +94,10 @@ def recover(dev: Device, meta_start: int, meta_size: int, seed: int) -> Recovere
         entry = peek_entry(bytes(head), seed)
         if entry is not None and entry.kind == KIND_CKPT_BEGIN:
             candidates.append((entry.generation, half))
-    for generation, half in sorted(candidates, reverse=True):
+    for i, (generation, half) in enumerate(sorted(candidates, reverse=True)):
         found = _replay_half(dev, meta_start, meta_size, half, generation, seed)
         if found is not None:
+            found.fell_back = i > 0
             return found
         log.warning("checkpoint generation %d is incomplete; trying the older one", generation)
     raise Corruption("no complete metadata checkpoint found (not formatted, or destroyed)")
@@ -218,12 +221,22 @@ class Journal:
         self._lock = trio.Lock()
 
     # ----------------------------------------------------------------- state
-    def resume(self, generation: int, half: int, seq: int) -> None:
-        """Continue after ``seq`` of ``generation`` (the next checkpoint switches half)."""
-        self.generation, self.half, self._seq, self._durable = generation, half, seq, seq
-        # The write offset inside that half is unknown here: the first flush must be a
-        # checkpoint, or a transaction would be written over the recovered checkpoint.
-        self._want_checkpoint = True
+    def resume(self, found: Recovered, in_place: bool) -> None:
+        """Continue after what recovery found. ``in_place`` (a clean unmount: the log
+        ends right after its checkpoint, nothing torn can follow) appends to that
+        half at once; otherwise the first flush writes a fresh checkpoint into the
+        other half, so nothing is ever appended behind a torn tail."""
+        self.generation, self.half = found.generation, found.half
+        self._seq = self._durable = found.seq
+        if in_place:
+            self._offset = self._ckpt_end = found.end
+        else:
+            self._want_checkpoint = True
+
+    async def start(self) -> None:
+        """Write the checkpoint that ``resume`` asked for, if it asked for one."""
+        if self._want_checkpoint:
+            await self.checkpoint()
 
     def append(self, ops: list[Op]) -> int:
         """Queue one atomic transaction; returns its sequence number (sync)."""

@@ -33,7 +33,7 @@ import xxhash
 
 from kvfs.alloc import Allocator
 from kvfs.cache import UnitCache
-from kvfs.device import aligned_buffer
+from kvfs.device import BufferPool
 from kvfs.errors import (
     Corruption,
     DeviceError,
@@ -75,6 +75,7 @@ class StoreConfig:
     queue_depth: int = 4
     max_file_size: int = 1 << 40
     commit_interval: float = 0.05
+    buffer_pool_bytes: int = 64 << 20
     eviction_policy: str = "kvfs"
     default_policy: str = "kvfs-managed"
     high_watermark: float = 0.97
@@ -168,6 +169,7 @@ class Store:
             io_timeout=self.cfg.io_timeout,
         )
         self.cache = UnitCache(self.cfg.cache_bytes)
+        self._pools: dict[int, BufferPool] = {}
         self._zero = memoryview(bytes(self.unit))
         self._files: dict[int, FileState] = {}
         self._handles: dict[int, Handle] = {}
@@ -213,7 +215,8 @@ class Store:
         incomplete, unlinked = self._drop_unfinished()
         self._rebuild_allocator()
         self.evictor.adopt_all()
-        self.journal.resume(found.generation, found.half, found.seq)
+        clean = not (found.transactions or found.fell_back or incomplete or unlinked or self.lost)
+        self.journal.resume(found, in_place=clean)
         files = sum(1 for i in self.ns.inodes.values() if not i.is_dir)
         report = RecoveryReport(
             found.generation,
@@ -285,12 +288,13 @@ class Store:
                     self.alloc.mark_used(p >> DEV_SHIFT, p & UNIT_MASK)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Serve: start the background tasks, checkpoint the recovered state, run
-        until cancelled. Callers should use :meth:`close` before cancelling."""
+        """Serve: start the background tasks, checkpoint the recovered state unless
+        it came from a clean unmount, run until cancelled. Callers should use
+        :meth:`close` before cancelling."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             await nursery.start(self.journal.run)
-            await self.journal.checkpoint()
+            await self.journal.start()
             nursery.start_soon(self._evict_loop)
             nursery.start_soon(self._trim_loop)
             task_status.started()
@@ -525,7 +529,7 @@ class Store:
             buf = st.dirty.get(u)
             if buf is None:
                 covers = uo == 0 and pos + n >= min((u + 1) * u_size, inode.size)
-                buf = await self._dirty_unit(inode, st, u, load=not covers)
+                buf = await self._dirty_unit(inode, st, u, load=not covers, whole=n == u_size)
                 self._begin_data_change(inode)  # a commit may have run during the await
             buf[uo : uo + n] = view[pos - off : pos - off + n]
             pos += n
@@ -543,9 +547,12 @@ class Store:
             err, st.error = st.error, None
             raise err
 
-    async def _dirty_unit(self, inode: Inode, st: FileState, u: int, load: bool) -> mmap.mmap:
-        """A private, writable copy of unit ``u``, registered as dirty."""
-        buf = aligned_buffer(self.unit)
+    async def _dirty_unit(
+        self, inode: Inode, st: FileState, u: int, load: bool, whole: bool = False
+    ) -> mmap.mmap:
+        """A private, writable copy of unit ``u``, registered as dirty; ``whole``: the
+        caller overwrites all of it before its next await (no zeroing needed)."""
+        buf = self._buffer_pool(self.unit).take(zeroed=not (load or whole))
         if load:
             src = await self._unit_view(inode, st, u)
             existing = st.dirty.get(u)
@@ -555,6 +562,14 @@ class Store:
         st.dirty[u] = buf
         self._dirty_bytes += self.unit
         return buf
+
+    def _buffer_pool(self, size: int) -> BufferPool:
+        """The pool of ``size``-byte I/O buffers (one unit, or a read run of units)."""
+        pool = self._pools.get(size)
+        if pool is None:
+            keep = max(self.cfg.buffer_pool_bytes // size, 2)
+            pool = self._pools[size] = BufferPool(size, keep)
+        return pool
 
     async def _unit_view(self, inode: Inode, st: FileState | None, u: int) -> memoryview:
         view = self._resident(inode, st, u)
@@ -664,6 +679,8 @@ class Store:
             st.busy -= 1
             if not st.busy:
                 st.idle.set()
+            bufs.clear()  # our last references: the pool may now reuse what no reader sees
+            self._buffer_pool(self.unit).reap()
 
     async def _write_run(
         self, dev: int, start: int, bufs: list[mmap.mmap], lus: list[int], csums: dict[int, int]
@@ -853,7 +870,7 @@ class Store:
     ) -> None:
         dev, start = run[0][1] >> DEV_SHIFT, run[0][1] & UNIT_MASK
         device, u_size = self.pool.devices[dev], self.unit
-        buf = aligned_buffer(u_size * len(run))
+        buf = self._buffer_pool(u_size * len(run)).take(zeroed=False)  # filled or dropped
         offset = self.pool.unit_offset(dev, start)
 
         def work() -> list[int]:

@@ -129,7 +129,7 @@ async def test_resume_checkpoints_first_then_switches_halves() -> None:
     found = recover(dev, META_START, META_SIZE, SEED)
     assert (found.generation, found.half) == (1, 1)
     journal = Journal(dev, META_START, META_SIZE, [dev], work.snapshot, seed=SEED)
-    journal.resume(found.generation, found.half, found.seq)
+    journal.resume(found, in_place=False)
     async with trio.open_nursery() as nursery:
         await nursery.start(journal.run)
         for i in range(11, 16):
@@ -145,6 +145,33 @@ async def test_resume_checkpoints_first_then_switches_halves() -> None:
     last = recover(dev, META_START, META_SIZE, SEED)
     assert (last.generation, last.half, last.transactions) == (3, 1, 1)
     assert work.index_of(state_of(last)) == 16
+
+
+async def test_resume_in_place_after_a_clean_checkpoint_appends_behind_it() -> None:
+    dev = RecordingDevice(DEV_SIZE)
+    work = Workload(3)
+    await run_workload(dev, work, 6, checkpoint_bytes=1 << 20)
+    first = Journal(dev, META_START, META_SIZE, [dev], work.snapshot, seed=SEED)
+    first.resume(recover(dev, META_START, META_SIZE, SEED), in_place=False)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(first.run)
+        await first.start()  # a checkpoint: the "clean unmount" state
+        nursery.cancel_scope.cancel()
+    clean = recover(dev, META_START, META_SIZE, SEED)
+    assert clean.transactions == 0 and not clean.fell_back
+    journal = Journal(dev, META_START, META_SIZE, [dev], work.snapshot, seed=SEED)
+    journal.resume(clean, in_place=True)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(journal.run)
+        await journal.start()  # nothing to do: no checkpoint is written
+        for i in range(7, 10):
+            await journal.wait_durable(journal.append(work.txn(i)))
+        nursery.cancel_scope.cancel()
+    assert journal.statistics().checkpoints == 0
+    after = recover(dev, META_START, META_SIZE, SEED)
+    assert (after.generation, after.half) == (clean.generation, clean.half)
+    assert after.transactions == 3
+    assert work.index_of(state_of(after)) == 9
 
 
 async def test_crash_at_every_write_and_inside_every_write_recovers_a_prefix() -> None:
