@@ -32,6 +32,7 @@ format: install
 	$(VENV)/bin/ruff check --fix kvfs tests tools
 
 bench: install
+	$(VENV)/bin/pip install -q -e '.[bench]'
 	$(PY) tools/bench.py --out docs/bench
 
 trace: install
