@@ -26,15 +26,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import kvtrace  # noqa: E402
+import kvtrace
 
-from kvfs.harness import make_image, mounted  # noqa: E402
+from kvfs.harness import make_image, mounted
 
 UNIT = 64 * 1024
 META = 16 << 20
 
 
-def run_one(workload: str, fraction: float, policy: str, scale: float, seed: int) -> dict[str, object]:
+def run_one(
+    workload: str, fraction: float, policy: str, scale: float, seed: int
+) -> dict[str, object]:
     trace = kvtrace.make_trace(workload, scale=scale, seed=seed)
     chunks = kvtrace.footprint_chunks(trace)
     units = max(int(chunks * fraction), 8)
@@ -43,16 +45,29 @@ def run_one(workload: str, fraction: float, policy: str, scale: float, seed: int
     with tempfile.TemporaryDirectory(prefix="kvreplay-") as tmp:
         img = make_image(Path(tmp) / "dev.img", size)
         mnt = Path(tmp) / "mnt"
-        with mounted(mnt, [img], "--format", "--unit-size", "64K", "--meta-size", str(META),
-                     "--eviction", policy, log_file=Path(tmp) / "kvfs.log"):
+        with mounted(
+            mnt,
+            [img],
+            "--format",
+            "--unit-size",
+            "64K",
+            "--meta-size",
+            str(META),
+            "--eviction",
+            policy,
+            log_file=Path(tmp) / "kvfs.log",
+        ):
             root = mnt / "kv"
             root.mkdir()
             result = kvtrace.replay(trace, root, UNIT)
             stats = json.loads(os.getxattr(mnt, "user.kvfs.stats"))
         sim = kvtrace.run_policy(policy, trace, units * UNIT, UNIT)
     return {
-        "workload": workload, "capacity_fraction": fraction, "policy": policy,
-        "capacity_chunks": units, "footprint_chunks": chunks,
+        "workload": workload,
+        "capacity_fraction": fraction,
+        "policy": policy,
+        "capacity_chunks": units,
+        "footprint_chunks": chunks,
         "mount_hit_rate": round(result.hit_tokens / result.prompt_tokens, 4),
         "sim_hit_rate": round(sim.hit_tokens / sim.prompt_tokens, 4),
         "errors": result.errors,
@@ -78,9 +93,12 @@ def main(argv: list[str] | None = None) -> int:
                 row = run_one(workload, fraction, policy, args.scale, args.seed)
                 rows.append(row)
                 if not args.json:
-                    print(f"{workload:8} {fraction:4.0%} {policy:5} mount {row['mount_hit_rate']:.1%}"
-                          f"  sim {row['sim_hit_rate']:.1%}  evictions {row['evictions']:6}"
-                          f"  errors {row['errors']}  {row['seconds']} s", flush=True)
+                    print(
+                        f"{workload:8} {fraction:4.0%} {policy:5} mount {row['mount_hit_rate']:.1%}"
+                        f"  sim {row['sim_hit_rate']:.1%}  evictions {row['evictions']:6}"
+                        f"  errors {row['errors']}  {row['seconds']} s",
+                        flush=True,
+                    )
     if args.json:
         print(json.dumps(rows, indent=1))
     return 0
