@@ -235,6 +235,9 @@ _INODE = struct.Struct("<BQIIIIQqqqIII")
 assert _INODE.size == 69
 _RUN = struct.Struct("<IIIQ")
 assert _RUN.size == 20
+_INODE_RUN = struct.Struct(_INODE.format + _RUN.format[1:])
+"""An inode header directly followed by its only run (the common one-extent file)."""
+assert _INODE_RUN.size == _INODE.size + _RUN.size
 _DENTRY = struct.Struct("<BQQH")
 assert _DENTRY.size == 19
 _UNDENTRY = struct.Struct("<BQH")
@@ -252,7 +255,7 @@ def phys(dev: int, unit: int) -> int:
     return (dev << DEV_SHIFT) | unit
 
 
-@dataclass
+@dataclass(slots=True)
 class InodeRecord:
     """The persistent state of one inode (directory entries are separate ops)."""
 
@@ -270,32 +273,32 @@ class InodeRecord:
     csums: array[int]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Dentry:
     parent: int
     name: bytes
     ino: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Undentry:
     parent: int
     name: bytes
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Drop:
     ino: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Xattr:
     ino: int
     name: bytes
     value: bytes | None  # None removes it
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Blob:
     """Opaque state of another component (e.g. the eviction policy), by name."""
 
@@ -322,8 +325,51 @@ def _runs(units: array[int]) -> list[tuple[int, int, int, int]]:
     return runs
 
 
+def _single_run(units: array[int]) -> tuple[int, int, int, int] | None:
+    """The one run of a unit map that is a single physically contiguous extent without
+    holes (what ``_runs`` would return, found with C-level comparisons), else None."""
+    n = len(units)
+    if not n:
+        return None
+    first = units[0]
+    last = first + n - 1
+    if first < 0 or units[-1] != last or first >> DEV_SHIFT != last >> DEV_SHIFT:
+        return None
+    if n > 1 and units != array("q", range(first, last + 1)):
+        return None
+    return 0, n, first >> DEV_SHIFT, first & UNIT_MASK
+
+
 def encode_op(op: Op) -> bytes:
     if isinstance(op, InodeRecord):
+        units, csums = op.units, op.csums
+        run = _single_run(units) if isinstance(units, array) else None
+        if run is not None and len(csums) == run[1]:
+            # no holes: every checksum is mapped, in logical order
+            mapped_bytes = (
+                csums.tobytes()
+                if isinstance(csums, array) and csums.typecode == "Q"
+                else array("Q", csums).tobytes()
+            )
+            return (
+                _INODE_RUN.pack(
+                    OP_INODE,
+                    op.ino,
+                    op.mode,
+                    op.uid,
+                    op.gid,
+                    op.nlink,
+                    op.size,
+                    op.atime_ns,
+                    op.mtime_ns,
+                    op.ctime_ns,
+                    op.flags,
+                    run[1],
+                    1,
+                    *run,
+                )
+                + mapped_bytes
+            )
         runs = _runs(op.units)
         mapped = array("Q", (c for p, c in zip(op.units, op.csums, strict=True) if p != NO_UNIT))
         head = _INODE.pack(
@@ -361,7 +407,30 @@ def encode_ops(ops: list[Op]) -> bytes:
     return b"".join(encode_op(op) for op in ops)
 
 
+_MAX_DEV = 1 << (63 - DEV_SHIFT)
+
+
 def _decode_inode(buf: bytes, pos: int) -> tuple[InodeRecord, int]:
+    if pos + _INODE_RUN.size <= len(buf):
+        # Fast path, the same checks in the same order: one run mapping every unit.
+        f = _INODE_RUN.unpack_from(buf, pos)
+        nunits, size, ls, n, dev, ps = f[11], f[6], f[13], f[14], f[15], f[16]
+        if f[12] == 1 and ls == 0 and n == nunits:
+            if nunits > -(-size // _MIN_UNIT):
+                raise Corruption(f"inode {f[1]}: {nunits} units for {size} bytes")
+            if dev >= _MAX_DEV or ps + n > UNIT_MASK:
+                raise Corruption(f"inode {f[1]}: run beyond its unit map")
+            pos += _INODE_RUN.size
+            end = pos + 8 * n
+            if end > len(buf):
+                raise Corruption(f"inode {f[1]}: truncated checksums")
+            first = (dev << DEV_SHIFT) | ps
+            units = array("q", [first]) if n == 1 else array("q", range(first, first + n))
+            csums = array("Q", buf[pos:end])
+            rec = InodeRecord(
+                f[1], f[2], f[3], f[4], f[5], size, f[7], f[8], f[9], f[10], units, csums
+            )
+            return rec, end
     f = _INODE.unpack_from(buf, pos)
     nunits, nruns, size = f[11], f[12], f[6]
     pos += _INODE.size
@@ -369,31 +438,41 @@ def _decode_inode(buf: bytes, pos: int) -> tuple[InodeRecord, int]:
     # must not turn into a multi-GiB unit map or a billion-step loop.
     if nunits > -(-size // _MIN_UNIT):
         raise Corruption(f"inode {f[1]}: {nunits} units for {size} bytes")
-    if pos + nruns * _RUN.size > len(buf):
+    end = pos + nruns * _RUN.size
+    if end > len(buf):
         raise Corruption(f"inode {f[1]}: truncated runs")
-    runs = [_RUN.unpack_from(buf, pos + i * _RUN.size) for i in range(nruns)]
-    pos += nruns * _RUN.size
+    runs = [_RUN.unpack_from(buf, pos)] if nruns == 1 else list(_RUN.iter_unpack(buf[pos:end]))
+    pos = end
     mapped_count = 0
     for ls, n, dev, ps in runs:
-        if ls + n > nunits or dev >= 1 << (63 - DEV_SHIFT) or ps + n > UNIT_MASK:
+        if ls + n > nunits or dev >= _MAX_DEV or ps + n > UNIT_MASK:
             raise Corruption(f"inode {f[1]}: run beyond its unit map")
         mapped_count += n
-    if pos + 8 * mapped_count > len(buf):
+    end = pos + 8 * mapped_count
+    if end > len(buf):
         raise Corruption(f"inode {f[1]}: truncated checksums")
-    units = array("q", [NO_UNIT]) * nunits
-    csums = array("Q", [0]) * nunits
-    order: list[int] = []
-    for ls, n, dev, ps in runs:
-        for i in range(n):
-            units[ls + i] = phys(dev, ps + i)
-            order.append(ls + i)
-    mapped = array("Q")
-    mapped.frombytes(buf[pos : pos + 8 * len(order)])
-    for lu, c in zip(order, mapped, strict=True):
-        csums[lu] = c
-    pos += 8 * len(order)
+    # Unit maps and checksums are built per run with C-level slices: run (ls, n, dev,
+    # ps) maps logical ls + i to phys(dev, ps + i) == phys(dev, ps) + i (ps + n fits).
+    csums = array("Q")
+    if nruns == 1 and runs[0][0] == 0 and mapped_count == nunits:
+        # one extent without holes (the common case): checksums are in logical order
+        first = (runs[0][2] << DEV_SHIFT) | runs[0][3]
+        units = array("q", range(first, first + nunits))
+        csums.frombytes(buf[pos:end])
+    else:
+        units = array("q", [NO_UNIT]) * nunits
+        csums = array("Q", [0]) * nunits
+        mapped = array("Q")
+        mapped.frombytes(buf[pos:end])
+        done = 0
+        # later runs overwrite earlier ones where (forged) runs overlap
+        for ls, n, dev, ps in runs:
+            first = (dev << DEV_SHIFT) | ps
+            units[ls : ls + n] = array("q", range(first, first + n))
+            csums[ls : ls + n] = mapped[done : done + n]
+            done += n
     rec = InodeRecord(f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9], f[10], units, csums)
-    return rec, pos
+    return rec, end
 
 
 def decode_ops(buf: bytes) -> Iterator[Op]:

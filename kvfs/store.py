@@ -54,7 +54,7 @@ from kvfs.layout import (
     Op,
     phys,
 )
-from kvfs.namespace import ROOT_INO, Inode, Namespace
+from kvfs.namespace import ROOT_INO, Inode, Namespace, building_index
 from kvfs.pool import Pool
 
 log = logging.getLogger(__name__)
@@ -205,6 +205,10 @@ class Store:
 
     def load(self) -> RecoveryReport:
         """Rebuild the index from the metadata log (blocking; before serving)."""
+        with building_index():  # no GC scans while millions of objects are made
+            return self._load()
+
+    def _load(self) -> RecoveryReport:
         t0 = time.monotonic()
         meta, start, size = self.pool.meta
         found = recover(meta, start, size, self.pool.seed)
@@ -614,7 +618,11 @@ class Store:
         bufs = {u: st.dirty.pop(u) for u in units}
         st.inflight.update(bufs)
         st.busy += 1
-        st.idle = trio.Event()
+        if st.busy == 1:
+            # a fresh event only when the file goes busy: replacing the one that
+            # waiters already hold (busy > 0) would leave them waiting forever, since
+            # only the current event is set when busy returns to 0
+            st.idle = trio.Event()
         assert self._nursery is not None
         self._nursery.start_soon(self._writeback, inode, st, plan, bufs)
 

@@ -268,3 +268,26 @@ def test_memory_per_key_is_small_and_slots_are_reused(name: str) -> None:
     table = policy._slots  # type: ignore[attr-defined]
     assert len(table.index) == 1000 + ghosts
     assert len(table.key) <= 20_000 + 8  # no growth past the peak key count
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_keys_and_remove_many_match_victims_order(name: str) -> None:
+    """``remove_many`` (recovery drops files gone since the checkpoint) removes in the
+    order of a fresh ``victims()``, exactly as collecting then removing one by one."""
+    for seed in range(40):
+        rng = random.Random(seed)
+        source = make_policy(name)
+        run_ops(source, rng, rng.randrange(50, 1500))
+        ref, fast = make_policy(name), make_policy(name)
+        ref.recover(source.persist())
+        fast.recover(source.persist())
+        assert ref.keys() == fast.keys() == set(ref.victims())
+        doomed = {key for key in range(80) if rng.random() < rng.random()}
+        for key in [k for k in ref.victims() if k in doomed]:
+            ref.remove(key)
+        fast.remove_many(doomed)
+        assert fast.persist() == ref.persist()
+        assert order(fast) == order(ref)
+        run_ops(ref, random.Random(seed), 200)
+        run_ops(fast, random.Random(seed), 200)
+        assert fast.persist() == ref.persist()
