@@ -340,6 +340,23 @@ def _single_run(units: array[int]) -> tuple[int, int, int, int] | None:
     return 0, n, first >> DEV_SHIFT, first & UNIT_MASK
 
 
+def _inode_head(op: InodeRecord) -> tuple[int, ...]:
+    """The INODE fields before the unit-map counts."""
+    return (
+        OP_INODE,
+        op.ino,
+        op.mode,
+        op.uid,
+        op.gid,
+        op.nlink,
+        op.size,
+        op.atime_ns,
+        op.mtime_ns,
+        op.ctime_ns,
+        op.flags,
+    )
+
+
 def encode_op(op: Op) -> bytes:
     if isinstance(op, InodeRecord):
         units, csums = op.units, op.csums
@@ -353,17 +370,7 @@ def encode_op(op: Op) -> bytes:
             )
             return (
                 _INODE_RUN.pack(
-                    OP_INODE,
-                    op.ino,
-                    op.mode,
-                    op.uid,
-                    op.gid,
-                    op.nlink,
-                    op.size,
-                    op.atime_ns,
-                    op.mtime_ns,
-                    op.ctime_ns,
-                    op.flags,
+                    *_inode_head(op),
                     run[1],
                     1,
                     *run,
@@ -372,21 +379,7 @@ def encode_op(op: Op) -> bytes:
             )
         runs = _runs(op.units)
         mapped = array("Q", (c for p, c in zip(op.units, op.csums, strict=True) if p != NO_UNIT))
-        head = _INODE.pack(
-            OP_INODE,
-            op.ino,
-            op.mode,
-            op.uid,
-            op.gid,
-            op.nlink,
-            op.size,
-            op.atime_ns,
-            op.mtime_ns,
-            op.ctime_ns,
-            op.flags,
-            len(op.units),
-            len(runs),
-        )
+        head = _INODE.pack(*_inode_head(op), len(op.units), len(runs))
         return head + b"".join(_RUN.pack(*r) for r in runs) + mapped.tobytes()
     if isinstance(op, Dentry):
         return _DENTRY.pack(OP_DENTRY, op.parent, op.ino, len(op.name)) + op.name
