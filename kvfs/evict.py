@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 from array import array
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -338,4 +337,4 @@ class Evictor:
         )
 
 
-__all__ = ["Evictor", "Hashable", "os"]
+__all__ = ["Evictor", "EvictorStatistics", "check_group_xattr", "parse_quota"]

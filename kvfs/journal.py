@@ -31,7 +31,6 @@ from kvfs.layout import (
     KIND_CKPT_BEGIN,
     KIND_CKPT_DATA,
     KIND_CKPT_END,
-    KIND_PAD,
     KIND_TXN,
     PARSE_MORE,
     PARSE_OK,
@@ -408,4 +407,11 @@ class Journal:
         )
 
 
-__all__ = ["KIND_PAD", "Journal", "JournalStatistics", "Recovered", "half_bounds", "recover"]
+__all__ = [
+    "Journal",
+    "JournalStatistics",
+    "Recovered",
+    "encode_checkpoint",
+    "half_bounds",
+    "recover",
+]

@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass
 
 from kvfs.device import ALIGN, Device, FileDevice, MissingDevice, aligned_buffer
-from kvfs.errors import Corruption, DeviceError, UserError
+from kvfs.errors import Corruption, UserError
 from kvfs.journal import encode_checkpoint, half_bounds
 from kvfs.layout import (
     RESERVED_HEAD,
@@ -266,4 +266,4 @@ def _assemble(devices: list[Device], sbs: list[Superblock], degraded: bool = Fal
     return Pool([devices[i] for i in order], [sbs[i] for i in order])
 
 
-__all__ = ["DeviceError", "Pool", "format_pool", "open_pool"]
+__all__ = ["Pool", "format_pool", "open_pool"]

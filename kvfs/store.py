@@ -23,7 +23,7 @@ import mmap
 import os
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -43,7 +43,7 @@ from kvfs.errors import (
     NoSpace,
     QuotaExceeded,
 )
-from kvfs.evict import QUOTA_XATTR, Evictor, EvictorStatistics
+from kvfs.evict import QUOTA_XATTR, Evictor
 from kvfs.journal import Journal, recover
 from kvfs.layout import (
     DEV_SHIFT,
@@ -1083,4 +1083,4 @@ def _coalesce(units: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
-__all__ = ["Awaitable", "EvictorStatistics", "FileState", "Handle", "Store", "StoreConfig"]
+__all__ = ["FileState", "Handle", "RecoveryReport", "Store", "StoreConfig", "StoreStatistics"]
