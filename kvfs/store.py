@@ -17,12 +17,10 @@ FUSE-free and async. Concurrency contract (see ``docs/design.md``):
 
 from __future__ import annotations
 
-import functools
 import logging
 import mmap
 import os
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -41,7 +39,6 @@ from kvfs.errors import (
     IsADirectory,
     KvfsError,
     NoSpace,
-    QuotaExceeded,
 )
 from kvfs.evict import QUOTA_XATTR, Evictor
 from kvfs.journal import Journal, recover
@@ -56,6 +53,7 @@ from kvfs.layout import (
 )
 from kvfs.namespace import ROOT_INO, Inode, Namespace, building_index
 from kvfs.pool import Pool
+from kvfs.space import Space
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -164,7 +162,7 @@ class Store:
             pool.devices,
             self._snapshot,
             seed=pool.seed,
-            on_durable=self._release_frees,
+            on_durable=lambda durable: self.space.release_frees(durable),
             commit_interval=self.cfg.commit_interval,
             io_timeout=self.cfg.io_timeout,
         )
@@ -174,7 +172,6 @@ class Store:
         self._files: dict[int, FileState] = {}
         self._handles: dict[int, Handle] = {}
         self._next_fh = 1
-        self._deferred: deque[tuple[int, int]] = deque()
         self._limiters = [trio.CapacityLimiter(self.cfg.queue_depth) for _ in pool.devices]
         self._fetching: dict[tuple[int, int], trio.Event] = {}
         self._dirty_bytes = 0
@@ -184,14 +181,21 @@ class Store:
         self._corruptions = 0
         self.on_vanish: Callable[[int, bytes, int], None] = lambda parent, name, ino: None
         self.evictor = Evictor(self.ns, self.cfg.eviction_policy, self.cfg.default_policy)
-        self._usage: dict[int, int] = {}  # quota group -> bytes mapped (computed lazily)
-        self._trim: list[int] = []
-        self._trimming = 0
         self.lost: dict[int, bytes] = {}
         self._ckpt_inodes = 0
-        self._trim_wake = trio.Event()
-        self._space_freed = trio.Event()
-        self._evict_wake = trio.Event()
+        self.space = Space(
+            pool,
+            self.alloc,
+            self.journal,
+            self.ns,
+            self.evictor,
+            io=self._io,
+            evictable=self._evictable,
+            evict=self._unlink_everywhere,
+            high_watermark=self.cfg.high_watermark,
+            low_watermark=self.cfg.low_watermark,
+            discard=self.cfg.discard,
+        )
 
     # ------------------------------------------------------------------ lifecycle
     def _log(self, ops: list[Op]) -> None:
@@ -299,8 +303,8 @@ class Store:
             self._nursery = nursery
             await nursery.start(self.journal.run)
             await self.journal.start()
-            nursery.start_soon(self._evict_loop)
-            nursery.start_soon(self._trim_loop)
+            nursery.start_soon(self.space.evict_loop)
+            nursery.start_soon(self.space.trim_loop)
             task_status.started()
             await trio.sleep_forever()
 
@@ -331,46 +335,6 @@ class Store:
                 "device %s failed a write: no new data goes there", self.pool.devices[dev].path
             )
             self.alloc.set_offline(dev)
-
-    def _defer_free(self, p: int) -> None:
-        self._deferred.append((self.journal.last_seq, p))
-
-    def _release_frees(self, durable: int) -> None:
-        """Units no durable record needs any more: TRIM them, then reuse them."""
-        released = False
-        while self._deferred and self._deferred[0][0] <= durable:
-            _, p = self._deferred.popleft()
-            if self.cfg.discard:
-                self._trim.append(p)
-            else:
-                self.alloc.free(p >> DEV_SHIFT, p & UNIT_MASK)
-                released = True
-        if self._trim:
-            self._trim_wake.set()
-        if released:
-            self._signal_space()
-
-    def _signal_space(self) -> None:
-        freed, self._space_freed = self._space_freed, trio.Event()
-        freed.set()
-
-    async def _trim_loop(self) -> None:
-        """Discard freed units in large coalesced runs before they are reused."""
-        while True:
-            await self._trim_wake.wait()
-            self._trim_wake = trio.Event()
-            batch, self._trim = sorted(self._trim), []
-            self._trimming = len(batch)
-            for dev, start, count in _coalesce(batch):
-                device = self.pool.devices[dev]
-                offset, length = self.pool.unit_offset(dev, start), count * self.unit
-                try:
-                    await self._io(dev, functools.partial(device.discard, offset, length))
-                except DeviceError as e:
-                    log.warning("discard failed: %s", e)
-                self.alloc.free(dev, start, count)
-                self._trimming -= count
-            self._signal_space()
 
     # ------------------------------------------------------------------ handles
     def _state(self, ino: int) -> FileState:
@@ -430,8 +394,8 @@ class Store:
         victim = self.ns.rename(old_parent, old, new_parent, new, flags)
         if victim is not None:
             self.maybe_drop(victim)
-        if self._usage and old_parent != new_parent:
-            self._usage.clear()  # group membership may have changed: recount lazily
+        if old_parent != new_parent:
+            self.space.recount()  # group membership may have changed: recount lazily
 
     async def release(self, fh: int) -> None:
         h = self._handles.pop(fh)
@@ -495,10 +459,10 @@ class Store:
         for u in range(first, len(inode.units)):
             p = inode.units[u]
             if p != NO_UNIT:
-                self._defer_free(p)
+                self.space.defer_free(p)
                 freed += 1
             self.cache.discard((inode.ino, u))
-        self._charge(inode, -freed)
+        self.space.charge(inode, -freed)
         del inode.units[first:]
         del inode.csums[first:]
 
@@ -725,9 +689,9 @@ class Store:
                 self._begin_data_change(inode)  # the map changes: uncommitted until commit
                 old = inode.units[u]
                 if old != NO_UNIT:
-                    self._defer_free(old)
+                    self.space.defer_free(old)
                 else:
-                    self._charge(inode, 1)
+                    self.space.charge(inode, 1)
                 inode.units[u], inode.csums[u] = p, csums[u]
                 self.cache.discard((inode.ino, u))
 
@@ -930,29 +894,10 @@ class Store:
             inode.size = 0
         self.maybe_drop(inode)
 
-    # ------------------------------------------------------------------ eviction
-    def _charge(self, inode: Inode, units: int) -> None:
-        """Account mapped units to the inode's group, if that group has a quota."""
-        if self._usage and units:
-            group = self.evictor.group_of(inode)
-            if group in self._usage:
-                self._usage[group] += units * self.unit
-
-    def _group_usage(self, group: int) -> int:
-        if group not in self._usage:
-            total, stack = 0, [group]
-            while stack:
-                node = self.ns.inodes[stack.pop()]
-                if node.entries is None:
-                    total += sum(1 for p in node.units if p != NO_UNIT) * self.unit
-                else:
-                    stack.extend(i for i in node.entries.values() if i in self.ns.inodes)
-            self._usage[group] = total
-        return self._usage[group]
-
+    # ------------------------------------------------------------------ eviction hooks
     def xattr_changed(self, ino: int, name: bytes) -> None:
         if name == QUOTA_XATTR:
-            self._usage.pop(ino, None)
+            self.space.recount(ino)
 
     def _evictable(self, inode: Inode) -> bool:
         if inode.is_dir or inode.opens or inode.flags & FLAG_WRITING or not inode.nlink:
@@ -960,69 +905,11 @@ class Store:
         st = self._files.get(inode.ino)
         return st is None or not (st.dirty or st.inflight or st.busy)
 
-    def _evict_units(self, units: int, group: int | None = None) -> int:
-        """Evict files, best victims first, until ``units`` units are on their way
-        back (sync: the frees complete once the journal has the unlinks)."""
-        freed = 0
-        self.evictor.reap()  # a writer that just exited leaves orphans: they go first
-        for inode, orphan in self.evictor.candidates(self._evictable, group):
-            if freed >= units:
-                break
-            mapped = sum(1 for p in inode.units if p != NO_UNIT)
-            log.debug(
-                "evicting inode %d (%s, %d units)",
-                inode.ino,
-                "orphan" if orphan else "policy",
-                mapped,
-            )
-            self._unlink_everywhere(inode)
-            self.evictor.evictions += 1
-            self.evictor.orphan_evictions += orphan
-            freed += max(mapped, 1)
-        return freed
-
     async def _ensure_space(self, inode: Inode, units: int) -> None:
-        """Make room for ``units`` new units (quota first, then the pool), evicting
-        as needed; NoSpace/QuotaExceeded only when nothing may be evicted."""
+        """Room for ``units`` new units: metadata first, then data (may evict);
+        NoSpace/QuotaExceeded only when nothing may be evicted."""
         await self.check_metadata_room()
-        group = self.evictor.group_of(inode)
-        quota = self.evictor.group_quota(group)
-        if quota:
-            over = self._group_usage(group) + units * self.unit - quota
-            if over > 0 and self._evict_units(-(-over // self.unit), group) * self.unit < over:
-                raise QuotaExceeded(f"directory quota of {quota} bytes is full")
-        while self.alloc.free_units < units:
-            short = units - self.alloc.free_units
-            pending = self._pending_free()
-            if pending < short and self._evict_units(short - pending) == 0 and not pending:
-                raise NoSpace(f"pool full: {units} units needed, nothing may be evicted")
-            freed = self._space_freed
-            await self.journal.wait_durable()
-            if self.alloc.free_units < units:
-                await freed.wait()
-        if self._used_fraction() > self.cfg.high_watermark:
-            self._evict_wake.set()
-
-    def _pending_free(self) -> int:
-        """Units freed but not yet reusable (waiting for the journal or for TRIM)."""
-        return len(self._deferred) + len(self._trim) + self._trimming
-
-    def _used_fraction(self) -> float:
-        free = self.alloc.free_units + self._pending_free()
-        return 1 - free / max(self.alloc.total_units, 1)
-
-    async def _evict_loop(self) -> None:
-        """Keep usage under the high watermark, evicting down to the low one, so
-        writers rarely wait for eviction; also turns dead owners' files to orphans."""
-        while True:
-            with trio.move_on_after(0.5):
-                await self._evict_wake.wait()
-            self._evict_wake = trio.Event()
-            self.evictor.reap()
-            if self._used_fraction() > self.cfg.high_watermark:
-                target = self._used_fraction() - self.cfg.low_watermark
-                self._evict_units(int(target * self.alloc.total_units) + 1)
-                await self.journal.wait_durable()
+        await self.space.ensure(inode, units)
 
     # ------------------------------------------------------------------ reporting
     def statistics(self) -> StoreStatistics:
@@ -1038,7 +925,7 @@ class Store:
             used_bytes=cap - free,
             free_bytes=free,
             dirty_bytes=self._dirty_bytes,
-            pending_free_bytes=len(self._deferred) * self.unit,
+            pending_free_bytes=self.space.pending_free() * self.unit,
             reads=self._reads,
             writes=self._writes,
             bytes_read=self._bytes_read,
@@ -1069,18 +956,6 @@ async def _nursery() -> AsyncIterator[trio.Nursery]:
         while isinstance(first, BaseExceptionGroup):
             first = first.exceptions[0]
         raise first from None
-
-
-def _coalesce(units: list[int]) -> list[tuple[int, int, int]]:
-    """Sorted packed unit addresses -> (device, start, count) runs."""
-    runs: list[tuple[int, int, int]] = []
-    for p in units:
-        dev, unit = p >> DEV_SHIFT, p & UNIT_MASK
-        if runs and runs[-1][0] == dev and runs[-1][1] + runs[-1][2] == unit:
-            runs[-1] = (dev, runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((dev, unit, 1))
-    return runs
 
 
 __all__ = ["FileState", "Handle", "RecoveryReport", "Store", "StoreConfig", "StoreStatistics"]

@@ -1,0 +1,215 @@
+"""The pool's free space: deferred frees, TRIM, group quotas, and the eviction driver.
+
+Units a file no longer maps are not reusable at once: a durable journal record may
+still reference them (copy-on-write, ``docs/design.md``). They wait here until the
+journal's durable point passes the record that dropped them, are then discarded
+(BLKDISCARD / hole punch) in coalesced runs, and only then go back to the allocator.
+
+The eviction driver keeps usage under the high watermark (a background task), and
+makes room inline when a write finds none: it asks the :class:`~kvfs.evict.Evictor`
+for victims and has the store remove them (``evict``); NoSpace/QuotaExceeded only
+when nothing may be evicted. Everything here runs on the trio thread.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import trio
+
+from kvfs.alloc import Allocator
+from kvfs.errors import DeviceError, NoSpace, QuotaExceeded
+from kvfs.evict import Evictor
+from kvfs.journal import Journal
+from kvfs.layout import DEV_SHIFT, NO_UNIT, UNIT_MASK
+from kvfs.namespace import Inode, Namespace
+from kvfs.pool import Pool
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def coalesce(units: list[int]) -> list[tuple[int, int, int]]:
+    """Sorted packed unit addresses -> (device, start, count) runs."""
+    runs: list[tuple[int, int, int]] = []
+    for p in units:
+        dev, unit = p >> DEV_SHIFT, p & UNIT_MASK
+        if runs and runs[-1][0] == dev and runs[-1][1] + runs[-1][2] == unit:
+            runs[-1] = (dev, runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((dev, unit, 1))
+    return runs
+
+
+class Space:
+    """Free-space bookkeeping and eviction for one store."""
+
+    def __init__(
+        self,
+        pool: Pool,
+        alloc: Allocator,
+        journal: Journal,
+        ns: Namespace,
+        evictor: Evictor,
+        *,
+        io: Callable[[int, Callable[[], None]], Awaitable[None]],
+        evictable: Callable[[Inode], bool],
+        evict: Callable[[Inode], None],
+        high_watermark: float,
+        low_watermark: float,
+        discard: bool,
+    ) -> None:
+        self.pool, self.alloc, self.journal, self.ns, self.evictor = (
+            pool,
+            alloc,
+            journal,
+            ns,
+            evictor,
+        )
+        self.unit = pool.unit_size
+        self._io, self._evictable, self._evict = io, evictable, evict
+        self.high, self.low, self.discard = high_watermark, low_watermark, discard
+        self._deferred: deque[tuple[int, int]] = deque()
+        self._usage: dict[int, int] = {}  # quota group -> bytes mapped (computed lazily)
+        self._trim: list[int] = []
+        self._trimming = 0
+        self._trim_wake = trio.Event()
+        self._freed = trio.Event()
+        self._evict_wake = trio.Event()
+
+    # ------------------------------------------------------------------ frees
+    def defer_free(self, p: int) -> None:
+        """Free unit ``p`` once everything logged so far is durable."""
+        self._deferred.append((self.journal.last_seq, p))
+
+    def release_frees(self, durable: int) -> None:
+        """The journal's durable point moved: TRIM, then reuse, what it released."""
+        released = False
+        while self._deferred and self._deferred[0][0] <= durable:
+            _, p = self._deferred.popleft()
+            if self.discard:
+                self._trim.append(p)
+            else:
+                self.alloc.free(p >> DEV_SHIFT, p & UNIT_MASK)
+                released = True
+        if self._trim:
+            self._trim_wake.set()
+        if released:
+            self._signal_freed()
+
+    def _signal_freed(self) -> None:
+        freed, self._freed = self._freed, trio.Event()
+        freed.set()
+
+    async def trim_loop(self) -> None:
+        """Discard freed units in large coalesced runs before they are reused."""
+        while True:
+            await self._trim_wake.wait()
+            self._trim_wake = trio.Event()
+            batch, self._trim = sorted(self._trim), []
+            self._trimming = len(batch)
+            for dev, start, count in coalesce(batch):
+                device = self.pool.devices[dev]
+                offset, length = self.pool.unit_offset(dev, start), count * self.unit
+                try:
+                    await self._io(dev, functools.partial(device.discard, offset, length))
+                except DeviceError as e:
+                    log.warning("discard failed: %s", e)
+                self.alloc.free(dev, start, count)
+                self._trimming -= count
+            self._signal_freed()
+
+    def pending_free(self) -> int:
+        """Units freed but not yet reusable (waiting for the journal or for TRIM)."""
+        return len(self._deferred) + len(self._trim) + self._trimming
+
+    def used_fraction(self) -> float:
+        free = self.alloc.free_units + self.pending_free()
+        return 1 - free / max(self.alloc.total_units, 1)
+
+    # ------------------------------------------------------------------ quotas
+    def charge(self, inode: Inode, units: int) -> None:
+        """Account mapped units to the inode's group, if that group has a quota."""
+        if self._usage and units:
+            group = self.evictor.group_of(inode)
+            if group in self._usage:
+                self._usage[group] += units * self.unit
+
+    def group_usage(self, group: int) -> int:
+        if group not in self._usage:
+            total, stack = 0, [group]
+            while stack:
+                node = self.ns.inodes[stack.pop()]
+                if node.entries is None:
+                    total += sum(1 for p in node.units if p != NO_UNIT) * self.unit
+                else:
+                    stack.extend(i for i in node.entries.values() if i in self.ns.inodes)
+            self._usage[group] = total
+        return self._usage[group]
+
+    def recount(self, group: int | None = None) -> None:
+        """Forget cached usage (a quota changed, or files moved between groups)."""
+        if group is None:
+            self._usage.clear()
+        else:
+            self._usage.pop(group, None)
+
+    # ------------------------------------------------------------------ eviction
+    def evict_units(self, units: int, group: int | None = None) -> int:
+        """Evict files, best victims first, until ``units`` units are on their way
+        back (sync: the frees complete once the journal has the unlinks)."""
+        freed = 0
+        self.evictor.reap()  # a writer that just exited leaves orphans: they go first
+        for inode, orphan in self.evictor.candidates(self._evictable, group):
+            if freed >= units:
+                break
+            mapped = sum(1 for p in inode.units if p != NO_UNIT)
+            log.debug(
+                "evicting inode %d (%s, %d units)",
+                inode.ino,
+                "orphan" if orphan else "policy",
+                mapped,
+            )
+            self._evict(inode)
+            self.evictor.evictions += 1
+            self.evictor.orphan_evictions += orphan
+            freed += max(mapped, 1)
+        return freed
+
+    async def ensure(self, inode: Inode, units: int) -> None:
+        """Make room for ``units`` new units of ``inode`` (its group's quota first,
+        then the pool), evicting as needed."""
+        group = self.evictor.group_of(inode)
+        quota = self.evictor.group_quota(group)
+        if quota:
+            over = self.group_usage(group) + units * self.unit - quota
+            if over > 0 and self.evict_units(-(-over // self.unit), group) * self.unit < over:
+                raise QuotaExceeded(f"directory quota of {quota} bytes is full")
+        while self.alloc.free_units < units:
+            short = units - self.alloc.free_units
+            pending = self.pending_free()
+            if pending < short and self.evict_units(short - pending) == 0 and not pending:
+                raise NoSpace(f"pool full: {units} units needed, nothing may be evicted")
+            freed = self._freed
+            await self.journal.wait_durable()
+            if self.alloc.free_units < units:
+                await freed.wait()
+        if self.used_fraction() > self.high:
+            self._evict_wake.set()
+
+    async def evict_loop(self) -> None:
+        """Keep usage under the high watermark, evicting down to the low one, so
+        writers rarely wait for eviction; also turns dead owners' files to orphans."""
+        while True:
+            with trio.move_on_after(0.5):
+                await self._evict_wake.wait()
+            self._evict_wake = trio.Event()
+            self.evictor.reap()
+            if self.used_fraction() > self.high:
+                target = self.used_fraction() - self.low
+                self.evict_units(int(target * self.alloc.total_units) + 1)
+                await self.journal.wait_durable()
