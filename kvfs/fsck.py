@@ -54,6 +54,20 @@ class Report:
             self.fixes.append(functools.partial(self.doomed.add, doom))
 
 
+def offline_index(paths: list[str]) -> tuple[Namespace, Pool]:
+    """The recovered index of an unmounted pool, as the log has it (nothing dropped);
+    the pool is returned closed, for its geometry. For tools and tests."""
+    pool = open_pool(paths)
+    try:
+        meta, start, size = pool.meta
+        ns = Namespace(lambda ops: None)
+        for op in recover(meta, start, size, pool.seed).ops:
+            ns.apply(op)
+        return ns, pool
+    finally:
+        pool.close()
+
+
 def fsck(
     paths: list[str],
     repair: bool = False,
@@ -254,4 +268,11 @@ def _fix_dir_links(ns: Namespace) -> None:
             d.nlink = 2 + subdirs
 
 
-__all__ = ["EXIT_CLEAN", "EXIT_CORRECTED", "EXIT_OPERATIONAL", "EXIT_UNCORRECTED", "fsck"]
+__all__ = [
+    "EXIT_CLEAN",
+    "EXIT_CORRECTED",
+    "EXIT_OPERATIONAL",
+    "EXIT_UNCORRECTED",
+    "fsck",
+    "offline_index",
+]

@@ -200,19 +200,11 @@ def read_or_errno(path: Path) -> bytes | int:
 
 def device_of(devices: list[Path]) -> dict[str, set[int]]:
     """name -> devices holding its units (offline, from the index)."""
-    from kvfs.journal import recover
+    from kvfs.fsck import offline_index
     from kvfs.layout import DEV_SHIFT, NO_UNIT
-    from kvfs.namespace import ROOT_INO, Namespace
-    from kvfs.pool import open_pool
+    from kvfs.namespace import ROOT_INO
 
-    p = open_pool([str(d) for d in devices])
-    try:
-        meta, start, size = p.meta
-        ns = Namespace(lambda ops: None)
-        for op in recover(meta, start, size, p.seed).ops:
-            ns.apply(op)
-    finally:
-        p.close()
+    ns, _ = offline_index([str(d) for d in devices])
     root = ns.inodes[ROOT_INO].entries or {}
     return {
         n.decode(): {u >> DEV_SHIFT for u in ns.inodes[i].units if u != NO_UNIT}

@@ -23,6 +23,7 @@ import pytest
 from conftest import pattern, require_fuse
 
 from kvfs import harness
+from kvfs.fsck import offline_index
 from kvfs.journal import _scan, half_bounds, recover
 from kvfs.layout import DEV_SHIFT, KIND_CKPT_DATA, KIND_TXN, NO_UNIT, UNIT_MASK
 from kvfs.namespace import ROOT_INO, Namespace
@@ -86,15 +87,8 @@ def flip(image: Path, offset: int, n: int = 16) -> None:
 
 def index(devices: list[Path]) -> tuple[Namespace, list[int]]:
     """The pool's recovered namespace (offline) and each device's data_start."""
-    p = open_pool([str(d) for d in devices])
-    try:
-        meta, start, size = p.meta
-        ns = Namespace(lambda ops: None)
-        for op in recover(meta, start, size, p.seed).ops:
-            ns.apply(op)
-        return ns, [sb.data_start for sb in p.superblocks]
-    finally:
-        p.close()
+    ns, p = offline_index([str(d) for d in devices])
+    return ns, [sb.data_start for sb in p.superblocks]
 
 
 def unit_location(devices: list[Path], name: bytes, u: int) -> tuple[Path, int, int, int]:
