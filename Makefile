@@ -31,6 +31,7 @@ lint: install
 	$(VENV)/bin/ruff check kvfs tests tools
 	$(VENV)/bin/ruff format --check kvfs tests tools
 	$(VENV)/bin/mypy kvfs
+	$(VENV)/bin/mypy tests
 
 format: install
 	$(VENV)/bin/ruff format kvfs tests tools

@@ -21,10 +21,9 @@ import logging
 import mmap
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 import trio
 import xxhash
@@ -53,6 +52,7 @@ from kvfs.layout import (
 )
 from kvfs.namespace import ROOT_INO, Inode, Namespace, building_index
 from kvfs.pool import Pool
+from kvfs.readpath import Reader, domain_nursery
 from kvfs.space import Space
 
 log = logging.getLogger(__name__)
@@ -168,12 +168,10 @@ class Store:
         )
         self.cache = UnitCache(self.cfg.cache_bytes)
         self._pools: dict[int, BufferPool] = {}
-        self._zero = memoryview(bytes(self.unit))
         self._files: dict[int, FileState] = {}
         self._handles: dict[int, Handle] = {}
         self._next_fh = 1
         self._limiters = [trio.CapacityLimiter(self.cfg.queue_depth) for _ in pool.devices]
-        self._fetching: dict[tuple[int, int], trio.Event] = {}
         self._dirty_bytes = 0
         self._nursery: trio.Nursery | None = None
         self._rr = 0
@@ -183,6 +181,17 @@ class Store:
         self.evictor = Evictor(self.ns, self.cfg.eviction_policy, self.cfg.default_policy)
         self.lost: dict[int, bytes] = {}
         self._ckpt_inodes = 0
+        self.reader = Reader(
+            pool,
+            self.cache,
+            self._files,
+            io=self._io,
+            buffers=self._buffer_pool,
+            quarantine=self._quarantine,
+            spawn=self._spawn,
+            readahead_units=self.cfg.readahead_units,
+            read_piece_units=self.cfg.read_piece_units,
+        )
         self.space = Space(
             pool,
             self.alloc,
@@ -328,6 +337,11 @@ class Store:
             )
         path = self.pool.devices[dev].path
         raise DeviceError(f"{path}: request missed its {self.cfg.io_timeout:g} s deadline")
+
+    def _spawn(self, fn: Callable[..., Awaitable[None]], *args: object) -> None:
+        """Start a background task (readahead) once serving; dropped before that."""
+        if self._nursery is not None:
+            self._nursery.start_soon(fn, *args)
 
     def _take_offline(self, dev: int) -> None:
         if dev not in self.alloc.offline:
@@ -522,7 +536,7 @@ class Store:
         caller overwrites all of it before its next await (no zeroing needed)."""
         buf = self._buffer_pool(self.unit).take(zeroed=not (load or whole))
         if load:
-            src = await self._unit_view(inode, st, u)
+            src = await self.reader.unit_view(inode, u)
             existing = st.dirty.get(u)
             if existing is not None:  # another writer got there during the await
                 return existing
@@ -538,12 +552,6 @@ class Store:
             keep = max(self.cfg.buffer_pool_bytes // size, 2)
             pool = self._pools[size] = BufferPool(size, keep)
         return pool
-
-    async def _unit_view(self, inode: Inode, st: FileState | None, u: int) -> memoryview:
-        view = self._resident(inode, st, u)
-        if view is None:
-            view = (await self._fetch(inode, [u]))[u]
-        return view
 
     async def _zero_tail(self, inode: Inode, st: FileState, size: int) -> None:
         """Zero bytes from ``size`` to the end of its unit (before the file grows
@@ -628,7 +636,7 @@ class Store:
     ) -> None:
         csums: dict[int, int] = {}
         try:
-            async with _nursery() as nursery:
+            async with domain_nursery() as nursery:
                 for dev, start, lus in plan:
                     nursery.start_soon(
                         self._write_run, dev, start, [bufs[u] for u in lus], lus, csums
@@ -739,15 +747,6 @@ class Store:
             await self.commit(inode)
 
     # ------------------------------------------------------------------ read path
-    def _resident(self, inode: Inode, st: FileState | None, u: int) -> memoryview | None:
-        if st is not None:
-            buf = st.dirty.get(u) or st.inflight.get(u)
-            if buf is not None:
-                return memoryview(buf)
-        if u >= len(inode.units) or inode.units[u] == NO_UNIT:
-            return self._zero
-        return self.cache.get((inode.ino, u))
-
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
         inode = self.ns.get(self._handles[fh].ino)
         if inode.flags & FLAG_QUARANTINED:
@@ -755,119 +754,12 @@ class Store:
         end = min(off + size, inode.size)
         if off >= end:
             return b""
-        first, last = off // self.unit, (end - 1) // self.unit
-        st = self._files.get(inode.ino)
-        views: dict[int, memoryview] = {}
-        missing = []
-        for u in range(first, last + 1):
-            view = self._resident(inode, st, u)
-            if view is None:
-                missing.append(u)
-            else:
-                views[u] = view
-        if missing:
-            views.update(await self._fetch(inode, missing))
-        self._readahead(inode, last)
+        data = await self.reader.read(inode, off, end)
         self._reads += 1
         self._bytes_read += end - off
-        base = first * self.unit
-        if first == last:
-            return views[first][off - base : end - base]
-        parts = [views[u] for u in range(first, last + 1)]
-        return b"".join(parts)[off - base : end - base]
+        return data
 
-    def _readahead(self, inode: Inode, last: int) -> None:
-        """Fetch the next window in the background while the kernel consumes this one."""
-        nxt = [
-            u
-            for u in range(last + 1, min(last + 1 + self.cfg.readahead_units, len(inode.units)))
-            if (inode.ino, u) not in self._fetching and self._resident(inode, None, u) is None
-        ]
-        if nxt and self._nursery is not None:
-            self._nursery.start_soon(self._prefetch, inode, nxt)
-
-    async def _prefetch(self, inode: Inode, units: list[int]) -> None:
-        try:
-            await self._fetch(inode, units)
-        except KvfsError as e:
-            log.debug("readahead of inode %d failed: %s", inode.ino, e)
-
-    async def _fetch(self, inode: Inode, units: list[int]) -> dict[int, memoryview]:
-        """Read units from the devices (deduplicated against concurrent fetches),
-        verify their checksums and cache them."""
-        ino = inode.ino
-        theirs = {u: self._fetching[(ino, u)] for u in units if (ino, u) in self._fetching}
-        mine = [u for u in units if u not in theirs]
-        done = trio.Event()
-        for u in mine:
-            self._fetching[(ino, u)] = done
-        results: dict[int, memoryview] = {}
-        try:
-            if mine:
-                async with _nursery() as nursery:
-                    for run in self._read_runs(inode, mine):
-                        nursery.start_soon(self._read_run, inode, run, results)
-        finally:
-            for u in mine:
-                del self._fetching[(ino, u)]
-            done.set()
-        for u, event in theirs.items():
-            await event.wait()
-            view = self._resident(inode, self._files.get(ino), u)
-            results[u] = view if view is not None else (await self._fetch(inode, [u]))[u]
-        return results
-
-    def _read_runs(self, inode: Inode, units: list[int]) -> list[list[tuple[int, int, int]]]:
-        """Group units into (logical, physical, checksum) runs contiguous on one device."""
-        runs: list[list[tuple[int, int, int]]] = []
-        for u in sorted(units):
-            # a readahead scheduled before a truncate may ask for units now gone
-            p = inode.units[u] if u < len(inode.units) else NO_UNIT
-            if p == NO_UNIT:
-                continue
-            run = runs[-1] if runs else None
-            if (
-                run
-                and run[-1][1] + 1 == p
-                and run[-1][0] + 1 == u
-                and len(run) < self.cfg.read_piece_units
-            ):
-                run.append((u, p, inode.csums[u]))
-            else:
-                runs.append([(u, p, inode.csums[u])])
-        return runs
-
-    async def _read_run(
-        self, inode: Inode, run: list[tuple[int, int, int]], results: dict[int, memoryview]
-    ) -> None:
-        dev, start = run[0][1] >> DEV_SHIFT, run[0][1] & UNIT_MASK
-        device, u_size = self.pool.devices[dev], self.unit
-        buf = self._buffer_pool(u_size * len(run)).take(zeroed=False)  # filled or dropped
-        offset = self.pool.unit_offset(dev, start)
-
-        def work() -> list[int]:
-            view = memoryview(buf)
-            device.read_into(offset, view)
-            return [
-                xxhash.xxh3_64_intdigest(view[i * u_size : (i + 1) * u_size])
-                for i in range(len(run))
-            ]
-
-        sums = await self._io(dev, work)
-        whole = memoryview(buf).toreadonly()
-        for i, (u, p, csum) in enumerate(run):
-            view = whole[i * u_size : (i + 1) * u_size]
-            current = inode.units[u] if u < len(inode.units) else NO_UNIT
-            if sums[i] != csum:
-                if current != p:  # rewritten while we read: serve the new data
-                    results[u] = await self._unit_view(inode, self._files.get(inode.ino), u)
-                    continue
-                self._quarantine(inode, u, p)
-            if current == p:
-                self.cache.put((inode.ino, u), view)
-            results[u] = view
-
-    def _quarantine(self, inode: Inode, u: int, p: int) -> None:
+    def _quarantine(self, inode: Inode, u: int, p: int) -> NoReturn:
         self._corruptions += 1
         path = self.pool.devices[p >> DEV_SHIFT].path
         log.error(
@@ -938,24 +830,6 @@ class Store:
             quarantined=sum(1 for i in self.ns.inodes.values() if i.flags & FLAG_QUARANTINED),
             open_handles=len(self._handles),
         )
-
-
-@asynccontextmanager
-async def _nursery() -> AsyncIterator[trio.Nursery]:
-    """A nursery that fails with the first KvfsError itself when only KvfsErrors
-    failed it: trio wraps child errors in an ExceptionGroup, but callers (and the
-    FUSE adapter, which maps only KvfsError) must see the domain error."""
-    try:
-        async with trio.open_nursery() as nursery:
-            yield nursery
-    except BaseExceptionGroup as group:
-        matched, rest = group.split(KvfsError)
-        if matched is None or rest is not None:
-            raise
-        first: BaseException = matched
-        while isinstance(first, BaseExceptionGroup):
-            first = first.exceptions[0]
-        raise first from None
 
 
 __all__ = ["FileState", "Handle", "RecoveryReport", "Store", "StoreConfig", "StoreStatistics"]

@@ -193,7 +193,8 @@ class KvfsMount:
     def stats(self) -> dict[str, Any]:
         import json
 
-        return json.loads(os.getxattr(self.path, "user.kvfs.stats"))
+        stats: dict[str, Any] = json.loads(os.getxattr(self.path, "user.kvfs.stats"))
+        return stats
 
     @property
     def mounted(self) -> bool:

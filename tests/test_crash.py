@@ -39,6 +39,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -213,7 +214,11 @@ class Worker:
         used = sum(self.sizes.values())
         if used > BUDGET:
             return self.op_unlink()
-        ops = [(self.op_create, 30), (self.op_mkdir, 3), (self.op_fsyncdir, 3)]
+        ops: list[tuple[Callable[[], object], int]] = [
+            (self.op_create, 30),
+            (self.op_mkdir, 3),
+            (self.op_fsyncdir, 3),
+        ]
         if self.files:
             ops += [(self.op_overwrite, 12), (self.op_trunc, 10), (self.op_rename, 12)]
             ops += [(self.op_unlink, 10), (self.op_read, 10)]

@@ -51,6 +51,13 @@ MiB = 1 << 20
 CHUNK = 33_554_432  # LMCache, Llama-3-8B bf16, 256 tokens
 LMCACHE_NAME = re.compile(r"^meta-llama-Meta-Llama-3-8B@(\d)@(\d)@-?[0-9a-f]+@bfloat16\.pt$")
 
+
+def lmcache_match(name: str) -> re.Match[str]:
+    m = LMCACHE_NAME.match(name)
+    assert m is not None, name
+    return m
+
+
 pytestmark = pytest.mark.slow
 
 
@@ -113,7 +120,7 @@ def finish_driver(
     lines = out.strip().splitlines()
     if proc.returncode != 0 or not lines:
         pytest.fail(
-            f"driver {proc.args} exited {proc.returncode}\n--- stderr (tail) ---\n{err[-4000:]}",
+            f"driver {proc.args!r} exited {proc.returncode}\n--- stderr (tail) ---\n{err[-4000:]}",
             pytrace=False,
         )
     result: dict[str, Any] = json.loads(lines[-1])
@@ -258,12 +265,12 @@ def test_lmcache_two_tp_ranks_share_the_directory(engine_mount: MountFactory) ->
         assert r["lookup"] == [512] and r["retrieved"] == [512], f"rank {rank}"
         assert r["retrieved_after_restart"] == [512], f"rank {rank}"
         assert {
-            LMCACHE_NAME.match(n).groups()
-            for n in r["files_after_restart"]  # type: ignore[union-attr]
+            lmcache_match(n).groups()
+            for n in r["files_after_restart"]
             if n.split("@")[2] == str(rank)
         } == {("2", str(rank))}
     files = lmcache_files(d)
-    ranks = sorted(LMCACHE_NAME.match(n).group(2) for n in files)  # type: ignore[union-attr]
+    ranks = sorted(lmcache_match(n).group(2) for n in files)
     assert ranks == ["0", "0", "1", "1"] and set(files.values()) == {CHUNK}
     assert mount.stats()["store"]["evictions"] == 0
 

@@ -24,12 +24,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 MiB = 1 << 20
 FAULT_XATTR = "user.fault"
+T = TypeVar("T")
 
 
 # =============================================================================== faultfs
@@ -73,7 +75,7 @@ def faultfs_main(backing: str, mountpoint: str) -> None:
         async def opendir(self, ino: int, ctx: object) -> int:
             return ino
 
-        async def readdir(self, fh: int, start: int, token: object) -> None:
+        async def readdir(self, fh: int, start: int, token: pyfuse3.ReaddirToken) -> None:
             for i, name in enumerate(names[start:], start):
                 if not pyfuse3.readdir_reply(token, name, self._attr(inos[name]), i + 1):
                     return
@@ -195,6 +197,7 @@ def read_or_errno(path: Path) -> bytes | int:
         with open(path, "rb", buffering=0) as f:
             return f.read()
     except OSError as e:
+        assert e.errno is not None, e
         return e.errno
 
 
@@ -225,7 +228,7 @@ def populate(mnt: Path, n: int = 8, size: int = 3 * MiB + 5) -> dict[str, bytes]
     return files
 
 
-def timed(fn, *args):  # type: ignore[no-untyped-def]
+def timed(fn: Callable[..., T], *args: object) -> tuple[T, float]:
     t0 = time.monotonic()
     out = fn(*args)
     return out, time.monotonic() - t0

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -52,10 +53,11 @@ def write_file(path: Path | str, data: bytes) -> None:
         os.close(fd)
 
 
-def errno_of(fn, *args) -> int:  # type: ignore[no-untyped-def]
+def errno_of(fn: Callable[..., object], *args: object) -> int:
     try:
         fn(*args)
     except OSError as e:
+        assert e.errno is not None, e
         return e.errno
     raise AssertionError(f"{fn.__name__}{args} did not fail")
 

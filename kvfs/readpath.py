@@ -1,0 +1,208 @@
+"""The read path: serve units from memory when resident, else read them from the
+devices in parallel runs, verify their checksums, cache them, and keep a readahead
+window in flight.
+
+Resident means: a dirty or in-flight (being written back) buffer of the file, a hole
+(zeros), or a verified unit in the clean cache. Concurrent fetches of one unit are
+deduplicated. A checksum mismatch is never served: the reader rechecks whether the
+unit was rewritten meanwhile (then it serves the new data), else it hands the unit to
+``quarantine``, which raises. Runs on the trio thread; device reads go through
+``io`` (worker threads, deadline).
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
+
+import trio
+import xxhash
+
+from kvfs.cache import UnitCache
+from kvfs.device import BufferPool
+from kvfs.errors import KvfsError
+from kvfs.layout import DEV_SHIFT, NO_UNIT, UNIT_MASK
+from kvfs.namespace import Inode
+from kvfs.pool import Pool
+
+if TYPE_CHECKING:
+    from kvfs.store import FileState
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@asynccontextmanager
+async def domain_nursery() -> AsyncIterator[trio.Nursery]:
+    """A nursery that fails with the first KvfsError itself when only KvfsErrors
+    failed it: trio wraps child errors in an ExceptionGroup, but callers (and the
+    FUSE adapter, which maps only KvfsError) must see the domain error."""
+    try:
+        async with trio.open_nursery() as nursery:
+            yield nursery
+    except BaseExceptionGroup as group:
+        matched, rest = group.split(KvfsError)
+        if matched is None or rest is not None:
+            raise
+        first: BaseException = matched
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        raise first from None
+
+
+class Reader:
+    """Unit reads for one store (see the module docstring)."""
+
+    def __init__(
+        self,
+        pool: Pool,
+        cache: UnitCache,
+        files: dict[int, FileState],
+        *,
+        io: Callable[[int, Callable[[], Any]], Awaitable[Any]],
+        buffers: Callable[[int], BufferPool],
+        quarantine: Callable[[Inode, int, int], NoReturn],
+        spawn: Callable[..., None],
+        readahead_units: int,
+        read_piece_units: int,
+    ) -> None:
+        self.pool, self.cache, self._files = pool, cache, files
+        self.unit = pool.unit_size
+        self._io, self._buffers, self._quarantine, self._spawn = io, buffers, quarantine, spawn
+        self.readahead_units, self.read_piece_units = readahead_units, read_piece_units
+        self._zero = memoryview(bytes(self.unit))
+        self._fetching: dict[tuple[int, int], trio.Event] = {}
+
+    def resident(self, inode: Inode, st: FileState | None, u: int) -> memoryview | None:
+        """Unit ``u`` if it can be served without device I/O."""
+        if st is not None:
+            buf: mmap.mmap | None = st.dirty.get(u) or st.inflight.get(u)
+            if buf is not None:
+                return memoryview(buf)
+        if u >= len(inode.units) or inode.units[u] == NO_UNIT:
+            return self._zero
+        return self.cache.get((inode.ino, u))
+
+    async def unit_view(self, inode: Inode, u: int) -> memoryview:
+        """Unit ``u``, from memory or the devices."""
+        view = self.resident(inode, self._files.get(inode.ino), u)
+        if view is None:
+            view = (await self.fetch(inode, [u]))[u]
+        return view
+
+    async def read(self, inode: Inode, off: int, end: int) -> bytes | memoryview:
+        """Bytes ``off``..``end`` of ``inode`` (within its size); a single unit is
+        returned as a zero-copy view."""
+        first, last = off // self.unit, (end - 1) // self.unit
+        st = self._files.get(inode.ino)
+        views: dict[int, memoryview] = {}
+        missing = []
+        for u in range(first, last + 1):
+            view = self.resident(inode, st, u)
+            if view is None:
+                missing.append(u)
+            else:
+                views[u] = view
+        if missing:
+            views.update(await self.fetch(inode, missing))
+        self._readahead(inode, last)
+        base = first * self.unit
+        if first == last:
+            return views[first][off - base : end - base]
+        parts = [views[u] for u in range(first, last + 1)]
+        return b"".join(parts)[off - base : end - base]
+
+    def _readahead(self, inode: Inode, last: int) -> None:
+        """Fetch the next window in the background while the kernel consumes this one."""
+        stop = min(last + 1 + self.readahead_units, len(inode.units))
+        nxt = [
+            u
+            for u in range(last + 1, stop)
+            if (inode.ino, u) not in self._fetching and self.resident(inode, None, u) is None
+        ]
+        if nxt:
+            self._spawn(self._prefetch, inode, nxt)
+
+    async def _prefetch(self, inode: Inode, units: list[int]) -> None:
+        try:
+            await self.fetch(inode, units)
+        except KvfsError as e:
+            log.debug("readahead of inode %d failed: %s", inode.ino, e)
+
+    async def fetch(self, inode: Inode, units: list[int]) -> dict[int, memoryview]:
+        """Read units from the devices (deduplicated against concurrent fetches),
+        verify their checksums and cache them."""
+        ino = inode.ino
+        theirs = {u: self._fetching[(ino, u)] for u in units if (ino, u) in self._fetching}
+        mine = [u for u in units if u not in theirs]
+        done = trio.Event()
+        for u in mine:
+            self._fetching[(ino, u)] = done
+        results: dict[int, memoryview] = {}
+        try:
+            if mine:
+                async with domain_nursery() as nursery:
+                    for run in self._runs(inode, mine):
+                        nursery.start_soon(self._read_run, inode, run, results)
+        finally:
+            for u in mine:
+                del self._fetching[(ino, u)]
+            done.set()
+        for u, event in theirs.items():
+            await event.wait()
+            view = self.resident(inode, self._files.get(ino), u)
+            results[u] = view if view is not None else (await self.fetch(inode, [u]))[u]
+        return results
+
+    def _runs(self, inode: Inode, units: list[int]) -> list[list[tuple[int, int, int]]]:
+        """Group units into (logical, physical, checksum) runs contiguous on one device."""
+        runs: list[list[tuple[int, int, int]]] = []
+        for u in sorted(units):
+            # a readahead scheduled before a truncate may ask for units now gone
+            p = inode.units[u] if u < len(inode.units) else NO_UNIT
+            if p == NO_UNIT:
+                continue
+            run = runs[-1] if runs else None
+            if (
+                run
+                and run[-1][1] + 1 == p
+                and run[-1][0] + 1 == u
+                and len(run) < self.read_piece_units
+            ):
+                run.append((u, p, inode.csums[u]))
+            else:
+                runs.append([(u, p, inode.csums[u])])
+        return runs
+
+    async def _read_run(
+        self, inode: Inode, run: list[tuple[int, int, int]], results: dict[int, memoryview]
+    ) -> None:
+        dev, start = run[0][1] >> DEV_SHIFT, run[0][1] & UNIT_MASK
+        device, u_size = self.pool.devices[dev], self.unit
+        buf = self._buffers(u_size * len(run)).take(zeroed=False)  # filled or dropped
+        offset = self.pool.unit_offset(dev, start)
+
+        def work() -> list[int]:
+            view = memoryview(buf)
+            device.read_into(offset, view)
+            return [
+                xxhash.xxh3_64_intdigest(view[i * u_size : (i + 1) * u_size])
+                for i in range(len(run))
+            ]
+
+        sums: list[int] = await self._io(dev, work)
+        whole = memoryview(buf).toreadonly()
+        for i, (u, p, csum) in enumerate(run):
+            view = whole[i * u_size : (i + 1) * u_size]
+            current = inode.units[u] if u < len(inode.units) else NO_UNIT
+            if sums[i] != csum:
+                if current != p:  # rewritten while we read: serve the new data
+                    results[u] = await self.unit_view(inode, u)
+                    continue
+                self._quarantine(inode, u, p)
+            if current == p:
+                self.cache.put((inode.ino, u), view)
+            results[u] = view
