@@ -713,11 +713,13 @@ class Store:
                         await self._start_writeback(inode, st, sorted(st.dirty))
                     await st.idle.wait()
                 self._raise_pending_error(st)
-        if self.ns.inodes.get(inode.ino) is not inode or not inode.flags & FLAG_WRITING:
-            return
-        inode.flags &= ~FLAG_WRITING
-        self.ns.commit(inode)
-        self.evictor.committed(inode, pid)
+        if self.ns.inodes.get(inode.ino) is inode and inode.flags & FLAG_WRITING:
+            inode.flags &= ~FLAG_WRITING
+            self.ns.commit(inode)
+            self.evictor.committed(inode, pid)
+        # Always: a close/fsync is a durable point for everything logged before it,
+        # even when this file had nothing left to commit (an O_TRUNC to an empty file,
+        # a commit another handle already made) -- engines rely on close ordering.
         await self.journal.wait_durable(self.journal.last_seq)
 
     async def truncate(self, inode: Inode, size: int) -> None:
