@@ -32,6 +32,10 @@ class UnitCache:
         self._hits += 1
         return view
 
+    def __contains__(self, key: object) -> bool:
+        """A probe that neither counts as a hit or miss nor refreshes the entry."""
+        return key in self._items
+
     def put(self, key: tuple[int, int], view: memoryview) -> None:
         old = self._items.pop(key, None)
         if old is not None:

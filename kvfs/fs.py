@@ -80,7 +80,7 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
         a.st_rdev = 0
         a.st_size = inode.size
         a.st_blksize = self.store.unit
-        mapped = sum(1 for p in inode.units if p >= 0)
+        mapped = inode.mapped_units
         a.st_blocks = mapped * (self.store.unit // 512)
         a.st_atime_ns, a.st_mtime_ns, a.st_ctime_ns = inode.atime_ns, inode.mtime_ns, inode.ctime_ns
         return a
@@ -217,9 +217,10 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
     async def fsync(self, fh: int, datasync: bool) -> None:
         h = self.store.handle(fh)
         inode = self.ns.inodes.get(h.ino)
-        if inode is not None:
-            await self.store.commit(inode, h.pid)
-        await self.store.journal.wait_durable()
+        if inode is None:
+            await self.store.journal.wait_durable()
+        else:
+            await self.store.commit(inode, h.pid)  # waits for the journal too
 
     @_errors
     async def opendir(self, inode: int, ctx: Any) -> int:

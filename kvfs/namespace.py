@@ -28,6 +28,7 @@ from kvfs.errors import (
 )
 from kvfs.layout import (
     FLAG_WRITING,
+    NO_UNIT,
     Blob,
     Dentry,
     Drop,
@@ -79,6 +80,11 @@ class Inode:
     @property
     def is_dir(self) -> bool:
         return self.entries is not None
+
+    @property
+    def mapped_units(self) -> int:
+        """Units of data the file holds on the devices (holes excluded); C-speed."""
+        return len(self.units) - self.units.count(NO_UNIT)
 
     def record(self) -> InodeRecord:
         return InodeRecord(

@@ -121,7 +121,9 @@ class Reader:
         nxt = [
             u
             for u in range(last + 1, stop)
-            if (inode.ino, u) not in self._fetching and self.resident(inode, None, u) is None
+            if inode.units[u] != NO_UNIT
+            and (inode.ino, u) not in self._fetching
+            and (inode.ino, u) not in self.cache
         ]
         if nxt:
             self._spawn(self._prefetch, inode, nxt)

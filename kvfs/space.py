@@ -25,7 +25,7 @@ from kvfs.alloc import Allocator
 from kvfs.errors import DeviceError, NoSpace, QuotaExceeded
 from kvfs.evict import Evictor
 from kvfs.journal import Journal
-from kvfs.layout import DEV_SHIFT, NO_UNIT, UNIT_MASK
+from kvfs.layout import DEV_SHIFT, UNIT_MASK
 from kvfs.namespace import Inode, Namespace
 from kvfs.pool import Pool
 
@@ -145,7 +145,7 @@ class Space:
             while stack:
                 node = self.ns.inodes[stack.pop()]
                 if node.entries is None:
-                    total += sum(1 for p in node.units if p != NO_UNIT) * self.unit
+                    total += node.mapped_units * self.unit
                 else:
                     stack.extend(i for i in node.entries.values() if i in self.ns.inodes)
             self._usage[group] = total
@@ -167,7 +167,7 @@ class Space:
         for inode, orphan in self.evictor.candidates(self._evictable, group):
             if freed >= units:
                 break
-            mapped = sum(1 for p in inode.units if p != NO_UNIT)
+            mapped = inode.mapped_units
             log.debug(
                 "evicting inode %d (%s, %d units)",
                 inode.ino,

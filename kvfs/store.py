@@ -101,7 +101,6 @@ class FileState:
     lock: trio.Lock = field(default_factory=trio.Lock)
     error: KvfsError | None = None
     writers: int = 0
-    last_read: int = -2
 
 
 @dataclass(frozen=True)
@@ -174,7 +173,6 @@ class Store:
         self._limiters = [trio.CapacityLimiter(self.cfg.queue_depth) for _ in pool.devices]
         self._dirty_bytes = 0
         self._nursery: trio.Nursery | None = None
-        self._rr = 0
         self._reads = self._writes = self._bytes_read = self._bytes_written = 0
         self._corruptions = 0
         self.on_vanish: Callable[[int, bytes, int], None] = lambda parent, name, ino: None
