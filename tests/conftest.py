@@ -312,3 +312,33 @@ def wait_for(predicate: Any, timeout: float = 10.0, what: str = "condition") -> 
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.01)
+
+
+def write_file(path: Path | str, data: bytes) -> None:
+    """Create or truncate ``path`` and write all of ``data``."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
+
+
+def read_or_errno(path: Path) -> bytes | int:
+    """The whole file, or the errno that opening or reading it failed with."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        assert e.errno is not None, e
+        return e.errno
+    try:
+        out = b""
+        while chunk := os.read(fd, 4 << 20):
+            out += chunk
+        return out
+    except OSError as e:
+        assert e.errno is not None, e
+        return e.errno
+    finally:
+        os.close(fd)

@@ -29,6 +29,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
+from conftest import read_or_errno
+from conftest import write_file as write
+
 MiB = 1 << 20
 FAULT_XATTR = "user.fault"
 T = TypeVar("T")
@@ -182,23 +185,6 @@ def faultfs(tmp_path: Path, sizes: dict[str, int]) -> Iterator[FaultFS]:
             proc.wait()
         if proc.stderr:
             proc.stderr.close()
-
-
-def write(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.write(fd, data)
-    finally:
-        os.close(fd)
-
-
-def read_or_errno(path: Path) -> bytes | int:
-    try:
-        with open(path, "rb", buffering=0) as f:
-            return f.read()
-    except OSError as e:
-        assert e.errno is not None, e
-        return e.errno
 
 
 def device_of(devices: list[Path]) -> dict[str, set[int]]:

@@ -21,7 +21,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from conftest import pattern, require_fuse
+from conftest import pattern, read_or_errno, require_fuse
+from conftest import write_file as write
 
 from kvfs import harness
 from kvfs.fsck import offline_index
@@ -49,32 +50,6 @@ def mount(tmp_path: Path, devices: list[Path], *extra: str) -> Iterator[Path]:
     mnt = tmp_path / "mnt"
     with harness.mounted(mnt, devices, *extra, log_file=tmp_path / "kvfs.log"):
         yield mnt
-
-
-def write(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.write(fd, data)
-    finally:
-        os.close(fd)
-
-
-def read_or_errno(path: Path) -> bytes | int:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError as e:
-        assert e.errno is not None, e
-        return e.errno
-    try:
-        out = b""
-        while chunk := os.read(fd, 4 * MiB):
-            out += chunk
-        return out
-    except OSError as e:
-        assert e.errno is not None, e
-        return e.errno
-    finally:
-        os.close(fd)
 
 
 def flip(image: Path, offset: int, n: int = 16) -> None:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import KvfsMount, fuse_unavailable, pattern, wait_for
+from conftest import KvfsMount, fuse_unavailable, pattern, wait_for, write_file
 
 from kvfs import harness
 
@@ -39,16 +39,6 @@ def read_all(path: Path | str) -> bytes:
         assert len(data) == size, f"short read of {path}: {len(data)} of {size}"
         assert os.read(fd, 4096) == b""
         return data
-    finally:
-        os.close(fd)
-
-
-def write_file(path: Path | str, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
     finally:
         os.close(fd)
 
