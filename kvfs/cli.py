@@ -283,10 +283,19 @@ def _run_mount(args: argparse.Namespace, ready: Callable[[], None]) -> int:
 
 def cmd_umount(args: argparse.Namespace) -> int:
     path = os.path.abspath(args.mountpoint)
-    if not os.path.ismount(path):
+    fstype = _mount_type(path)
+    if fstype is None:
         raise UserError(f"{path} is not mounted")
+    if fstype != KVFS_FSTYPE:
+        raise UserError(f"{path} is a {fstype} mount, not kvfs; refusing to unmount it")
     pids = _daemon_pids(path)
-    r = subprocess.run(["fusermount3", "-u", path], capture_output=True, text=True)
+    try:
+        os.stat(path)
+        dead = False
+    except OSError:  # ENOTCONN: the daemon is gone; only the kernel's mount is left
+        dead = True
+    cmd = ["fusermount3", "-u", *(["-z"] if dead else []), path]
+    r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode:
         raise UserError(f"unmount failed: {r.stderr.strip()}", EXIT_FAIL)
     deadline = time.monotonic() + args.timeout
@@ -294,7 +303,25 @@ def cmd_umount(args: argparse.Namespace) -> int:
         time.sleep(0.05)
     if any(_alive(p) for p in pids):
         raise UserError("kvfs daemon still running after unmount", EXIT_FAIL)
+    if dead:
+        print(f"kvfs: {path}: the daemon had died; its mount is cleaned up")
     return EXIT_OK
+
+
+KVFS_FSTYPE = "fuse.kvfs"
+
+
+def _mount_type(path: str) -> str | None:
+    """The filesystem type mounted at ``path`` (``/proc/self/mountinfo``), or None.
+    Works on a dead FUSE mount too, where ``os.path.ismount`` says False."""
+    found = None  # the last match is the mount on top
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            point = fields[4].encode().decode("unicode_escape")  # octal escapes: \040
+            if point == path:
+                found = fields[fields.index("-") + 1]
+    return found
 
 
 def _daemon_pids(mountpoint: str) -> list[int]:

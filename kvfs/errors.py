@@ -19,6 +19,20 @@ class NotFound(KvfsError):
     errno = errno.ENOENT
 
 
+class Stale(NotFound):
+    """An inode the kernel still names is gone (evicted, quarantined, dropped): ESTALE,
+    so a path lookup is retried (``LOOKUP_REVAL``) and then misses or creates cleanly."""
+
+    errno = errno.ESTALE
+
+
+class Incomplete(KvfsError):
+    """A file whose bytes were not all stored (a failed device write, a writer killed
+    mid-write): never committed, never served; EIO."""
+
+    errno = errno.EIO
+
+
 class Exists(KvfsError):
     errno = errno.EEXIST
 

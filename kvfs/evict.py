@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from operator import attrgetter
 
+from kvfs import procs
 from kvfs.errors import InvalidArgument
 from kvfs.namespace import ROOT_INO, Inode, Namespace
 from kvfs.policy import EvictionPolicy, make_policy
@@ -44,6 +45,10 @@ OWNERS_BLOB = "file-owners"
 """(inode, pid, process start time) triples, int64: who last opened each file."""
 ORPHAN_SCAN = 4096
 """Orphans examined per eviction pass (keeps a pass O(1) with millions of orphans)."""
+FRESH_GRACE = 5.0
+"""Seconds after its commit (close) during which a file is evicted only as a last
+resort, before ENOSPC: the moment between a writer's close and its first use of the
+file (vLLM's ``os.replace`` of its tmp file) must not lose it (``docs/eviction.md``)."""
 
 
 def parse_quota(value: bytes) -> int:
@@ -69,33 +74,10 @@ class EvictorStatistics:
     policy: str
     tracked: int
     orphans: int
+    fresh: int
     owners: int
     evictions: int
     orphan_evictions: int
-
-
-def _start_time(pid: int) -> int | None:
-    """A process's start time (clock ticks since boot), None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return None
-    fields = data[data.rfind(b")") + 2 :].split()
-    return int(fields[19]) if fields[0] not in (b"Z", b"X") else None
-
-
-def _thread_group(tid: int) -> int | None:
-    """The process (thread group) of a thread id: FUSE reports the calling *thread*,
-    and a finished worker thread of a live engine must not orphan its files."""
-    try:
-        with open(f"/proc/{tid}/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"Tgid:"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
 
 
 class Evictor:
@@ -107,8 +89,9 @@ class Evictor:
         policy: str = "kvfs",
         default_policy: str = KVFS_MANAGED,
         default_quota: int = 0,
-        alive: Callable[[int], int | None] = _start_time,
-        thread_group: Callable[[int], int | None] = _thread_group,
+        alive: Callable[[int], int | None] = procs.start_time,
+        thread_group: Callable[[int], int | None] = procs.thread_group,
+        grace: float = FRESH_GRACE,
     ) -> None:
         if default_policy not in POLICIES:
             raise ValueError(f"default policy must be one of {POLICIES}")
@@ -124,6 +107,8 @@ class Evictor:
         self._owned: dict[tuple[int, int], set[int]] = {}
         self.orphans: dict[int, None] = {}  # insertion-ordered set
         self._starts: dict[int, int] = {}
+        self.grace = grace
+        self._fresh: dict[int, float] = {}  # ino -> end of its grace, in commit order
         self.evictions = self.orphan_evictions = 0
 
     # ------------------------------------------------------------------ events
@@ -186,14 +171,31 @@ class Evictor:
             cols.extend((ino, pid, start))
         self.ns.blobs[OWNERS_BLOB] = cols.tobytes()
 
-    def opened(self, inode: Inode, pid: int) -> None:
-        """A live process opened the file: it is no orphan, and it is touched."""
+    def opened(self, inode: Inode, pid: int) -> tuple[int, int] | None:
+        """A live process opened the file: it is no orphan, and it is touched.
+        Returns the opener as (process id, start time), None if unknown."""
         self.orphans.pop(inode.ino, None)
-        self._set_owner(inode.ino, pid)
+        owner = self._set_owner(inode.ino, pid)
         self.policy.touch(inode.ino, (pid, inode.parent))
+        return owner
 
     def committed(self, inode: Inode, pid: int) -> None:
+        """A file was closed with new data: track it, and give it its grace."""
         self.policy.track(inode.ino, inode.size, (pid, inode.parent))
+        self._fresh.pop(inode.ino, None)
+        self._fresh[inode.ino] = time.monotonic() + self.grace
+
+    def fresh(self) -> int:
+        """Files still in their grace (expired ones are forgotten first)."""
+        now = time.monotonic()
+        expired = []
+        for ino, deadline in self._fresh.items():
+            if deadline > now:
+                break
+            expired.append(ino)
+        for ino in expired:
+            del self._fresh[ino]
+        return len(self._fresh)
 
     def created(self, inode: Inode, pid: int) -> None:
         self.orphans.pop(inode.ino, None)
@@ -202,6 +204,7 @@ class Evictor:
     def forget(self, ino: int) -> None:
         self.policy.remove(ino)
         self.orphans.pop(ino, None)
+        self._fresh.pop(ino, None)
         owner = self._owner.pop(ino, None)
         if owner is not None:
             owned = self._owned.get(owner)
@@ -235,19 +238,20 @@ class Evictor:
             self._tgids[tid] = (tgid, now)
         return tgid
 
-    def _set_owner(self, ino: int, tid: int) -> None:
+    def _set_owner(self, ino: int, tid: int) -> tuple[int, int] | None:
         pid = self._process(tid) if tid > 0 else None
         if pid is None:
-            return
+            return None
         start = self._start_of(pid)
         if start is None:
-            return
+            return None
         key = (pid, start)
         if self._owner.get(ino) == key:
-            return
+            return key
         self.forget_owner(ino)
         self._owner[ino] = key
         self._owned.setdefault(key, set()).add(ino)
+        return key
 
     def forget_owner(self, ino: int) -> None:
         owner = self._owner.pop(ino, None)
@@ -302,10 +306,21 @@ class Evictor:
 
     # ------------------------------------------------------------------ order
     def candidates(
-        self, evictable: Callable[[Inode], bool], group: int | None = None
+        self,
+        evictable: Callable[[Inode], bool],
+        group: int | None = None,
+        include_fresh: bool = False,
     ) -> Iterator[tuple[Inode, bool]]:
         """(inode, is_orphan) in eviction order; the caller evicts or skips each one
-        and must call :meth:`forget` for every inode it evicts."""
+        and must call :meth:`forget` for every inode it evicts. Files in their grace
+        are passed over unless ``include_fresh`` (the last resort before ENOSPC)."""
+        if not include_fresh and self.fresh():
+            fresh = self._fresh
+            inner = evictable
+
+            def evictable(inode: Inode) -> bool:
+                return inode.ino not in fresh and inner(inode)
+
         for ino in list(itertools.islice(self.orphans, ORPHAN_SCAN)):
             inode = self.ns.inodes.get(ino)
             if inode is None:
@@ -331,6 +346,7 @@ class Evictor:
             self.policy.name,
             len(self.policy),
             len(self.orphans),
+            len(self._fresh),
             len(self._owned),
             self.evictions,
             self.orphan_evictions,

@@ -59,7 +59,7 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
         self.store = store
         self.ns = store.ns
         self.timeout = timeout
-        self._dirs: dict[int, list[tuple[bytes, int]]] = {}
+        self._dirs: dict[int, tuple[int, list[tuple[bytes, int]]]] = {}
         self._next_dh = 1
         store.on_vanish = self._invalidate
 
@@ -204,10 +204,7 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
 
     @_errors
     async def flush(self, fh: int) -> None:
-        h = self.store.handle(fh)
-        inode = self.ns.inodes.get(h.ino)
-        if h.writable and inode is not None:
-            await self.store.commit(inode, h.pid)
+        await self.store.flush(fh)
 
     @_errors
     async def release(self, fh: int) -> None:
@@ -224,23 +221,37 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
 
     @_errors
     async def opendir(self, inode: int, ctx: Any) -> int:
-        entries = self.ns.directory(inode)
+        self.ns.directory(inode)
         dh = self._next_dh
         self._next_dh += 1
-        self._dirs[dh] = list(entries.items())  # stable offsets for this listing
+        self._dirs[dh] = (inode, [])
         return dh
 
     @_errors
     async def readdir(self, fh: int, start_id: int, token: Any) -> None:
-        listing = self._dirs[fh]
+        """Offsets index a listing taken at offset 0 (the first call, and every
+        rewinddir), so they stay stable while the directory changes; each entry is
+        re-checked against the live directory before it is replied, because a reply
+        carries attributes (readdirplus) that make the kernel cache the name: a name
+        renamed or removed since the listing was taken must never be planted again
+        (it once made open(tmp, O_TRUNC) truncate the file renamed away from tmp)."""
+        ino, listing = self._dirs[fh]
+        directory = self.ns.get(ino)
+        entries = self.ns.directory(ino)
+        if start_id == 0:
+            listing[:] = [(b".", ino), (b"..", directory.parent), *entries.items()]
         for i in range(start_id, len(listing)):
-            name, ino = listing[i]
-            inode = self.ns.inodes.get(ino)
+            name, child = listing[i]
+            dot = i < 2
+            if not dot and entries.get(name) != child:
+                continue  # renamed or removed since the listing was taken
+            inode = self.ns.inodes.get(child)
             if inode is None:
                 continue
             if not pyfuse3.readdir_reply(token, name, self._attr(inode), i + 1):
                 return
-            inode.lookups += 1  # readdirplus: the kernel now holds a reference
+            if not dot:
+                inode.lookups += 1  # readdirplus: the kernel now holds a reference
 
     @_errors
     async def releasedir(self, fh: int) -> None:

@@ -223,6 +223,10 @@ FLAG_WRITING = 1
 """Inode flag: data changes are not yet committed; recovery drops such a file."""
 FLAG_QUARANTINED = 2
 """Inode flag: a checksum failed; the file is unreadable and will be dropped."""
+FLAG_GONE = 4
+"""Runtime-only inode flag, never written: kvfs removed the file (eviction, quarantine,
+an incomplete file abandoned) while the kernel or an open handle still knew it; every
+later open or attribute request gets ESTALE."""
 
 NO_UNIT = -1
 """Marks a hole in an inode's unit map."""

@@ -25,8 +25,10 @@ from kvfs.errors import (
     NotADirectory,
     NotEmpty,
     NotFound,
+    Stale,
 )
 from kvfs.layout import (
+    FLAG_GONE,
     FLAG_WRITING,
     NO_UNIT,
     Blob,
@@ -97,7 +99,7 @@ class Inode:
             self.atime_ns,
             self.mtime_ns,
             self.ctime_ns,
-            self.flags,
+            self.flags & ~FLAG_GONE,
             self.units,
             self.csums,
         )
@@ -215,9 +217,10 @@ class Namespace:
 
     # ------------------------------------------------------------------ queries
     def get(self, ino: int) -> Inode:
+        """The inode the kernel names by number; Stale (ESTALE) if it is gone."""
         inode = self.inodes.get(ino)
-        if inode is None:
-            raise NotFound(f"inode {ino}")
+        if inode is None or inode.flags & FLAG_GONE:
+            raise Stale(f"inode {ino} is gone")
         return inode
 
     def directory(self, ino: int) -> dict[bytes, int]:

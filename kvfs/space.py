@@ -22,7 +22,7 @@ from typing import TypeVar
 import trio
 
 from kvfs.alloc import Allocator
-from kvfs.errors import DeviceError, NoSpace, QuotaExceeded
+from kvfs.errors import DeviceError, KvfsError, NoSpace, QuotaExceeded
 from kvfs.evict import Evictor
 from kvfs.journal import Journal
 from kvfs.layout import DEV_SHIFT, UNIT_MASK
@@ -59,6 +59,7 @@ class Space:
         io: Callable[[int, Callable[[], None]], Awaitable[None]],
         evictable: Callable[[Inode], bool],
         evict: Callable[[Inode], None],
+        claimed: Callable[[], int] = lambda: 0,
         high_watermark: float,
         low_watermark: float,
         discard: bool,
@@ -71,7 +72,7 @@ class Space:
             evictor,
         )
         self.unit = pool.unit_size
-        self._io, self._evictable, self._evict = io, evictable, evict
+        self._io, self._evictable, self._evict, self._claimed = io, evictable, evict, claimed
         self.high, self.low, self.discard = high_watermark, low_watermark, discard
         self._deferred: deque[tuple[int, int]] = deque()
         self._usage: dict[int, int] = {}  # quota group -> bytes mapped (computed lazily)
@@ -127,8 +128,13 @@ class Space:
         """Units freed but not yet reusable (waiting for the journal or for TRIM)."""
         return len(self._deferred) + len(self._trim) + self._trimming
 
+    def available(self) -> int:
+        """Free units not promised to a write yet (``claimed``: dirty units and
+        claims in progress)."""
+        return self.alloc.free_units - self._claimed()
+
     def used_fraction(self) -> float:
-        free = self.alloc.free_units + self.pending_free()
+        free = self.available() + self.pending_free()
         return 1 - free / max(self.alloc.total_units, 1)
 
     # ------------------------------------------------------------------ quotas
@@ -159,12 +165,13 @@ class Space:
             self._usage.pop(group, None)
 
     # ------------------------------------------------------------------ eviction
-    def evict_units(self, units: int, group: int | None = None) -> int:
+    def evict_units(self, units: int, group: int | None = None, include_fresh: bool = False) -> int:
         """Evict files, best victims first, until ``units`` units are on their way
-        back (sync: the frees complete once the journal has the unlinks)."""
+        back (sync: the frees complete once the journal has the unlinks). Files in
+        their grace after a close go only with ``include_fresh`` (the last resort)."""
         freed = 0
         self.evictor.reap()  # a writer that just exited leaves orphans: they go first
-        for inode, orphan in self.evictor.candidates(self._evictable, group):
+        for inode, orphan in self.evictor.candidates(self._evictable, group, include_fresh):
             if freed >= units:
                 break
             mapped = inode.mapped_units
@@ -180,30 +187,46 @@ class Space:
             freed += max(mapped, 1)
         return freed
 
+    def _evict_or_last_resort(self, units: int, group: int | None = None) -> int:
+        """Evict ``units``; files still in their grace only if nothing else would do."""
+        freed = self.evict_units(units, group)
+        if freed < units:
+            freed += self.evict_units(units - freed, group, include_fresh=True)
+        return freed
+
     async def ensure(self, inode: Inode, units: int) -> None:
         """Make room for ``units`` new units of ``inode`` (its group's quota first,
-        then the pool), evicting as needed."""
+        then the pool), evicting as needed. Returns with ``available() >= units``
+        and no await since that check, so the caller can claim them at once."""
         group = self.evictor.group_of(inode)
         quota = self.evictor.group_quota(group)
         if quota:
             over = self.group_usage(group) + units * self.unit - quota
-            if over > 0 and self.evict_units(-(-over // self.unit), group) * self.unit < over:
+            if (
+                over > 0
+                and self._evict_or_last_resort(-(-over // self.unit), group) * (self.unit) < over
+            ):
                 raise QuotaExceeded(f"directory quota of {quota} bytes is full")
-        while self.alloc.free_units < units:
-            short = units - self.alloc.free_units
+        while self.available() < units:
+            short = units - self.available()
             pending = self.pending_free()
-            if pending < short and self.evict_units(short - pending) == 0 and not pending:
+            if pending < short and not self._evict_or_last_resort(short - pending) and not pending:
                 raise NoSpace(f"pool full: {units} units needed, nothing may be evicted")
             freed = self._freed
             await self.journal.wait_durable()
-            if self.alloc.free_units < units:
-                await freed.wait()
+            if self.available() < units:
+                # bounded: units can also come back without a signal (a claim released)
+                with trio.move_on_after(1.0):
+                    await freed.wait()
         if self.used_fraction() > self.high:
             self._evict_wake.set()
 
     async def evict_loop(self) -> None:
         """Keep usage under the high watermark, evicting down to the low one, so
-        writers rarely wait for eviction; also turns dead owners' files to orphans."""
+        writers rarely wait for eviction; also turns dead owners' files to orphans.
+        A failing metadata log must not end the mount (it is fail-stop: commits get
+        EIO, reads go on), so its errors are logged here, once, and waited out."""
+        failed = False
         while True:
             with trio.move_on_after(0.5):
                 await self._evict_wake.wait()
@@ -212,4 +235,9 @@ class Space:
             if self.used_fraction() > self.high:
                 target = self.used_fraction() - self.low
                 self.evict_units(int(target * self.alloc.total_units) + 1)
-                await self.journal.wait_durable()
+                try:
+                    await self.journal.wait_durable()
+                except KvfsError as e:
+                    if not failed:
+                        log.error("background eviction stopped: %s", e)
+                    failed = True

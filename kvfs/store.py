@@ -28,6 +28,7 @@ from typing import NoReturn, TypeVar
 import trio
 import xxhash
 
+from kvfs import procs
 from kvfs.alloc import Allocator
 from kvfs.cache import UnitCache
 from kvfs.device import BufferPool
@@ -35,14 +36,17 @@ from kvfs.errors import (
     Corruption,
     DeviceError,
     FileTooLarge,
+    Incomplete,
     IsADirectory,
     KvfsError,
     NoSpace,
+    QuotaExceeded,
 )
 from kvfs.evict import QUOTA_XATTR, Evictor
 from kvfs.journal import Journal, recover
 from kvfs.layout import (
     DEV_SHIFT,
+    FLAG_GONE,
     FLAG_QUARANTINED,
     FLAG_WRITING,
     NO_UNIT,
@@ -92,7 +96,11 @@ class StoreConfig:
 
 @dataclass(eq=False)
 class FileState:
-    """Runtime data state of one inode: dirty and in-flight units, writer count."""
+    """Runtime data state of one inode: dirty and in-flight units, writer count.
+
+    ``error`` is sticky: once a write-back failed or a writer died mid-write, the
+    file's bytes are not all stored, so every later write, read, flush and fsync of
+    it fails (EIO), it is never committed, and its last close removes it."""
 
     dirty: dict[int, mmap.mmap] = field(default_factory=dict)
     inflight: dict[int, mmap.mmap] = field(default_factory=dict)
@@ -108,6 +116,8 @@ class Handle:
     ino: int
     writable: bool
     pid: int
+    owner: tuple[int, int] | None = None
+    """The opening process as (pid, start time): is it dying when it closes?"""
 
 
 @dataclass(frozen=True)
@@ -138,6 +148,7 @@ class StoreStatistics:
     device_bytes_read: int
     device_bytes_written: int
     corruptions: int
+    incomplete: int
     evictions: int
     orphan_evictions: int
     quarantined: int
@@ -172,9 +183,11 @@ class Store:
         self._next_fh = 1
         self._limiters = [trio.CapacityLimiter(self.cfg.queue_depth) for _ in pool.devices]
         self._dirty_bytes = 0
+        self._claimed = 0  # units promised to writes: dirty units + claims in progress
         self._nursery: trio.Nursery | None = None
         self._reads = self._writes = self._bytes_read = self._bytes_written = 0
-        self._corruptions = 0
+        self._bad_units: set[tuple[int, int]] = set()  # (inode, unit) found corrupt
+        self._quarantined = self._incomplete = 0
         self.on_vanish: Callable[[int, bytes, int], None] = lambda parent, name, ino: None
         self.evictor = Evictor(self.ns, self.cfg.eviction_policy, self.cfg.default_policy)
         self.lost: dict[int, bytes] = {}
@@ -199,6 +212,7 @@ class Store:
             io=self._io,
             evictable=self._evictable,
             evict=self._unlink_everywhere,
+            claimed=lambda: self._claimed,
             high_watermark=self.cfg.high_watermark,
             low_watermark=self.cfg.low_watermark,
             discard=self.cfg.discard,
@@ -316,14 +330,22 @@ class Store:
             await trio.sleep_forever()
 
     async def close(self) -> None:
-        """Commit every file and write a final checkpoint (clean unmount)."""
-        for ino in list(self._files):
+        """Commit every closed file and write a final checkpoint (clean unmount).
+
+        A file still open for writing (the daemon told to stop under a live writer)
+        was never closed: it is left uncommitted, so the next mount drops it, exactly
+        as after a crash -- a writer's bytes count only once it closes the file."""
+        for ino, st in list(self._files.items()):
             inode = self.ns.inodes.get(ino)
-            if inode is not None:
-                try:
-                    await self.commit(inode)
-                except KvfsError as e:  # stays WRITING: recovery drops it
-                    log.warning("unmount: could not commit inode %d: %s", ino, e)
+            if inode is None or st.error is not None:
+                continue
+            if st.writers:
+                log.warning("unmount: inode %d is still open for writing; dropped", ino)
+                continue
+            try:
+                await self.commit(inode)
+            except KvfsError as e:  # stays WRITING: recovery drops it
+                log.warning("unmount: could not commit inode %d: %s", ino, e)
         await self.journal.checkpoint()
 
     # ------------------------------------------------------------------ device I/O
@@ -360,6 +382,8 @@ class Store:
         return self._handles[fh]
 
     async def open(self, ino: int, flags: int, pid: int = 0) -> int:
+        """A handle on a live file; Stale (ESTALE) for one kvfs removed, so an open
+        through a dentry the kernel still caches retries its lookup and misses."""
         inode = self.ns.get(ino)
         if inode.is_dir:
             raise IsADirectory(f"inode {ino}")
@@ -368,14 +392,43 @@ class Store:
         writable = flags & os.O_ACCMODE != os.O_RDONLY
         if writable and flags & os.O_TRUNC and inode.size:
             await self.truncate(inode, 0)
+            inode = self.ns.get(ino)  # the await may have let an eviction in
         inode.opens += 1
-        self.evictor.opened(inode, pid)
+        owner = self.evictor.opened(inode, pid)
         if writable:
             self._state(ino).writers += 1
         fh = self._next_fh
         self._next_fh += 1
-        self._handles[fh] = Handle(ino, writable, pid)
+        self._handles[fh] = Handle(ino, writable, pid, owner)
         return fh
+
+    async def flush(self, fh: int) -> None:
+        """A close of a handle (FUSE flush): commit what it wrote, unless its writer
+        is dying from a signal. A killed writer's close is the kernel closing its
+        files in ``do_exit``; its file is as incomplete as after a crash: it is
+        never committed and its last close removes it (``docs/design.md``)."""
+        h = self._handles[fh]
+        inode = self.ns.inodes.get(h.ino)
+        if not h.writable or inode is None:
+            return
+        if inode.flags & FLAG_WRITING and h.owner is not None and procs.killed(*h.owner):
+            st = self._state(inode.ino)
+            if st.error is None:
+                log.warning(
+                    "inode %d: its writer (pid %d) was killed before closing it; "
+                    "the incomplete file is dropped",
+                    inode.ino,
+                    h.owner[0],
+                )
+                self._fail(st, Incomplete(f"inode {inode.ino}: writer killed mid-write"))
+            return
+        await self.commit(inode, h.pid)
+
+    def _fail(self, st: FileState, error: KvfsError) -> None:
+        """Make a file's failure sticky (see :class:`FileState`)."""
+        if st.error is None:
+            st.error = error
+            self._incomplete += 1
 
     async def check_metadata_room(self) -> None:
         """NoSpace for an operation that would grow the index past its area. Room
@@ -418,7 +471,8 @@ class Store:
         st = self._files.get(h.ino)
         if st is not None and h.writable:
             st.writers -= 1
-        if inode.opens == 0 and st is not None and (st.dirty or st.busy):
+        failed = st is not None and st.error is not None
+        if inode.opens == 0 and st is not None and not failed and (st.dirty or st.busy):
             try:
                 await self.commit(inode)
             except KvfsError as e:
@@ -429,17 +483,24 @@ class Store:
         self.maybe_drop(inode)
 
     def _abandon(self, inode: Inode) -> None:
-        """The last writer closed a file whose commit failed (the error reached it at
-        close). Its bytes were never all stored: remove it rather than ever serve
-        the gaps as data."""
+        """The last writer closed a file that was never committed (its commit failed,
+        or its writer was killed). Its bytes were never all stored: remove it rather
+        than ever serve the gaps as data."""
         if self.ns.inodes.get(inode.ino) is not inode:
             return
-        st = self._files.get(inode.ino)
-        if st is not None:
-            self._dirty_bytes -= self.unit * len(st.dirty)
-            st.dirty.clear()
+        self._discard_dirty(inode.ino)
         log.warning("inode %d could not be committed; removing the incomplete file", inode.ino)
         self._unlink_everywhere(inode)
+
+    def _discard_dirty(self, ino: int, first: int = 0) -> None:
+        """Drop dirty units ``first``.. of a file, and the space they had claimed."""
+        st = self._files.get(ino)
+        if st is None:
+            return
+        for u in [u for u in st.dirty if u >= first]:
+            del st.dirty[u]
+            self._dirty_bytes -= self.unit
+            self._claimed -= 1
 
     def _maybe_forget_state(self, inode: Inode) -> None:
         st = self._files.get(inode.ino)
@@ -453,16 +514,18 @@ class Store:
             self.maybe_drop(inode)
 
     def maybe_drop(self, inode: Inode) -> None:
-        """Free an inode once it has no names, no open handles and no kernel refs."""
-        busy = inode.nlink or inode.lookups or (inode.opens and not inode.is_dir)
+        """Free an inode once it has no names, no open handles and no kernel refs; one
+        that kvfs removed (GONE) goes as soon as no handle is open: the kernel's
+        references to it get ESTALE."""
+        gone = inode.flags & FLAG_GONE
+        busy = inode.nlink or (inode.lookups and not gone) or (inode.opens and not inode.is_dir)
         if busy:
             return
         if self.ns.inodes.get(inode.ino) is not inode:
             return
         self._free_units(inode, 0)
-        st = self._files.pop(inode.ino, None)
-        if st is not None:
-            self._dirty_bytes -= self.unit * len(st.dirty)
+        self._discard_dirty(inode.ino)
+        self._files.pop(inode.ino, None)
         self.evictor.forget(inode.ino)
         self.ns.drop(inode)
 
@@ -491,28 +554,52 @@ class Store:
             inode.csums.extend([0] * need)
 
     async def write(self, fh: int, off: int, data: bytes) -> int:
+        """Accept ``data`` at ``off``: the space it needs is claimed first, so a full
+        pool or quota fails this write (ENOSPC/EDQUOT) before any byte is taken, and
+        never a later close."""
         h = self._handles[fh]
         inode = self.ns.get(h.ino)
         end = off + len(data)
         if end > self.cfg.max_file_size:
             raise FileTooLarge(f"write to {end} bytes exceeds the {self.cfg.max_file_size} limit")
         st = self._state(inode.ino)
-        self._raise_pending_error(st)
-        self._begin_data_change(inode)
-        if off > inode.size:
-            await self._zero_tail(inode, st, inode.size)
-        view = memoryview(data)
-        u_size, pos = self.unit, off
-        while pos < end:
-            u, uo = divmod(pos, u_size)
-            n = min(u_size - uo, end - pos)
-            buf = st.dirty.get(u)
-            if buf is None:
-                covers = uo == 0 and pos + n >= min((u + 1) * u_size, inode.size)
-                buf = await self._dirty_unit(inode, st, u, load=not covers, whole=n == u_size)
-                self._begin_data_change(inode)  # a commit may have run during the await
-            buf[uo : uo + n] = view[pos - off : pos - off + n]
-            pos += n
+        self._check_failed(st)
+        if not data:
+            return 0
+        u_size = self.unit
+        span = range(off // u_size, (end - 1) // u_size + 1)
+        claims = [sum(1 for u in span if u not in st.dirty)]
+        claims[0] += off > inode.size  # the old last unit, zeroed past the old end
+        try:
+            await self._claim(inode, claims[0])
+        except (NoSpace, QuotaExceeded) as e:
+            # the writer cannot store what it meant to: its file is incomplete (a
+            # short chunk must never be served as a whole one), removed at its close
+            self._fail(st, e)
+            raise
+        try:
+            inode = self.ns.get(h.ino)  # not evicted (open), but maybe quarantined
+            self._check_failed(st)
+            self._begin_data_change(inode)
+            if off > inode.size:
+                await self._zero_tail(inode, st, inode.size, claims)
+            view = memoryview(data)
+            pos = off
+            while pos < end:
+                u, uo = divmod(pos, u_size)
+                n = min(u_size - uo, end - pos)
+                buf = st.dirty.get(u)
+                if buf is None:
+                    covers = uo == 0 and pos + n >= min((u + 1) * u_size, inode.size)
+                    buf = await self._dirty_unit(
+                        inode, st, u, load=not covers, whole=n == u_size, claims=claims
+                    )
+                    self._check_failed(st)
+                    self._begin_data_change(inode)  # a commit may have run during the await
+                buf[uo : uo + n] = view[pos - off : pos - off + n]
+                pos += n
+        finally:
+            self._claimed -= claims[0]  # claimed but not needed (others got there first)
         if end > inode.size:
             inode.size = end
             self._grow_map(inode, end)
@@ -522,26 +609,49 @@ class Store:
         await self._maybe_writeback(inode, st)
         return len(data)
 
-    def _raise_pending_error(self, st: FileState) -> None:
+    def _check_failed(self, st: FileState) -> None:
         if st.error is not None:
-            err, st.error = st.error, None
-            raise err
+            raise st.error
+
+    async def _claim(self, inode: Inode, units: int) -> None:
+        """Promise ``units`` units of device space to a write (evicting for them if
+        need be); NoSpace/QuotaExceeded when they cannot be had. A promise is held by
+        the dirty unit it becomes, until that unit is allocated or discarded."""
+        if units:
+            await self._ensure_space(inode, units)
+            self._claimed += units  # no await since the check: the room is still there
 
     async def _dirty_unit(
-        self, inode: Inode, st: FileState, u: int, load: bool, whole: bool = False
+        self,
+        inode: Inode,
+        st: FileState,
+        u: int,
+        load: bool,
+        whole: bool = False,
+        claims: list[int] | None = None,
     ) -> mmap.mmap:
         """A private, writable copy of unit ``u``, registered as dirty; ``whole``: the
-        caller overwrites all of it before its next await (no zeroing needed)."""
-        buf = self._buffer_pool(self.unit).take(zeroed=not (load or whole))
-        if load:
-            src = await self.reader.unit_view(inode, u)
-            existing = st.dirty.get(u)
-            if existing is not None:  # another writer got there during the await
-                return existing
-            buf[:] = src
-        st.dirty[u] = buf
-        self._dirty_bytes += self.unit
-        return buf
+        caller overwrites all of it before its next await (no zeroing needed). Takes
+        one of ``claims`` (the caller's claimed units), or claims its own."""
+        own = claims is None
+        if claims is None:
+            await self._claim(inode, 1)
+            claims = [1]
+        try:
+            buf = self._buffer_pool(self.unit).take(zeroed=not (load or whole))
+            if load:
+                src = await self.reader.unit_view(inode, u)
+                existing = st.dirty.get(u)
+                if existing is not None:  # another writer got there during the await
+                    return existing
+                buf[:] = src
+            claims[0] -= 1  # the claim is now held by the dirty unit
+            st.dirty[u] = buf
+            self._dirty_bytes += self.unit
+            return buf
+        finally:
+            if own:
+                self._claimed -= claims[0]
 
     def _buffer_pool(self, size: int) -> BufferPool:
         """The pool of ``size``-byte I/O buffers (one unit, or a read run of units)."""
@@ -551,7 +661,9 @@ class Store:
             pool = self._pools[size] = BufferPool(size, keep)
         return pool
 
-    async def _zero_tail(self, inode: Inode, st: FileState, size: int) -> None:
+    async def _zero_tail(
+        self, inode: Inode, st: FileState, size: int, claims: list[int] | None = None
+    ) -> None:
         """Zero bytes from ``size`` to the end of its unit (before the file grows
         past them, so bytes that were never written read as zeros)."""
         u, uo = divmod(size, self.unit)
@@ -562,7 +674,7 @@ class Store:
             # a unit still being written back holds the old tail too: copy it dirty
             if inode.units[u] == NO_UNIT and u not in st.inflight:
                 return
-            buf = await self._dirty_unit(inode, st, u, load=True)
+            buf = await self._dirty_unit(inode, st, u, load=True, claims=claims)
         self._begin_data_change(inode)
         buf[uo:] = bytes(self.unit - uo)
 
@@ -572,19 +684,18 @@ class Store:
             full = inode.size // self.unit
             ready = sorted(u for u in st.dirty if u < full)
             if len(ready) >= self.cfg.writeback_units:
-                await self._start_writeback(inode, st, ready)
+                self._start_writeback(inode, st, ready)
         while self._dirty_bytes > self.cfg.max_dirty_bytes and (st.busy or st.dirty):
+            self._check_failed(st)
             if st.dirty:
-                await self._start_writeback(inode, st, sorted(st.dirty))
+                self._start_writeback(inode, st, sorted(st.dirty))
             await st.idle.wait()
 
-    async def _start_writeback(self, inode: Inode, st: FileState, units: list[int]) -> None:
-        """Allocate now (so ENOSPC reaches the caller), write in the background."""
-        await self._ensure_space(inode, len(units))
-        units = [u for u in units if u in st.dirty]  # the await may have let others in
-        if not units:
-            return
+    def _start_writeback(self, inode: Inode, st: FileState, units: list[int]) -> None:
+        """Allocate the units (their space was claimed when they were written, so
+        this cannot fail for room) and write them in the background."""
         plan = self._allocate(inode, units)
+        self._claimed -= len(units)  # the promise is kept: the units are allocated
         bufs = {u: st.dirty.pop(u) for u in units}
         st.inflight.update(bufs)
         st.busy += 1
@@ -644,7 +755,8 @@ class Store:
             for dev, _, _ in plan:
                 if self.pool.devices[dev].statistics().errors:
                     self._take_offline(dev)
-            st.error = e
+            # the file lost these bytes: it must never be committed or served
+            self._fail(st, Incomplete(f"inode {inode.ino}: write-back failed: {e}"))
             for dev, start, lus in plan:
                 self.alloc.free(dev, start, len(lus))
             for u, buf in bufs.items():
@@ -706,11 +818,11 @@ class Store:
         st = self._files.get(inode.ino)
         if st is not None:
             async with st.lock:
-                while st.dirty or st.busy:
-                    if st.dirty:
-                        await self._start_writeback(inode, st, sorted(st.dirty))
+                while (st.dirty and st.error is None) or st.busy:
+                    if st.dirty and st.error is None:
+                        self._start_writeback(inode, st, sorted(st.dirty))
                     await st.idle.wait()
-                self._raise_pending_error(st)
+                self._check_failed(st)
         if self.ns.inodes.get(inode.ino) is inode and inode.flags & FLAG_WRITING:
             inode.flags &= ~FLAG_WRITING
             self.ns.commit(inode)
@@ -726,12 +838,11 @@ class Store:
         if inode.is_dir:
             raise IsADirectory(f"inode {inode.ino}")
         st = self._state(inode.ino)
+        self._check_failed(st)
         self._begin_data_change(inode)
         if size < inode.size:
             keep = -(-size // self.unit)
-            for u in [u for u in st.dirty if u >= keep]:
-                del st.dirty[u]
-                self._dirty_bytes -= self.unit
+            self._discard_dirty(inode.ino, keep)
             for u in [u for u in st.inflight if u >= keep]:
                 del st.inflight[u]
             self._free_units(inode, keep)
@@ -748,9 +859,15 @@ class Store:
 
     # ------------------------------------------------------------------ read path
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
-        inode = self.ns.get(self._handles[fh].ino)
-        if inode.flags & FLAG_QUARANTINED:
-            raise Corruption(f"inode {inode.ino} is quarantined")
+        """Every byte of ``off``..``off + size`` up to EOF, or an error: EIO for a
+        file that is quarantined or whose bytes were not all stored."""
+        ino = self._handles[fh].ino
+        inode = self.ns.inodes.get(ino)
+        if inode is None or inode.flags & FLAG_QUARANTINED:
+            raise Corruption(f"inode {ino} is quarantined or gone")
+        st = self._files.get(ino)
+        if st is not None:
+            self._check_failed(st)
         end = min(off + size, inode.size)
         if off >= end:
             return b""
@@ -760,7 +877,10 @@ class Store:
         return data
 
     def _quarantine(self, inode: Inode, u: int, p: int) -> NoReturn:
-        self._corruptions += 1
+        self._bad_units.add((inode.ino, u))
+        if inode.flags & FLAG_QUARANTINED:  # a concurrent read found it first
+            raise Corruption(f"inode {inode.ino}: checksum mismatch in unit {u}")
+        self._quarantined += 1
         path = self.pool.devices[p >> DEV_SHIFT].path
         log.error(
             "checksum mismatch: inode %d unit %d at %s unit %d; file quarantined",
@@ -775,15 +895,16 @@ class Store:
         raise Corruption(f"inode {inode.ino}: checksum mismatch in unit {u}")
 
     def _unlink_everywhere(self, inode: Inode) -> None:
-        """Remove every name of ``inode`` (quarantine, eviction); the kernel is told,
-        so its cached dentries and attributes go too."""
+        """Remove ``inode`` for good (quarantine, eviction, an abandoned incomplete
+        file): every name goes (the kernel is told, so its cached dentries go too),
+        and the inode is GONE: the kernel's remaining references get ESTALE, so an
+        open through one never sees an emptied file. Its units are freed once no
+        handle is open (eviction only takes files without one)."""
         for parent, name in self.ns.names_of(inode):
             self.ns.remove(parent, name, want_dir=False)
             self.on_vanish(parent, name, inode.ino)
         self.evictor.forget(inode.ino)
-        if not inode.opens:
-            self._free_units(inode, 0)  # unreachable now: no name, no open handle
-            inode.size = 0
+        inode.flags |= FLAG_GONE
         self.maybe_drop(inode)
 
     # ------------------------------------------------------------------ eviction hooks
@@ -806,7 +927,7 @@ class Store:
     # ------------------------------------------------------------------ reporting
     def statistics(self) -> StoreStatistics:
         files = sum(1 for i in self.ns.inodes.values() if not i.is_dir)
-        free = self.alloc.free_units * self.unit
+        free = max(self.space.available(), 0) * self.unit  # claimed units are spoken for
         cap = self.alloc.total_units * self.unit
         devs = [d.statistics() for d in self.pool.devices]
         return StoreStatistics(
@@ -824,10 +945,11 @@ class Store:
             bytes_written=self._bytes_written,
             device_bytes_read=sum(d.bytes_read for d in devs),
             device_bytes_written=sum(d.bytes_written for d in devs),
-            corruptions=self._corruptions,
+            corruptions=len(self._bad_units),
+            incomplete=self._incomplete,
             evictions=self.evictor.evictions,
             orphan_evictions=self.evictor.orphan_evictions,
-            quarantined=sum(1 for i in self.ns.inodes.values() if i.flags & FLAG_QUARANTINED),
+            quarantined=self._quarantined,
             open_handles=len(self._handles),
         )
 

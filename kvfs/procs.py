@@ -1,0 +1,80 @@
+"""What kvfs reads about processes from ``/proc`` (one home for the parsing).
+
+FUSE reports the calling *thread*; kvfs cares about processes (thread groups): who
+owns a file (eviction: orphans) and whether a writer that closes a file is dying
+from a signal (a killed writer's implicit close is not a real close).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PF_EXITING = 0x4
+"""``task->flags`` bit set once a task has entered ``do_exit`` (include/linux/sched.h)."""
+
+
+@dataclass(frozen=True)
+class ProcStat:
+    """The fields of ``/proc/<pid>/stat`` kvfs uses."""
+
+    state: str
+    flags: int
+    start_time: int
+    exit_code: int
+    """The wait status the task will report (``task->exit_code``): set early in
+    ``do_exit``, before the task's files are closed. 0 when we may not see it."""
+
+    @property
+    def exiting(self) -> bool:
+        return self.state in ("Z", "X") or bool(self.flags & PF_EXITING)
+
+    @property
+    def killed(self) -> bool:
+        """Exiting because of a signal (SIGKILL, SIGTERM, SIGSEGV...), not exit()."""
+        return self.exiting and self.exit_code & 0x7F != 0
+
+
+def stat(pid: int) -> ProcStat | None:
+    """``/proc/<pid>/stat`` of a process or thread, None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    # the command name (field 2) may hold spaces and parentheses: split after the last ')'
+    fields = data[data.rfind(b")") + 2 :].split()
+    # fields[0] is field 3 (state); field N is fields[N - 3]
+    exit_code = int(fields[49]) if len(fields) > 49 else 0
+    return ProcStat(fields[0].decode(), int(fields[6]), int(fields[19]), exit_code)
+
+
+def start_time(pid: int) -> int | None:
+    """A live process's start time (clock ticks since boot), None if it is gone or a
+    zombie: with the pid it names one process, even after pid reuse."""
+    st = stat(pid)
+    return None if st is None or st.state in ("Z", "X") else st.start_time
+
+
+def thread_group(tid: int) -> int | None:
+    """The process (thread group id) of a thread id, None if it is gone."""
+    try:
+        with open(f"/proc/{tid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Tgid:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def killed(pid: int, start: int) -> bool:
+    """Is process ``pid`` (started at ``start``) dying from a signal right now?
+
+    A close from a process that is exiting runs in ``do_exit`` after the exit code is
+    set, and the process cannot be reaped until that close returns, so the answer
+    is reliable while a FUSE flush from it is being served (``docs/design.md``)."""
+    st = stat(pid)
+    return st is not None and st.start_time == start and st.killed
+
+
+__all__ = ["PF_EXITING", "ProcStat", "killed", "start_time", "stat", "thread_group"]
