@@ -21,17 +21,20 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import trio
 
 from kvfs.device import ALIGN, Device, aligned_buffer
 from kvfs.errors import Corruption, DeviceError
 from kvfs.layout import (
+    ENTRY_OVERHEAD,
     KIND_CKPT_BEGIN,
     KIND_CKPT_DATA,
     KIND_CKPT_END,
+    KIND_PAD,
     KIND_TXN,
+    PARSE_END,
     PARSE_MORE,
     PARSE_OK,
     Entry,
@@ -39,6 +42,7 @@ from kvfs.layout import (
     decode_ops,
     encode_entry,
     encode_ops,
+    entry_header,
     pad_entry,
     parse_entry,
     peek_entry,
@@ -64,6 +68,25 @@ class JournalStatistics:
     durable_seq: int
 
 
+@dataclass(frozen=True)
+class Damage:
+    """Entries lost in the middle of a log: a later, complete group commit proves
+    that what lies between was durable once (kvfs writes a group commit only after
+    the one before it is durable), so this is damage, not the torn end of a crash."""
+
+    offset: int
+    """Byte offset in the half of the first entry that failed."""
+    first_seq: int
+    lost: int
+    """Sequence numbers skipped over (transactions and PAD entries)."""
+
+    def __str__(self) -> str:
+        return (
+            f"damaged at byte {self.offset}: {self.lost} entries from sequence number "
+            f"{self.first_seq} are lost, the complete transactions after them are kept"
+        )
+
+
 @dataclass
 class Recovered:
     """What recovery found: the state's operations and where the log ended."""
@@ -76,6 +99,8 @@ class Recovered:
     ops: list[Op]
     fell_back: bool = False
     """The newest checkpoint was incomplete; this is the older half."""
+    damage: list[Damage] = field(default_factory=list)
+    """Mid-log damage skipped over; the transactions after it are in ``ops``."""
 
 
 def half_bounds(meta_start: int, meta_size: int, half: int) -> tuple[int, int]:
@@ -106,9 +131,21 @@ def _replay_half(
     dev: Device, meta_start: int, meta_size: int, half: int, generation: int, seed: int
 ) -> Recovered | None:
     base, size = half_bounds(meta_start, meta_size, half)
+    reader = _HalfReader(dev, base, size, generation, seed)
     ops: list[Op] = []
+    damage: list[Damage] = []
     complete, end, seq, txns = False, 0, 0, 0
-    for offset, entry in _scan(dev, base, size, generation, seed):
+    pos: int = 0
+    expected: int | None = None
+    while True:
+        status, entry, nxt = reader.parse(pos, expected)
+        if status != PARSE_OK or entry is None:
+            resume = reader.resume_after(pos, expected) if complete else None
+            if resume is None or expected is None:
+                break
+            damage.append(Damage(pos, expected, resume[1] - expected))
+            pos, expected = resume
+            continue
         if entry.kind in (KIND_CKPT_DATA, KIND_TXN):
             if entry.kind == KIND_TXN and not complete:
                 break
@@ -116,38 +153,126 @@ def _replay_half(
             txns += entry.kind == KIND_TXN
         elif entry.kind == KIND_CKPT_END:
             complete = True
-        end, seq = offset, entry.seq
+        pos, expected = nxt, entry.seq + 1
+        end, seq = nxt, entry.seq
     if not complete:
         return None
-    return Recovered(generation, half, end, seq, txns, ops)
+    return Recovered(generation, half, end, seq, txns, ops, damage=damage)
 
 
-def _scan(
+def scan(
     dev: Device, base: int, size: int, generation: int, seed: int
 ) -> Iterator[tuple[int, Entry]]:
-    """Yield (end offset in the half, entry) of one half's valid log, read in big pieces."""
-    consumed = 0
-    buf = bytearray()
-    pos = 0
-    seq: int | None = None
+    """Yield (end offset in the half, entry) of one half's log up to its first bad
+    entry (tools and tests: where each entry lies)."""
+    reader = _HalfReader(dev, base, size, generation, seed)
+    pos, expected = 0, None
     while True:
-        status, entry, nxt = parse_entry(memoryview(buf), pos, generation, seq, seed)
-        if status == PARSE_OK:
-            assert entry is not None
-            pos, seq = nxt, entry.seq + 1
-            yield consumed + pos, entry
-            continue
-        total_read = consumed + len(buf)
-        if status != PARSE_MORE or total_read >= size:
+        status, entry, nxt = reader.parse(pos, expected)
+        if status != PARSE_OK or entry is None:
             return
-        del buf[:pos]
-        consumed += pos
-        pos = 0
-        n = min(READ_CHUNK, size - total_read)
+        yield nxt, entry
+        pos, expected = nxt, entry.seq + 1
+
+
+RESUME_SCAN = 32 << 20
+"""How far past a bad entry recovery looks for the log to go on (bytes): further than
+one group commit writes (a few MiB)."""
+
+
+class _HalfReader:
+    """Parses the entries of one half, reading the device forward in big pieces."""
+
+    def __init__(self, dev: Device, base: int, size: int, generation: int, seed: int) -> None:
+        self.dev, self.base, self.size = dev, base, size
+        self.generation, self.seed = generation, seed
+        self.buf = bytearray()
+        self.start = 0  # half offset of buf[0]
+
+    def _load(self, pos: int) -> bool:
+        """Make the window start at or before ``pos`` and grow it by one piece;
+        False at the end of the half."""
+        if pos < self.start:  # a walk back (after a proof walk): start over there
+            self.buf, self.start = bytearray(), pos - pos % ALIGN
+        elif pos - self.start > READ_CHUNK:
+            drop = (pos - self.start) // ALIGN * ALIGN
+            del self.buf[:drop]
+            self.start += drop
+        have = self.start + len(self.buf)
+        if have >= self.size:
+            return False
+        n = min(READ_CHUNK, self.size - have)
         chunk = aligned_buffer(n)
-        dev.read_into(base + total_read, memoryview(chunk)[:n])
-        buf += chunk[:n]
-        chunk.close()
+        try:
+            self.dev.read_into(self.base + have, memoryview(chunk)[:n])
+            self.buf += chunk[:n]
+        finally:
+            chunk.close()
+        return True
+
+    def parse(self, pos: int, expected: int | None) -> tuple[int, Entry | None, int]:
+        """``parse_entry`` at half offset ``pos``, reading more of the half as needed."""
+        while True:
+            if pos >= self.start:
+                status, entry, nxt = parse_entry(
+                    memoryview(self.buf), pos - self.start, self.generation, expected, self.seed
+                )
+                if status != PARSE_MORE:
+                    return status, entry, nxt + self.start
+            if not self._load(pos):
+                return PARSE_END, None, pos
+
+    def resume_after(self, pos: int, expected: int | None) -> tuple[int, int] | None:
+        """Where the log goes on after the bad entry at ``pos`` (offset, sequence
+        number), if it provably does; None for a torn tail.
+
+        Candidates: the entry right after the bad one when its header is intact (a
+        flipped payload bit), else the first entry of this generation with a later
+        sequence number at a block boundary (every group commit starts on one).
+        The proof that this is not the torn end of the last write: walking on from
+        the candidate reaches the end of a group commit (a PAD ending on a block
+        boundary) followed by a valid entry -- a later write, and kvfs only issues
+        a write once the one before it is durable."""
+        if expected is None:
+            return None
+        for cand, cseq in self._candidates(pos, expected):
+            if self._later_flush(cand, cseq):
+                return cand, cseq
+        return None
+
+    def _candidates(self, pos: int, expected: int) -> Iterator[tuple[int, int]]:
+        head = self._header(pos)
+        if head is not None and head[2] == expected:
+            nxt = pos + ENTRY_OVERHEAD + head[3]
+            yield nxt + (-nxt % 8), expected + 1
+        limit = min(self.size, pos + RESUME_SCAN)
+        block = pos + ALIGN - pos % ALIGN
+        while block < limit:
+            head = self._header(block)
+            if head is not None and head[2] > expected:
+                status, entry, _ = self.parse(block, None)
+                if status == PARSE_OK and entry is not None:
+                    yield block, entry.seq
+                    return
+            block += ALIGN
+
+    def _header(self, pos: int) -> tuple[int, int, int, int] | None:
+        """(kind, generation, seq, length) of a plausible entry header at ``pos``."""
+        while pos < self.start or pos + ENTRY_OVERHEAD > self.start + len(self.buf):
+            if not self._load(pos):
+                return None
+        return entry_header(memoryview(self.buf), pos - self.start, self.generation)
+
+    def _later_flush(self, pos: int, seq: int) -> bool:
+        limit = pos + RESUME_SCAN
+        while pos < limit:
+            status, entry, nxt = self.parse(pos, seq)
+            if status != PARSE_OK or entry is None:
+                return False
+            if entry.kind == KIND_PAD and nxt % ALIGN == 0:
+                return self.parse(nxt, entry.seq + 1)[0] == PARSE_OK
+            pos, seq = nxt, entry.seq + 1
+        return False
 
 
 def encode_checkpoint(
@@ -408,10 +533,12 @@ class Journal:
 
 
 __all__ = [
+    "Damage",
     "Journal",
     "JournalStatistics",
     "Recovered",
     "encode_checkpoint",
     "half_bounds",
     "recover",
+    "scan",
 ]

@@ -193,6 +193,17 @@ def parse_entry(
     return PARSE_OK, Entry(kind, gen, seq, payload), end + (-end % 8)
 
 
+def entry_header(view: memoryview, pos: int, generation: int) -> tuple[int, int, int, int] | None:
+    """(kind, generation, seq, length) of a header at ``pos`` whose magic, version and
+    generation are right (the checksum is not checked), else None."""
+    if pos + _ENTRY.size > len(view):
+        return None
+    magic, version, kind, gen, seq, length, _ = _ENTRY.unpack_from(view, pos)
+    if magic != JOURNAL_MAGIC or version != FORMAT_VERSION or gen != generation:
+        return None
+    return kind, gen, seq, length
+
+
 def pad_entry(generation: int, seq: int, at: int, block: int, seed: int = 0) -> bytes:
     """A PAD entry that, written at offset ``at``, ends exactly on a ``block`` boundary."""
     room = -at % block

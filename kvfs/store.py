@@ -31,6 +31,7 @@ import xxhash
 from kvfs import procs
 from kvfs.alloc import Allocator
 from kvfs.cache import UnitCache
+from kvfs.check import Report, check_index, fix_dir_links
 from kvfs.device import BufferPool
 from kvfs.errors import (
     Corruption,
@@ -43,7 +44,7 @@ from kvfs.errors import (
     QuotaExceeded,
 )
 from kvfs.evict import QUOTA_XATTR, Evictor
-from kvfs.journal import Journal, recover
+from kvfs.journal import Journal, Recovered, recover
 from kvfs.layout import (
     DEV_SHIFT,
     FLAG_GONE,
@@ -237,14 +238,25 @@ class Store:
         t0 = time.monotonic()
         meta, start, size = self.pool.meta
         found = recover(meta, start, size, self.pool.seed)
-        for op in found.ops:
-            self.ns.apply(op)
+        doomed: set[int] = set()
+        if found.damage:
+            doomed = self._salvage(found)
+        else:
+            for op in found.ops:
+                self.ns.apply(op)
         if ROOT_INO not in self.ns.inodes:
             raise Corruption("metadata has no root directory")
-        incomplete, unlinked = self._drop_unfinished()
+        incomplete, unlinked = self._drop_unfinished(doomed)
         self._rebuild_allocator()
         self.evictor.adopt_all()
-        clean = not (found.transactions or found.fell_back or incomplete or unlinked or self.lost)
+        clean = not (
+            found.transactions
+            or found.fell_back
+            or found.damage
+            or incomplete
+            or unlinked
+            or self.lost
+        )
         self.journal.resume(found, in_place=clean)
         files = sum(1 for i in self.ns.inodes.values() if not i.is_dir)
         report = RecoveryReport(
@@ -259,10 +271,41 @@ class Store:
         log.info("recovered %s", report)
         return report
 
-    def _drop_unfinished(self) -> tuple[int, int]:
+    def _salvage(self, found: Recovered) -> set[int]:
+        """Rebuild the index from a log damaged in the middle: the transactions after
+        the damage are applied too (each is whole and checksummed), what no longer
+        fits together is dropped (names of missing inodes, unreachable inodes, units
+        claimed twice: fsck's checks), link counts are fixed. Loud, and the mount
+        then checkpoints the salvaged index. Returns the inodes to drop."""
+        for damage in found.damage:
+            log.error("metadata log %s; salvaging", damage)
+        skipped = 0
+        for op in found.ops:
+            try:
+                self.ns.apply(op)
+            except (KeyError, AssertionError):  # it depended on a lost transaction
+                skipped += 1
+        report = Report()
+        check_index(self.ns, self.pool, report)
+        for fix in report.fixes:
+            fix()
+        fix_dir_links(self.ns)
+        log.error(
+            "metadata log salvaged: %d operation(s) skipped, %d problem(s) fixed, "
+            "%d file(s) dropped; run kvfs fsck for a data check",
+            skipped,
+            len(report.problems),
+            len(report.doomed),
+        )
+        for problem in report.problems[:50]:
+            log.warning("salvage: %s", problem)
+        return report.doomed
+
+    def _drop_unfinished(self, doomed: set[int]) -> tuple[int, int]:
         """Drop files left mid-write or unlinked-while-open by a crash, files with
-        data on a missing device (degraded mount), and names that point nowhere."""
-        doomed = {
+        data on a missing device (degraded mount), ``doomed`` ones (a salvage), and
+        names that point nowhere."""
+        doomed = (doomed & self.ns.inodes.keys()) | {
             ino
             for ino, inode in self.ns.inodes.items()
             if ino != ROOT_INO

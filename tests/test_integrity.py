@@ -26,7 +26,7 @@ from conftest import write_file as write
 
 from kvfs import harness
 from kvfs.fsck import offline_index
-from kvfs.journal import _scan, half_bounds, recover
+from kvfs.journal import half_bounds, recover, scan
 from kvfs.layout import DEV_SHIFT, KIND_CKPT_DATA, KIND_TXN, NO_UNIT, UNIT_MASK
 from kvfs.namespace import ROOT_INO, Namespace
 from kvfs.pool import open_pool
@@ -93,7 +93,7 @@ def log_entries(image: Path) -> tuple[int, list[tuple[int, int, int]]]:
         found = recover(meta, start, size, p.seed)
         base, hsize = half_bounds(start, size, found.half)
         out, prev = [], 0
-        for end, entry in _scan(meta, base, hsize, found.generation, p.seed):
+        for end, entry in scan(meta, base, hsize, found.generation, p.seed):
             out.append((base + prev, base + end, entry.kind))
             prev = end
         return found.generation, out
@@ -172,12 +172,14 @@ def test_fsck_finds_and_repairs_a_corrupt_data_unit(tmp_path: Path, pool: list[P
 
 
 # ------------------------------------------------------------------------ metadata
-def test_corrupt_journal_entry_recovers_a_consistent_prefix(
+def test_corrupt_mid_log_transaction_is_reported_and_later_transactions_kept(
     tmp_path: Path, pool: list[Path]
 ) -> None:
     """Files committed one by one, then a crash (no final checkpoint): the journal holds
-    their transactions. Damage one in the middle: recovery stops there — every file is
-    intact or absent, never wrong; the earliest survive, the latest are gone."""
+    their transactions, one group commit each. Damage one in the middle: that is not a
+    torn tail (complete group commits follow it), so fsck reports it (exit 4), the
+    mount says so loudly and keeps every later transaction: every file is intact or
+    absent, never wrong, and only the damaged transaction's file may be missing."""
     data = files(12, 1 * MiB + 7)
     mnt = tmp_path / "mnt"
     with harness.mounted(
@@ -191,19 +193,48 @@ def test_corrupt_journal_entry_recovers_a_consistent_prefix(
     assert len(txns) >= 12, entries
     start, _ = txns[len(txns) // 2]
     flip(pool[0], start + 40, 8)  # inside the payload: the entry's checksum fails
-    assert kvfs("fsck", "--no-data", *pool).returncode == 0
+    r = kvfs("fsck", "--no-data", *pool)
+    assert r.returncode == 4, r.stdout + r.stderr
+    assert "damaged at byte" in r.stdout, r.stdout
     with mount(tmp_path, pool) as mnt:
         seen = {}
         for name, content in data.items():
             got = read_or_errno(mnt / name.decode())
             assert got in (content, errno.ENOENT), f"{name!r}: wrong data or error {got!r}"
             seen[name] = got == content
-        assert seen[b"f0"] and not seen[b"f11"], seen
-        survivors = [n for n, ok in seen.items() if ok]
-        assert survivors == list(data)[: len(survivors)], "not a prefix of the commits"
-        assert sorted(os.listdir(mnt)) == sorted(n.decode() for n in survivors)
-    r = kvfs("fsck", *pool)
+        missing = [n for n, ok in seen.items() if not ok]
+        assert len(missing) <= 1, f"more than the damaged transaction's file lost: {missing}"
+        assert seen[b"f0"] and seen[b"f11"], seen
+        assert sorted(os.listdir(mnt)) == sorted(n.decode() for n, ok in seen.items() if ok)
+    log = (tmp_path / "kvfs.log").read_text()
+    assert "metadata log damaged at byte" in log and "salvaged" in log, log[-2000:]
+    r = kvfs("fsck", *pool)  # the mount checkpointed the salvaged index
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_torn_tail_is_no_damage(tmp_path: Path, pool: list[Path]) -> None:
+    """A crash that tears the last group commit is the normal end of a log: the
+    damage in the last write is not reported as mid-log damage, and fsck is clean."""
+    data = files(4, 256 * 1024)
+    mnt = tmp_path / "mnt"
+    with harness.mounted(
+        mnt, pool, "--format", "--meta-size", "8M", log_file=tmp_path / "kvfs.log"
+    ) as proc:
+        for name, content in data.items():
+            write(mnt / name.decode(), content)
+        harness.kill(proc, mnt)
+    _, entries = log_entries(pool[0])
+    txns = [(start, end) for start, end, kind in entries if kind == KIND_TXN]
+    start, _ = txns[-1]  # the last group commit: as if the crash had torn it
+    flip(pool[0], start + 40, 8)
+    r = kvfs("fsck", "--no-data", *pool)
+    assert r.returncode == 0, r.stdout + r.stderr
+    with mount(tmp_path, pool) as mnt:
+        for name, content in list(data.items())[:-1]:
+            assert read_or_errno(mnt / name.decode()) == content
+        last = list(data)[-1]
+        assert read_or_errno(mnt / last.decode()) in (data[last], errno.ENOENT)
+    assert " ERROR " not in (tmp_path / "kvfs.log").read_text()
 
 
 def test_corrupt_newest_checkpoint_falls_back_to_the_older_generation(
