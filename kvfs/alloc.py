@@ -41,6 +41,11 @@ class Allocator:
         """Free units on devices that are still taking writes."""
         return sum(f for d, f in enumerate(self._free) if d not in self.offline)
 
+    @property
+    def online_units(self) -> int:
+        """Units of the devices that are still taking writes."""
+        return sum(len(m) for d, m in enumerate(self._maps) if d not in self.offline)
+
     def set_offline(self, dev: int) -> None:
         """Stop placing new data on a device (it failed a write)."""
         self.offline.add(dev)

@@ -313,8 +313,13 @@ class Evictor:
     ) -> Iterator[tuple[Inode, bool]]:
         """(inode, is_orphan) in eviction order; the caller evicts or skips each one
         and must call :meth:`forget` for every inode it evicts. Files in their grace
-        are passed over unless ``include_fresh`` (the last resort before ENOSPC)."""
-        if not include_fresh and self.fresh():
+        are passed over; ``include_fresh`` (the last resort before ENOSPC) yields
+        only them, the longest closed first: the file a writer closed a moment ago
+        and is about to rename goes last."""
+        if include_fresh:
+            yield from self._fresh_candidates(evictable, group)
+            return
+        if self.fresh():
             fresh = self._fresh
             inner = evictable
 
@@ -340,6 +345,20 @@ class Evictor:
                 managed[g] = self.group_policy(g) == KVFS_MANAGED
             if managed[g]:
                 yield inode, False
+
+    def _fresh_candidates(
+        self, evictable: Callable[[Inode], bool], group: int | None
+    ) -> Iterator[tuple[Inode, bool]]:
+        for ino in list(self._fresh):
+            inode = self.ns.inodes.get(ino)
+            if inode is None or not evictable(inode):
+                continue
+            g = self.group_of(inode)
+            if group is not None and g != group:
+                continue
+            orphan = ino in self.orphans
+            if orphan or self.group_policy(g) == KVFS_MANAGED:
+                yield inode, orphan
 
     def statistics(self) -> EvictorStatistics:
         return EvictorStatistics(

@@ -134,8 +134,13 @@ class Space:
         return self.alloc.free_units - self._claimed()
 
     def used_fraction(self) -> float:
+        """Used share of the devices that take writes (a device taken offline after a
+        failed write is no reason to evict: freeing its units gains nothing)."""
+        online = self.alloc.online_units
+        if not online:
+            return 0.0
         free = self.available() + self.pending_free()
-        return 1 - free / max(self.alloc.total_units, 1)
+        return 1 - free / online
 
     # ------------------------------------------------------------------ quotas
     def charge(self, inode: Inode, units: int) -> None:
@@ -207,6 +212,8 @@ class Space:
                 and self._evict_or_last_resort(-(-over // self.unit), group) * (self.unit) < over
             ):
                 raise QuotaExceeded(f"directory quota of {quota} bytes is full")
+        if not self.alloc.online_units:
+            raise DeviceError("no device takes writes any more (every one failed a write)")
         while self.available() < units:
             short = units - self.available()
             pending = self.pending_free()

@@ -609,17 +609,24 @@ class Store:
         self._check_failed(st)
         if not data:
             return 0
-        u_size = self.unit
-        span = range(off // u_size, (end - 1) // u_size + 1)
-        claims = [sum(1 for u in span if u not in st.dirty)]
-        claims[0] += off > inode.size  # the old last unit, zeroed past the old end
         try:
-            await self._claim(inode, claims[0])
+            await self._write(h, inode, st, off, data)
         except (NoSpace, QuotaExceeded) as e:
             # the writer cannot store what it meant to: its file is incomplete (a
             # short chunk must never be served as a whole one), removed at its close
             self._fail(st, e)
             raise
+        self._writes += 1
+        self._bytes_written += len(data)
+        await self._maybe_writeback(self.ns.get(h.ino), st)
+        return len(data)
+
+    async def _write(self, h: Handle, inode: Inode, st: FileState, off: int, data: bytes) -> None:
+        u_size, end = self.unit, off + len(data)
+        span = range(off // u_size, (end - 1) // u_size + 1)
+        claims = [sum(1 for u in span if u not in st.dirty)]
+        claims[0] += off > inode.size  # the old last unit, zeroed past the old end
+        await self._claim(inode, claims[0])
         try:
             inode = self.ns.get(h.ino)  # not evicted (open), but maybe quarantined
             self._check_failed(st)
@@ -647,10 +654,6 @@ class Store:
             inode.size = end
             self._grow_map(inode, end)
         inode.mtime_ns = inode.ctime_ns = time.time_ns()
-        self._writes += 1
-        self._bytes_written += len(data)
-        await self._maybe_writeback(inode, st)
-        return len(data)
 
     def _check_failed(self, st: FileState) -> None:
         if st.error is not None:
@@ -676,11 +679,15 @@ class Store:
         """A private, writable copy of unit ``u``, registered as dirty; ``whole``: the
         caller overwrites all of it before its next await (no zeroing needed). Takes
         one of ``claims`` (the caller's claimed units), or claims its own."""
-        own = claims is None
-        if claims is None:
+        own = claims is None or claims[0] <= 0
+        if own:  # also when a write-back took a unit the caller saw dirty when it claimed
             await self._claim(inode, 1)
             claims = [1]
+        assert claims is not None
         try:
+            existing = st.dirty.get(u)
+            if existing is not None:  # another writer made it dirty while we claimed
+                return existing
             buf = self._buffer_pool(self.unit).take(zeroed=not (load or whole))
             if load:
                 src = await self.reader.unit_view(inode, u)
