@@ -83,6 +83,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     m.add_argument("--no-discard", action="store_true", help="do not TRIM freed extents")
     m.add_argument(
+        "--reserve",
+        type=float,
+        default=0.05,
+        help="share of the pool only root and the mount's owner may fill (0.05)",
+    )
+    m.add_argument(
+        "--max-file-size",
+        type=parse_size,
+        default=0,
+        help="largest file, e.g. 8G (default: a quarter of the pool; a top-level "
+        "directory may set its own with user.kvfs.max_file_size)",
+    )
+    m.add_argument(
         "--degraded",
         action="store_true",
         help="mount even if devices other than the first are missing "
@@ -98,6 +111,9 @@ def _parser() -> argparse.ArgumentParser:
     pol.add_argument("directory")
     pol.add_argument("--set", choices=("kvfs-managed", "engine-managed"))
     pol.add_argument("--quota", help="byte quota, e.g. 100G (0 removes it)")
+    pol.add_argument(
+        "--max-file-size", help="largest file in the directory, e.g. 8G (0 removes it)"
+    )
 
     u = sub.add_parser("umount", help="unmount and wait for the daemon to finish")
     u.add_argument("mountpoint")
@@ -260,6 +276,8 @@ def _run_mount(args: argparse.Namespace, ready: Callable[[], None]) -> int:
                 high_watermark=args.high_watermark,
                 low_watermark=args.low_watermark,
                 discard=not args.no_discard,
+                reserve=args.reserve,
+                max_file_size=args.max_file_size,
             )
         except ValueError as e:
             raise UserError(str(e)) from None
@@ -359,26 +377,32 @@ def cmd_fsck(args: argparse.Namespace) -> int:
 
 
 def cmd_policy(args: argparse.Namespace) -> int:
-    """Policy and quota are the xattrs user.kvfs.policy / user.kvfs.quota."""
+    """Policy, quota and maximum file size are the xattrs user.kvfs.policy,
+    user.kvfs.quota and user.kvfs.max_file_size of a top-level directory."""
     d = args.directory
     try:
         if args.set:
             os.setxattr(d, "user.kvfs.policy", args.set.encode())
-        if args.quota is not None:
-            if args.quota.strip() in ("0", ""):
+        for name, value in (("quota", args.quota), ("max_file_size", args.max_file_size)):
+            if value is None:
+                continue
+            if value.strip() in ("0", ""):
                 with contextlib.suppress(OSError):
-                    os.removexattr(d, "user.kvfs.quota")
+                    os.removexattr(d, f"user.kvfs.{name}")
             else:
-                os.setxattr(d, "user.kvfs.quota", args.quota.encode())
+                os.setxattr(d, f"user.kvfs.{name}", value.encode())
         values = {}
-        for name in ("user.kvfs.policy", "user.kvfs.quota"):
+        for name in ("policy", "quota", "max_file_size"):
             try:
-                values[name] = os.getxattr(d, name).decode()
+                values[name] = os.getxattr(d, f"user.kvfs.{name}").decode()
             except OSError:
                 values[name] = "(default)"
     except OSError as e:
         raise UserError(f"{d}: {e.strerror}") from None
-    print(f"{d}: policy {values['user.kvfs.policy']}, quota {values['user.kvfs.quota']}")
+    print(
+        f"{d}: policy {values['policy']}, quota {values['quota']}, "
+        f"max file size {values['max_file_size']}"
+    )
     return EXIT_OK
 
 

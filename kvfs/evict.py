@@ -23,7 +23,7 @@ import itertools
 import logging
 import time
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -36,6 +36,9 @@ log = logging.getLogger(__name__)
 
 POLICY_XATTR = b"user.kvfs.policy"
 QUOTA_XATTR = b"user.kvfs.quota"
+MAX_FILE_XATTR = b"user.kvfs.max_file_size"
+GROUP_XATTRS = (POLICY_XATTR, QUOTA_XATTR, MAX_FILE_XATTR)
+"""Settings of a top-level directory, validated before they are stored."""
 KVFS_MANAGED = "kvfs-managed"
 ENGINE_MANAGED = "engine-managed"
 POLICIES = (KVFS_MANAGED, ENGINE_MANAGED)
@@ -62,10 +65,10 @@ def parse_quota(value: bytes) -> int:
 
 
 def check_group_xattr(name: bytes, value: bytes) -> None:
-    """Reject a malformed policy or quota before it is stored."""
+    """Reject a malformed policy, quota or maximum file size before it is stored."""
     if name == POLICY_XATTR and value.decode(errors="replace") not in POLICIES:
         raise InvalidArgument(f"policy must be one of {', '.join(POLICIES)}")
-    if name == QUOTA_XATTR:
+    if name in (QUOTA_XATTR, MAX_FILE_XATTR):
         parse_quota(value)
 
 
@@ -304,18 +307,31 @@ class Evictor:
         raw = (xattrs or {}).get(QUOTA_XATTR)
         return parse_quota(raw) if raw else self.default_quota
 
+    def group_max_file_size(self, group: int) -> int:
+        """The directory's own maximum file size in bytes, 0 if it sets none."""
+        xattrs = self.ns.inodes[group].xattrs if group in self.ns.inodes else None
+        raw = (xattrs or {}).get(MAX_FILE_XATTR)
+        return parse_quota(raw) if raw else 0
+
     # ------------------------------------------------------------------ order
     def candidates(
         self,
         evictable: Callable[[Inode], bool],
         group: int | None = None,
         include_fresh: bool = False,
+        owners: Collection[int] | None = None,
     ) -> Iterator[tuple[Inode, bool]]:
         """(inode, is_orphan) in eviction order; the caller evicts or skips each one
         and must call :meth:`forget` for every inode it evicts. Files in their grace
         are passed over; ``include_fresh`` (the last resort before ENOSPC) yields
         only them, the longest closed first: the file a writer closed a moment ago
-        and is about to rename goes last."""
+        and is about to rename goes last. ``owners``: only files of these uids."""
+        if owners is not None:
+            uids, by_owner = owners, evictable
+
+            def evictable(inode: Inode) -> bool:
+                return inode.uid in uids and by_owner(inode)
+
         if include_fresh:
             yield from self._fresh_candidates(evictable, group)
             return
@@ -372,4 +388,4 @@ class Evictor:
         )
 
 
-__all__ = ["Evictor", "EvictorStatistics", "check_group_xattr", "parse_quota"]
+__all__ = ["GROUP_XATTRS", "Evictor", "EvictorStatistics", "check_group_xattr", "parse_quota"]

@@ -22,7 +22,7 @@ import pyfuse3
 import trio
 
 from kvfs.errors import KvfsError
-from kvfs.evict import POLICY_XATTR, QUOTA_XATTR, check_group_xattr
+from kvfs.evict import GROUP_XATTRS, check_group_xattr
 from kvfs.namespace import Inode
 from kvfs.store import Store
 
@@ -124,8 +124,9 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
             await self.store.truncate(node, attr.st_size)
         if fields.update_mode:
             node.mode = stat.S_IFMT(node.mode) | stat.S_IMODE(attr.st_mode)
-        if fields.update_uid:
-            node.uid = attr.st_uid
+        if fields.update_uid and node.uid != attr.st_uid:
+            old_uid, node.uid = node.uid, attr.st_uid
+            self.store.owner_changed(node, old_uid)
         if fields.update_gid:
             node.gid = attr.st_gid
         if fields.update_atime:
@@ -181,7 +182,7 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
 
     @_errors
     async def open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
-        fh = await self.store.open(inode, flags, ctx.pid)
+        fh = await self.store.open(inode, flags, ctx.pid, ctx.uid)
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
 
     @_errors
@@ -191,7 +192,7 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
         inode = await self.store.create(
             parent_inode, name, stat.S_IFREG | stat.S_IMODE(mode), ctx.uid, ctx.gid, ctx.pid
         )
-        fh = await self.store.open(inode.ino, flags & ~os.O_TRUNC, ctx.pid)
+        fh = await self.store.open(inode.ino, flags & ~os.O_TRUNC, ctx.pid, ctx.uid)
         return pyfuse3.FileInfo(fh=fh, keep_cache=True), self._entry(inode)
 
     @_errors
@@ -277,7 +278,7 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
     async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: Any) -> None:
         if name == STATS_XATTR:
             raise pyfuse3.FUSEError(errno.EPERM)
-        if name in (POLICY_XATTR, QUOTA_XATTR):
+        if name in GROUP_XATTRS:
             check_group_xattr(name, value)
         await self.store.check_metadata_room()
         self.ns.set_xattr(inode, name, value)

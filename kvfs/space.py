@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from typing import TypeVar
 
 import trio
@@ -31,6 +32,8 @@ from kvfs.pool import Pool
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+EVICTION_LOG_INTERVAL = 5.0
+"""Seconds between the INFO lines that sum up evictions (a line per file is DEBUG)."""
 
 
 def coalesce(units: list[int]) -> list[tuple[int, int, int]]:
@@ -60,6 +63,9 @@ class Space:
         evictable: Callable[[Inode], bool],
         evict: Callable[[Inode], None],
         claimed: Callable[[], int] = lambda: 0,
+        pinned: Callable[[int], int] = lambda uid: 0,
+        privileged: Callable[[int], bool] = lambda uid: uid == 0,
+        reserve_units: int = 0,
         high_watermark: float,
         low_watermark: float,
         discard: bool,
@@ -73,7 +79,11 @@ class Space:
         )
         self.unit = pool.unit_size
         self._io, self._evictable, self._evict, self._claimed = io, evictable, evict, claimed
+        self._pinned, self._privileged, self.reserve_units = pinned, privileged, reserve_units
         self.high, self.low, self.discard = high_watermark, low_watermark, discard
+        self._uids: dict[int, int] | None = None  # uid -> bytes mapped (built lazily)
+        self._evicted = [0, 0, 0]  # files, units, orphans since the last log line
+        self._evicted_since = -EVICTION_LOG_INTERVAL  # the first eviction logs at once
         self._deferred: deque[tuple[int, int]] = deque()
         self._usage: dict[int, int] = {}  # quota group -> bytes mapped (computed lazily)
         self._trim: list[int] = []
@@ -144,7 +154,10 @@ class Space:
 
     # ------------------------------------------------------------------ quotas
     def charge(self, inode: Inode, units: int) -> None:
-        """Account mapped units to the inode's group, if that group has a quota."""
+        """Account mapped units to the inode's owner and to its group, if that group
+        has a quota."""
+        if units and self._uids is not None:
+            self._uids[inode.uid] = self._uids.get(inode.uid, 0) + units * self.unit
         if self._usage and units:
             group = self.evictor.group_of(inode)
             if group in self._usage:
@@ -162,6 +175,30 @@ class Space:
             self._usage[group] = total
         return self._usage[group]
 
+    def uid_usage(self) -> dict[int, int]:
+        """Bytes mapped per file owner: one pass over the index the first time, then
+        kept by :meth:`charge` and :meth:`owner_changed`."""
+        if self._uids is None:
+            uids: dict[int, int] = {}
+            for node in self.ns.inodes.values():
+                if node.entries is None and node.units:
+                    uids[node.uid] = uids.get(node.uid, 0) + node.mapped_units * self.unit
+            self._uids = uids
+        return self._uids
+
+    def owner_changed(self, inode: Inode, old_uid: int) -> None:
+        """A chown moved a file's bytes to another owner."""
+        if self._uids is not None and old_uid != inode.uid:
+            moved = inode.mapped_units * self.unit
+            self._uids[old_uid] = self._uids.get(old_uid, 0) - moved
+            self._uids[inode.uid] = self._uids.get(inode.uid, 0) + moved
+
+    def fair_share(self) -> int:
+        """Bytes each user may hold before its own files are the ones to go: what
+        unprivileged users may fill, split evenly over the users holding data."""
+        users = sum(1 for used in self.uid_usage().values() if used > 0) or 1
+        return (self.alloc.online_units - self.reserve_units) * self.unit // users
+
     def recount(self, group: int | None = None) -> None:
         """Forget cached usage (a quota changed, or files moved between groups)."""
         if group is None:
@@ -170,33 +207,73 @@ class Space:
             self._usage.pop(group, None)
 
     # ------------------------------------------------------------------ eviction
-    def evict_units(self, units: int, group: int | None = None, include_fresh: bool = False) -> int:
+    def evict_units(
+        self,
+        units: int,
+        group: int | None = None,
+        include_fresh: bool = False,
+        owners: Collection[int] | None = None,
+    ) -> int:
         """Evict files, best victims first, until ``units`` units are on their way
         back (sync: the frees complete once the journal has the unlinks). Files in
-        their grace after a close go only with ``include_fresh`` (the last resort)."""
+        their grace after a close go only with ``include_fresh`` (the last resort);
+        ``owners``: only files of these uids."""
         freed = 0
         self.evictor.reap()  # a writer that just exited leaves orphans: they go first
-        for inode, orphan in self.evictor.candidates(self._evictable, group, include_fresh):
+        candidates = self.evictor.candidates(self._evictable, group, include_fresh, owners)
+        for inode, orphan in candidates:
             if freed >= units:
                 break
             mapped = inode.mapped_units
             log.debug(
-                "evicting inode %d (%s, %d units)",
+                "evicting inode %d of uid %d (%s, %d units)",
                 inode.ino,
+                inode.uid,
                 "orphan" if orphan else "policy",
                 mapped,
             )
             self._evict(inode)
             self.evictor.evictions += 1
             self.evictor.orphan_evictions += orphan
+            self._note_eviction(mapped, orphan)
             freed += max(mapped, 1)
         return freed
 
-    def _evict_or_last_resort(self, units: int, group: int | None = None) -> int:
+    def _note_eviction(self, units: int, orphan: bool) -> None:
+        ev = self._evicted
+        ev[0], ev[1], ev[2] = ev[0] + 1, ev[1] + units, ev[2] + orphan
+        self.log_evictions()
+
+    def log_evictions(self) -> None:
+        """One INFO line per EVICTION_LOG_INTERVAL at most, summing up evictions (the
+        first after a quiet spell at once; the evictor's loop flushes the rest)."""
+        ev, now = self._evicted, time.monotonic()
+        if ev[0] and now - self._evicted_since >= EVICTION_LOG_INTERVAL:
+            mib = ev[1] * self.unit >> 20
+            log.info("evicted %d file(s), %d MiB (%d orphans)", ev[0], mib, ev[2])
+            self._evicted, self._evicted_since = [0, 0, 0], now
+
+    def _evict_or_last_resort(
+        self, units: int, group: int | None = None, owners: Collection[int] | None = None
+    ) -> int:
         """Evict ``units``; files still in their grace only if nothing else would do."""
-        freed = self.evict_units(units, group)
+        freed = self.evict_units(units, group, owners=owners)
         if freed < units:
-            freed += self.evict_units(units - freed, group, include_fresh=True)
+            freed += self.evict_units(units - freed, group, include_fresh=True, owners=owners)
+        return freed
+
+    def _evict_fairly(self, units: int, uid: int) -> int:
+        """Make room for ``units`` units of user ``uid``: a user over its fair share
+        pushes out only its own files; otherwise users over theirs lose files first,
+        then anyone (policy order)."""
+        share = self.fair_share()
+        usage = self.uid_usage()
+        if not self._privileged(uid) and usage.get(uid, 0) + units * self.unit > share:
+            return self._evict_or_last_resort(units, owners={uid})
+        over = {u for u, used in usage.items() if used > share}
+        freed = self._evict_or_last_resort(units, owners=over) if over else 0
+        if freed < units:
+            freed += self._evict_or_last_resort(units - freed)
         return freed
 
     async def ensure(self, inode: Inode, units: int) -> None:
@@ -214,14 +291,20 @@ class Space:
                 raise QuotaExceeded(f"directory quota of {quota} bytes is full")
         if not self.alloc.online_units:
             raise DeviceError("no device takes writes any more (every one failed a write)")
-        while self.available() < units:
-            short = units - self.available()
+        uid = inode.uid
+        privileged = self._privileged(uid)
+        if not privileged and self._pinned(uid) + units * self.unit > self.fair_share():
+            # open files are never evicted: no user may hold more than its share open
+            raise NoSpace(f"uid {uid} holds its share of the pool open")
+        reserve = 0 if privileged else self.reserve_units
+        while self.available() - reserve < units:
+            short = units + reserve - self.available()
             pending = self.pending_free()
-            if pending < short and not self._evict_or_last_resort(short - pending) and not pending:
+            if pending < short and not self._evict_fairly(short - pending, uid) and not pending:
                 raise NoSpace(f"pool full: {units} units needed, nothing may be evicted")
             freed = self._freed
             await self.journal.wait_durable()
-            if self.available() < units:
+            if self.available() - reserve < units:
                 # bounded: units can also come back without a signal (a claim released)
                 with trio.move_on_after(1.0):
                     await freed.wait()
@@ -239,6 +322,7 @@ class Space:
                 await self._evict_wake.wait()
             self._evict_wake = trio.Event()
             self.evictor.reap()
+            self.log_evictions()
             if self.used_fraction() > self.high:
                 target = self.used_fraction() - self.low
                 self.evict_units(int(target * self.alloc.total_units) + 1)

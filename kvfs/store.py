@@ -64,6 +64,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+FILE_SIZE_LIMIT = 1 << 40
+"""No file is larger than this (1 TiB), whatever the settings."""
+
+
 @dataclass(frozen=True)
 class StoreConfig:
     """Tunables, validated once; see ``docs/design.md`` for the measured reasons."""
@@ -76,7 +80,13 @@ class StoreConfig:
     max_dirty_bytes: int = 512 << 20
     io_timeout: float = 30.0
     queue_depth: int = 4
-    max_file_size: int = 1 << 40
+    max_file_size: int = 0
+    """Bytes a file may reach (EFBIG past it, before anything is evicted for it);
+    0: a quarter of the pool. A top-level directory may set its own
+    (``user.kvfs.max_file_size``). Never more than ``FILE_SIZE_LIMIT``."""
+    reserve: float = 0.05
+    """Share of the pool only root (and the mount's owner) may fill, as ext4's
+    reserved blocks: another user can never starve them."""
     commit_interval: float = 0.05
     buffer_pool_bytes: int = 64 << 20
     eviction_policy: str = "kvfs"
@@ -93,6 +103,10 @@ class StoreConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.io_timeout <= 0 or self.queue_depth < 1 or self.cache_bytes < 0:
             raise ValueError("io_timeout, queue_depth and cache_bytes must be positive")
+        if not 0 <= self.reserve < 0.5:
+            raise ValueError("the reserve must be a fraction in [0, 0.5)")
+        if not 0 <= self.max_file_size <= FILE_SIZE_LIMIT:
+            raise ValueError(f"the maximum file size must be at most {FILE_SIZE_LIMIT} bytes")
 
 
 @dataclass(eq=False)
@@ -119,6 +133,8 @@ class Handle:
     pid: int
     owner: tuple[int, int] | None = None
     """The opening process as (pid, start time): is it dying when it closes?"""
+    uid: int = 0
+    """The opener's user: what it holds open, it pins (bounded per user)."""
 
 
 @dataclass(frozen=True)
@@ -181,6 +197,7 @@ class Store:
         self._pools: dict[int, BufferPool] = {}
         self._files: dict[int, FileState] = {}
         self._handles: dict[int, Handle] = {}
+        self._pins: dict[int, dict[int, int]] = {}  # uid -> {inode: its open handles}
         self._next_fh = 1
         self._limiters = [trio.CapacityLimiter(self.cfg.queue_depth) for _ in pool.devices]
         self._dirty_bytes = 0
@@ -214,6 +231,9 @@ class Store:
             evictable=self._evictable,
             evict=self._unlink_everywhere,
             claimed=lambda: self._claimed,
+            pinned=self._pinned,
+            privileged=lambda uid: uid in (0, os.getuid()),
+            reserve_units=int(self.alloc.total_units * self.cfg.reserve),
             high_watermark=self.cfg.high_watermark,
             low_watermark=self.cfg.low_watermark,
             discard=self.cfg.discard,
@@ -424,7 +444,7 @@ class Store:
     def handle(self, fh: int) -> Handle:
         return self._handles[fh]
 
-    async def open(self, ino: int, flags: int, pid: int = 0) -> int:
+    async def open(self, ino: int, flags: int, pid: int = 0, uid: int = 0) -> int:
         """A handle on a live file; Stale (ESTALE) for one kvfs removed, so an open
         through a dentry the kernel still caches retries its lookup and misses."""
         inode = self.ns.get(ino)
@@ -442,8 +462,29 @@ class Store:
             self._state(ino).writers += 1
         fh = self._next_fh
         self._next_fh += 1
-        self._handles[fh] = Handle(ino, writable, pid, owner)
+        self._handles[fh] = Handle(ino, writable, pid, owner, uid)
+        pins = self._pins.setdefault(uid, {})
+        pins[ino] = pins.get(ino, 0) + 1
         return fh
+
+    def _pinned(self, uid: int) -> int:
+        """Bytes of the files user ``uid`` holds open (they cannot be evicted), the
+        ones still in memory (dirty, being written back) included."""
+        inodes, files, units = self.ns.inodes, self._files, 0
+        for ino in self._pins.get(uid, ()):
+            inode, st = inodes.get(ino), files.get(ino)
+            units += inode.mapped_units if inode is not None else 0
+            units += len(st.dirty) + len(st.inflight) if st is not None else 0
+        return units * self.unit
+
+    def _unpin(self, h: Handle) -> None:
+        pins = self._pins.get(h.uid)
+        if pins is not None and h.ino in pins:
+            pins[h.ino] -= 1
+            if not pins[h.ino]:
+                del pins[h.ino]
+                if not pins:
+                    del self._pins[h.uid]
 
     async def flush(self, fh: int) -> None:
         """A close of a handle (FUSE flush): commit what it wrote, unless its writer
@@ -507,6 +548,7 @@ class Store:
 
     async def release(self, fh: int) -> None:
         h = self._handles.pop(fh)
+        self._unpin(h)
         inode = self.ns.inodes.get(h.ino)
         if inode is None:
             return
@@ -603,8 +645,7 @@ class Store:
         h = self._handles[fh]
         inode = self.ns.get(h.ino)
         end = off + len(data)
-        if end > self.cfg.max_file_size:
-            raise FileTooLarge(f"write to {end} bytes exceeds the {self.cfg.max_file_size} limit")
+        self._check_size(inode, end)
         st = self._state(inode.ino)
         self._check_failed(st)
         if not data:
@@ -654,6 +695,26 @@ class Store:
             inode.size = end
             self._grow_map(inode, end)
         inode.mtime_ns = inode.ctime_ns = time.time_ns()
+
+    def max_file_size(self, inode: Inode) -> int:
+        """The size ``inode`` may reach: its top-level directory's setting, else the
+        mount's, else a quarter of the pool; never over FILE_SIZE_LIMIT."""
+        own = self.evictor.group_max_file_size(self.evictor.group_of(inode))
+        limit = own or self.cfg.max_file_size or self.alloc.total_units * self.unit // 4
+        return min(limit, FILE_SIZE_LIMIT)
+
+    def _check_size(self, inode: Inode, size: int) -> None:
+        """EFBIG for a size past the limit: before any byte is taken, so nothing is
+        evicted for a file that could never fit (a 10 GiB write into a 4 GiB pool)."""
+        if size > self.max_file_size(inode):
+            raise FileTooLarge(
+                f"inode {inode.ino}: {size} bytes exceed the maximum file size of "
+                f"{self.max_file_size(inode)} bytes"
+            )
+
+    def owner_changed(self, inode: Inode, old_uid: int) -> None:
+        """chown: the file's bytes now count for its new owner."""
+        self.space.owner_changed(inode, old_uid)
 
     def _check_failed(self, st: FileState) -> None:
         if st.error is not None:
@@ -883,8 +944,7 @@ class Store:
         await self.journal.wait_durable(self.journal.last_seq)
 
     async def truncate(self, inode: Inode, size: int) -> None:
-        if size > self.cfg.max_file_size:
-            raise FileTooLarge(f"size {size} exceeds the {self.cfg.max_file_size} limit")
+        self._check_size(inode, size)
         if inode.is_dir:
             raise IsADirectory(f"inode {inode.ino}")
         st = self._state(inode.ino)

@@ -4,6 +4,7 @@ deadlines and a full pool."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import stat
@@ -397,7 +398,8 @@ async def test_full_pool_is_nospace_and_space_is_reusable_after_unlink() -> None
     pool = memory_pool(size=8 << 20)  # 6 MiB of data units
     rng = random.Random(9)
     keep = rng.randbytes(UNIT)
-    async with serving(pool) as store:
+    no_size_limit = dataclasses.replace(CFG, max_file_size=1 << 30)  # the pool is the limit
+    async with serving(pool, no_size_limit) as store:
         await put(store, b"keep", keep)
         ino, fh = await create(store, b"huge")
         with pytest.raises(NoSpace):  # at write-back or at the latest at commit
