@@ -437,8 +437,14 @@ def cmd_stats(args: argparse.Namespace) -> int:
     )
     print(f"integrity   {s['corruptions']} checksum failures, {s['quarantined']} quarantined")
     print(f"eviction    {s['evictions']} files evicted ({s['orphan_evictions']} orphans)")
-    for d in stats["devices"]:
-        print(f"device      {d['path']}: {d['size'] / gib:.2f} GiB, {d['errors']} errors")
+    for d, space in zip(stats["devices"], stats["space"], strict=True):
+        state = "" if space["writable"] else ", failed a write: no new data"
+        print(
+            f"device      {d['path']}: {space['data_bytes'] / gib:.2f} GiB of data, "
+            f"{space['free_bytes'] / gib:.2f} GiB free, {d['errors']} errors{state}"
+        )
+    if len({space["data_bytes"] for space in stats["space"]}) > 1:
+        print("            (members of different sizes: all of each is used)")
     return EXIT_OK
 
 

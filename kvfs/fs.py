@@ -313,6 +313,7 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
             "journal": asdict(s.journal.statistics()),
             "eviction": asdict(s.evictor.statistics()),
             "devices": [asdict(d.statistics()) for d in s.pool.devices],
+            "space": [asdict(d) for d in s.device_space()],
         }
         return json.dumps(out)
 

@@ -149,6 +149,15 @@ class RecoveryReport:
 
 
 @dataclass(frozen=True)
+class DeviceSpace:
+    path: str
+    data_bytes: int
+    free_bytes: int
+    writable: bool
+    """False once the member failed a write (no new data goes there)."""
+
+
+@dataclass(frozen=True)
 class StoreStatistics:
     files: int
     directories: int
@@ -1035,6 +1044,21 @@ class Store:
         await self.space.ensure(inode, units)
 
     # ------------------------------------------------------------------ reporting
+    def device_space(self) -> list[DeviceSpace]:
+        """Data capacity and free space of each member: kvfs uses all of every
+        member, whatever their sizes (stripes rotate; a full member is skipped)."""
+        return [
+            DeviceSpace(
+                dev.path,
+                sb.data_units * self.unit,
+                self.alloc.device_free(i) * self.unit,
+                i not in self.alloc.offline,
+            )
+            for i, (dev, sb) in enumerate(
+                zip(self.pool.devices, self.pool.superblocks, strict=True)
+            )
+        ]
+
     def statistics(self) -> StoreStatistics:
         files = sum(1 for i in self.ns.inodes.values() if not i.is_dir)
         free = max(self.space.available(), 0) * self.unit  # claimed units are spoken for
@@ -1064,4 +1088,12 @@ class Store:
         )
 
 
-__all__ = ["FileState", "Handle", "RecoveryReport", "Store", "StoreConfig", "StoreStatistics"]
+__all__ = [
+    "DeviceSpace",
+    "FileState",
+    "Handle",
+    "RecoveryReport",
+    "Store",
+    "StoreConfig",
+    "StoreStatistics",
+]
