@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import dataclasses
 import errno
 import fcntl
 import logging
@@ -23,6 +24,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvfs import identity
 from kvfs.errors import DeviceError, UserError
 
 log = logging.getLogger(__name__)
@@ -215,17 +217,26 @@ class Device(ABC):
 
 
 class FileDevice(Device):
-    """A block device or a regular image file, opened exclusively with O_DIRECT."""
+    """A block device or a regular image file, opened exclusively with O_DIRECT.
+
+    Claimed by what it is, not by its name (:mod:`kvfs.identity`): as long as it is
+    open it also holds an flock on whatever backs a loop device and an exclusive open
+    of every loop device over it, so no other name of the same bytes can be mounted,
+    formatted or checked meanwhile (``docs/design.md``, "One pool, one daemon")."""
 
     def __init__(self, path: str) -> None:
-        fd, st, direct = _open_exclusive(path)
-        self.fd = fd
-        self.direct = direct
+        claim = _claim(path)
+        self.fd = claim.fd
+        self.direct = claim.direct
+        self.identity = claim.chain[-1].key
+        """What this device is: equal for every name of the same bytes."""
+        self._guards = claim.guards
+        st = claim.chain[0].st
         self.is_block = stat.S_ISBLK(st.st_mode)
         try:
-            size, logical, optimal = _geometry(fd, st)
+            size, logical, optimal = _geometry(self.fd, st)
         except OSError as e:
-            os.close(fd)
+            self.close()
             raise UserError(f"{path}: cannot read device geometry: {e.strerror}") from e
         super().__init__(path, size - size % ALIGN, max(logical, ALIGN), optimal)
 
@@ -267,37 +278,146 @@ class FileDevice(Device):
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+        for fd in self._guards:
+            os.close(fd)
+        self._guards = []
 
 
-def _open_exclusive(path: str) -> tuple[int, os.stat_result, bool]:
-    """Open for O_DIRECT I/O, refusing a device someone else holds."""
+def member_identity(path: str) -> identity.Key:
+    """What ``path`` is (an image file, a loop device over one, another block device),
+    without opening it: how a command finds one member named twice."""
+    return _resolve(path)[-1].key
+
+
+def _resolve(path: str) -> list[identity.Layer]:
     try:
-        st = os.stat(path)
+        chain = identity.resolve(path)
     except FileNotFoundError:
         raise UserError(f"{path}: no such device or image file") from None
-    if not (stat.S_ISBLK(st.st_mode) or stat.S_ISREG(st.st_mode)):
+    except OSError as e:
+        raise UserError(f"{path}: cannot open: {e.strerror}") from None
+    mode = chain[0].st.st_mode
+    if not (stat.S_ISBLK(mode) or stat.S_ISREG(mode)):
         raise UserError(f"{path}: not a block device or regular image file")
+    return chain
+
+
+@dataclass
+class _Claim:
+    fd: int
+    direct: bool
+    chain: list[identity.Layer]
+    """The member, then what backs it (verified against the kernel's answer)."""
+    guards: list[int]
+    """Descriptors held only for their locks: backing files, loop devices over it."""
+
+
+def _claim(path: str) -> _Claim:
+    """Open ``path`` for I/O and claim every name of its bytes, or raise UserError.
+
+    Every step holds its lock before it checks the next one, so of two processes
+    claiming the same bytes by different names at least one is refused."""
+    chain = _resolve(path)
+    fd, direct = _open_exclusive(path, chain)
+    guards: list[int] = []
+    try:
+        chain = chain[: _lock_backing(path, fd, chain, guards)]
+        _hold_loops_over(path, chain, guards)
+    except BaseException:
+        for g in [fd, *guards]:
+            os.close(g)
+        raise
+    return _Claim(fd, direct, chain, guards)
+
+
+def _open_exclusive(path: str, chain: list[identity.Layer]) -> tuple[int, bool]:
+    """Open for O_DIRECT I/O, refusing a device someone else holds."""
+    is_block = chain[0].is_block
     flags = os.O_RDWR | os.O_CLOEXEC
-    if stat.S_ISBLK(st.st_mode):
+    if is_block:
         flags |= os.O_EXCL  # the kernel refuses it while mounted or held elsewhere
     direct = True
     try:
         fd = os.open(path, flags | os.O_DIRECT)
     except OSError as e:
-        if e.errno == errno.EINVAL and stat.S_ISREG(st.st_mode):
+        if e.errno == errno.EINVAL and not is_block:
             # tmpfs and a few others have no O_DIRECT; an image file there still works
             log.warning("%s: O_DIRECT unsupported here, using buffered I/O", path)
             fd, direct = os.open(path, flags), False
         elif e.errno == errno.EBUSY:
-            raise UserError(f"{path}: device is busy (mounted or in use)") from None
+            raise _busy(path, chain, "device is busy", "mounted or in use") from None
         else:
             raise UserError(f"{path}: cannot open: {e.strerror}") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         os.close(fd)
-        raise UserError(f"{path}: already in use by another kvfs process") from None
-    return fd, st, direct
+        raise _locked(path, chain) from None
+    return fd, direct
+
+
+def _lock_backing(path: str, fd: int, chain: list[identity.Layer], guards: list[int]) -> int:
+    """Lock what backs a loop device (flock; a backing block device is also opened
+    O_EXCL), layer by layer; returns how many layers of ``chain`` are verified."""
+    parent = fd
+    for depth, layer in enumerate(chain[1:], 1):
+        flags = os.O_RDONLY | os.O_CLOEXEC | (os.O_EXCL if layer.is_block else 0)
+        try:
+            guard = os.open(layer.path, flags)
+        except OSError as e:
+            if e.errno == errno.EBUSY:
+                problem = f"backed by {layer.path}, which is busy"
+                raise _busy(path, chain, problem, "mounted or in use") from None
+            log.warning("%s: cannot lock %s behind it: %s", path, layer.path, e.strerror)
+            return depth
+        guards.append(guard)
+        st = os.fstat(guard)
+        if identity.loop_backing_node(parent) != (st.st_dev, st.st_ino):
+            # the kernel's name for it leads elsewhere (another mount namespace)
+            log.warning("%s: cannot lock %s behind it: not the same file", path, layer.path)
+            return depth
+        try:
+            fcntl.flock(guard, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise _locked(path, chain) from None
+        parent = guard
+    return len(chain)
+
+
+def _hold_loops_over(path: str, chain: list[identity.Layer], guards: list[int]) -> None:
+    """Open every loop device over these bytes O_EXCL, refusing if one is held: a
+    filesystem mounted on it, a kvfs mount through it."""
+    for loop in identity.loops_over(chain):
+        try:
+            guards.append(os.open(loop.path, os.O_RDONLY | os.O_CLOEXEC | os.O_EXCL))
+        except OSError as e:
+            if e.errno == errno.EBUSY:
+                problem = f"in use through {loop.path}"
+                raise _busy(path, chain, problem, "held by another program", loop.path) from None
+            log.warning("%s: cannot hold %s over it: %s", path, loop.path, e.strerror)
+
+
+def _holder(path: str, chain: list[identity.Layer]) -> identity.Holder | None:
+    return identity.holder(path, [*chain, *identity.loops_over(chain)])
+
+
+def _busy(
+    path: str, chain: list[identity.Layer], problem: str, unknown: str, via: str = ""
+) -> UserError:
+    who = _holder(path, chain)
+    if who is not None and who.through == via:
+        who = dataclasses.replace(who, through=None)  # the problem names it already
+    return UserError(f"{path}: {problem} ({who or unknown})")
+
+
+def _locked(path: str, chain: list[identity.Layer]) -> UserError:
+    """An flock kvfs takes is held: by another kvfs process, as a rule."""
+    who = _holder(path, chain)
+    if who is None:
+        return UserError(f"{path}: already in use by another kvfs process")
+    if not who.kvfs:
+        return UserError(f"{path}: in use ({who})")
+    return UserError(f"{path}: already in use by another kvfs process ({who})")
 
 
 def _geometry(fd: int, st: os.stat_result) -> tuple[int, int, int]:

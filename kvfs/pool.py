@@ -13,7 +13,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from kvfs.device import ALIGN, Device, FileDevice, MissingDevice, aligned_buffer
+from kvfs.device import ALIGN, Device, FileDevice, MissingDevice, aligned_buffer, member_identity
 from kvfs.errors import Corruption, UserError
 from kvfs.journal import encode_checkpoint, half_bounds
 from kvfs.layout import (
@@ -82,9 +82,12 @@ def _read_head(dev: Device, size: int) -> bytes:
 def _open_all(paths: list[str]) -> list[Device]:
     if not paths:
         raise UserError("no devices given")
-    real = [os.path.realpath(p) for p in paths]
-    if len(set(real)) != len(real):
-        raise UserError("the same device is named twice")
+    named: dict[tuple[str, int, int], str] = {}
+    for p in paths:  # by what each is: an image file and a loop device over it are one
+        other = named.setdefault(member_identity(p), p)
+        if other is not p:
+            both = p if os.path.realpath(other) == os.path.realpath(p) else f"{other} and {p}"
+            raise UserError(f"the same device is named twice ({both})")
     devices: list[Device] = []
     try:
         for p in paths:
