@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         filename=getattr(args, "log_file", None),
     )
+    logging.getLogger("pyfuse3").addFilter(_abandoned_reply)
     commands: dict[str, Callable[[argparse.Namespace], int]] = {
         "format": cmd_format,
         "mount": cmd_mount,
@@ -164,6 +165,17 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAIL
     except KeyboardInterrupt:
         return EXIT_FAIL
+
+
+def _abandoned_reply(record: logging.LogRecord) -> bool:
+    """pyfuse3 logs an ERROR when the kernel refuses a reply with ENOENT: the kernel
+    no longer waits for that request (the mount is going away, or the request was
+    interrupted), so nothing was lost. Logged as a warning, not an error."""
+    if record.levelno >= logging.ERROR and "failed with No such file or directory" in str(
+        record.msg % record.args if record.args else record.msg
+    ):
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+    return True
 
 
 def _create_images(args: argparse.Namespace) -> None:
