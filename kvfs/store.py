@@ -584,6 +584,17 @@ class Store:
         del inode.units[first:]
         del inode.csums[first:]
 
+    def allocated_units(self, inode: Inode) -> int:
+        """Units of device space the file has (``st_blocks``): its mapped units plus
+        the dirty or in-flight units not mapped yet (their space is already claimed,
+        as ext4 counts delayed allocation); holes count nothing."""
+        n = inode.mapped_units
+        st = self._files.get(inode.ino)
+        if st is not None and (st.dirty or st.inflight):
+            units = inode.units
+            n += sum(1 for u in {*st.dirty, *st.inflight} if u >= len(units) or units[u] == NO_UNIT)
+        return n
+
     # ------------------------------------------------------------------ write path
     def _begin_data_change(self, inode: Inode) -> None:
         if not inode.flags & FLAG_WRITING:
