@@ -57,6 +57,13 @@ class InvalidArgument(KvfsError):
     errno = errno.EINVAL
 
 
+class NotPermitted(KvfsError):
+    """An operation kvfs never allows (a symlink, a FIFO or device node): EPERM, what
+    ``symlink(2)``/``mknod(2)`` say for a filesystem without such files (as vfat)."""
+
+    errno = errno.EPERM
+
+
 class FileTooLarge(KvfsError):
     errno = errno.EFBIG
 

@@ -21,7 +21,7 @@ from typing import Any, ParamSpec, TypeVar
 import pyfuse3
 import trio
 
-from kvfs.errors import KvfsError
+from kvfs.errors import KvfsError, NotPermitted
 from kvfs.evict import POLICY_XATTR, QUOTA_XATTR, check_group_xattr
 from kvfs.namespace import Inode
 from kvfs.store import Store
@@ -150,6 +150,12 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
             parent_inode, name, stat.S_IFDIR | stat.S_IMODE(mode), ctx.uid, ctx.gid
         )
         return self._entry(inode)
+
+    @_errors
+    async def symlink(
+        self, parent_inode: int, name: bytes, target: bytes, ctx: Any
+    ) -> pyfuse3.EntryAttributes:
+        raise NotPermitted("kvfs has no symbolic links")
 
     @_errors
     async def unlink(self, parent_inode: int, name: bytes, ctx: Any) -> None:

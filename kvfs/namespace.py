@@ -25,6 +25,7 @@ from kvfs.errors import (
     NotADirectory,
     NotEmpty,
     NotFound,
+    NotPermitted,
     Stale,
 )
 from kvfs.layout import (
@@ -257,7 +258,7 @@ class Namespace:
         if name in entries:
             raise Exists(name.decode(errors="replace"))
         if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
-            raise InvalidArgument("only regular files and directories are supported")
+            raise NotPermitted("only regular files and directories are supported")
         now = time.time_ns()
         is_dir = stat.S_ISDIR(mode)
         inode = Inode(

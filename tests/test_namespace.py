@@ -22,6 +22,7 @@ from kvfs.errors import (
     NotADirectory,
     NotEmpty,
     NotFound,
+    NotPermitted,
 )
 from kvfs.layout import NO_UNIT, Op, decode_ops, encode_ops, phys
 from kvfs.namespace import (
@@ -120,8 +121,9 @@ def test_make_lookup_and_errors(lg: Logged) -> None:
     for bad in (b"", b".", b"..", b"a/b", b"a\0b"):
         with pytest.raises(InvalidArgument):
             mk(ns, R, bad)
-    with pytest.raises(InvalidArgument):
-        mk(ns, R, b"fifo", stat.S_IFIFO | 0o644)
+    for kind in (stat.S_IFIFO, stat.S_IFCHR, stat.S_IFBLK, stat.S_IFSOCK, stat.S_IFLNK):
+        with pytest.raises(NotPermitted):
+            mk(ns, R, b"special", kind | 0o644)
     with pytest.raises(NotFound):
         ns.get(12345)
     with pytest.raises(NotFound):
