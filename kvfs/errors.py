@@ -64,6 +64,12 @@ class NotPermitted(KvfsError):
     errno = errno.EPERM
 
 
+class NotSupported(KvfsError):
+    """An xattr namespace kvfs does not support (ext4 says the same): EOPNOTSUPP."""
+
+    errno = errno.EOPNOTSUPP
+
+
 class FileTooLarge(KvfsError):
     errno = errno.EFBIG
 

@@ -21,9 +21,11 @@ from typing import Any, ParamSpec, TypeVar
 import pyfuse3
 import trio
 
+from kvfs import posix
 from kvfs.errors import KvfsError, NotPermitted
 from kvfs.evict import POLICY_XATTR, QUOTA_XATTR, check_group_xattr
 from kvfs.namespace import Inode
+from kvfs.posix import Caller
 from kvfs.store import Store
 
 log = logging.getLogger(__name__)
@@ -45,6 +47,10 @@ def _errors(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
             raise pyfuse3.FUSEError(e.errno) from None
 
     return wrapper
+
+
+def _caller(ctx: Any) -> Caller:
+    return Caller(ctx.uid, ctx.gid, ctx.pid)
 
 
 class Operations(pyfuse3.Operations):  # type: ignore[misc]
@@ -127,6 +133,10 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
             node.uid = attr.st_uid
         if fields.update_gid:
             node.gid = attr.st_gid
+        if fields.update_size:
+            # the kernel's FUSE code asks for the older rule (S_ISGID only if group-
+            # executable); ext4's also drops it for a caller outside the file's group
+            node.mode = posix.drop_suid_sgid(node.mode, node.gid, _caller(ctx))
         if fields.update_atime:
             node.atime_ns = attr.st_atime_ns
         if fields.update_mtime:
@@ -139,7 +149,7 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
     async def mknod(
         self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: Any
     ) -> pyfuse3.EntryAttributes:
-        inode = await self.store.make(parent_inode, name, mode, ctx.uid, ctx.gid)
+        inode = await self.store.make(parent_inode, name, mode, _caller(ctx))
         return self._entry(inode)
 
     @_errors
@@ -147,7 +157,7 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
         self, parent_inode: int, name: bytes, mode: int, ctx: Any
     ) -> pyfuse3.EntryAttributes:
         inode = await self.store.make(
-            parent_inode, name, stat.S_IFDIR | stat.S_IMODE(mode), ctx.uid, ctx.gid
+            parent_inode, name, stat.S_IFDIR | stat.S_IMODE(mode), _caller(ctx)
         )
         return self._entry(inode)
 
@@ -186,17 +196,18 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
 
     @_errors
     async def open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
-        fh = await self.store.open(inode, flags, ctx.pid)
+        fh = await self.store.open(inode, flags, _caller(ctx))
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
 
     @_errors
     async def create(
         self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: Any
     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        caller = _caller(ctx)
         inode = await self.store.create(
-            parent_inode, name, stat.S_IFREG | stat.S_IMODE(mode), ctx.uid, ctx.gid, ctx.pid
+            parent_inode, name, stat.S_IFREG | stat.S_IMODE(mode), caller
         )
-        fh = await self.store.open(inode.ino, flags & ~os.O_TRUNC, ctx.pid)
+        fh = await self.store.open(inode.ino, flags & ~os.O_TRUNC, caller)
         return pyfuse3.FileInfo(fh=fh, keep_cache=True), self._entry(inode)
 
     @_errors
@@ -280,6 +291,7 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
 
     @_errors
     async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: Any) -> None:
+        posix.check_xattr_name(name)
         if name == STATS_XATTR:
             raise pyfuse3.FUSEError(errno.EPERM)
         if name in (POLICY_XATTR, QUOTA_XATTR):
@@ -290,16 +302,18 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
 
     @_errors
     async def getxattr(self, inode: int, name: bytes, ctx: Any) -> bytes:
+        posix.check_xattr_name(name)
         if name == STATS_XATTR and inode == pyfuse3.ROOT_INODE:
             return self.stats_json().encode()
         return self.ns.get_xattr(inode, name)
 
     @_errors
     async def listxattr(self, inode: int, ctx: Any) -> Sequence[bytes]:
-        return list(self.ns.get(inode).xattrs or ())
+        return posix.listed_xattrs(list(self.ns.get(inode).xattrs or ()), _caller(ctx))
 
     @_errors
     async def removexattr(self, inode: int, name: bytes, ctx: Any) -> None:
+        posix.check_xattr_name(name)
         self.ns.set_xattr(inode, name, None)
         self.store.xattr_changed(inode, name)
 
