@@ -57,6 +57,19 @@ class InvalidArgument(KvfsError):
     errno = errno.EINVAL
 
 
+class NotPermitted(KvfsError):
+    """An operation kvfs never allows (a symlink, a FIFO or device node): EPERM, what
+    ``symlink(2)``/``mknod(2)`` say for a filesystem without such files (as vfat)."""
+
+    errno = errno.EPERM
+
+
+class NotSupported(KvfsError):
+    """An xattr namespace kvfs does not support (ext4 says the same): EOPNOTSUPP."""
+
+    errno = errno.EOPNOTSUPP
+
+
 class FileTooLarge(KvfsError):
     errno = errno.EFBIG
 

@@ -21,9 +21,11 @@ from typing import Any, ParamSpec, TypeVar
 import pyfuse3
 import trio
 
-from kvfs.errors import KvfsError
+from kvfs import posix
+from kvfs.errors import KvfsError, NotPermitted
 from kvfs.evict import GROUP_XATTRS, check_group_xattr
 from kvfs.namespace import Inode
+from kvfs.posix import Caller
 from kvfs.store import Store
 
 log = logging.getLogger(__name__)
@@ -45,6 +47,10 @@ def _errors(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
             raise pyfuse3.FUSEError(e.errno) from None
 
     return wrapper
+
+
+def _caller(ctx: Any) -> Caller:
+    return Caller(ctx.uid, ctx.gid, ctx.pid)
 
 
 class Operations(pyfuse3.Operations):  # type: ignore[misc]
@@ -80,8 +86,7 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
         a.st_rdev = 0
         a.st_size = inode.size
         a.st_blksize = self.store.unit
-        mapped = inode.mapped_units
-        a.st_blocks = mapped * (self.store.unit // 512)
+        a.st_blocks = self.store.allocated_units(inode) * (self.store.unit // 512)
         a.st_atime_ns, a.st_mtime_ns, a.st_ctime_ns = inode.atime_ns, inode.mtime_ns, inode.ctime_ns
         return a
 
@@ -129,6 +134,10 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
             self.store.owner_changed(node, old_uid)
         if fields.update_gid:
             node.gid = attr.st_gid
+        if fields.update_size:
+            # the kernel's FUSE code asks for the older rule (S_ISGID only if group-
+            # executable); ext4's also drops it for a caller outside the file's group
+            node.mode = posix.drop_suid_sgid(node.mode, node.gid, _caller(ctx))
         if fields.update_atime:
             node.atime_ns = attr.st_atime_ns
         if fields.update_mtime:
@@ -141,7 +150,7 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
     async def mknod(
         self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: Any
     ) -> pyfuse3.EntryAttributes:
-        inode = await self.store.make(parent_inode, name, mode, ctx.uid, ctx.gid)
+        inode = await self.store.make(parent_inode, name, mode, _caller(ctx))
         return self._entry(inode)
 
     @_errors
@@ -149,9 +158,15 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
         self, parent_inode: int, name: bytes, mode: int, ctx: Any
     ) -> pyfuse3.EntryAttributes:
         inode = await self.store.make(
-            parent_inode, name, stat.S_IFDIR | stat.S_IMODE(mode), ctx.uid, ctx.gid
+            parent_inode, name, stat.S_IFDIR | stat.S_IMODE(mode), _caller(ctx)
         )
         return self._entry(inode)
+
+    @_errors
+    async def symlink(
+        self, parent_inode: int, name: bytes, target: bytes, ctx: Any
+    ) -> pyfuse3.EntryAttributes:
+        raise NotPermitted("kvfs has no symbolic links")
 
     @_errors
     async def unlink(self, parent_inode: int, name: bytes, ctx: Any) -> None:
@@ -182,17 +197,18 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
 
     @_errors
     async def open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
-        fh = await self.store.open(inode, flags, ctx.pid, ctx.uid)
+        fh = await self.store.open(inode, flags, _caller(ctx))
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
 
     @_errors
     async def create(
         self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: Any
     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        caller = _caller(ctx)
         inode = await self.store.create(
-            parent_inode, name, stat.S_IFREG | stat.S_IMODE(mode), ctx.uid, ctx.gid, ctx.pid
+            parent_inode, name, stat.S_IFREG | stat.S_IMODE(mode), caller
         )
-        fh = await self.store.open(inode.ino, flags & ~os.O_TRUNC, ctx.pid, ctx.uid)
+        fh = await self.store.open(inode.ino, flags & ~os.O_TRUNC, caller)
         return pyfuse3.FileInfo(fh=fh, keep_cache=True), self._entry(inode)
 
     @_errors
@@ -276,6 +292,7 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
 
     @_errors
     async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: Any) -> None:
+        posix.check_xattr_name(name)
         if name == STATS_XATTR:
             raise pyfuse3.FUSEError(errno.EPERM)
         if name in GROUP_XATTRS:
@@ -286,16 +303,18 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
 
     @_errors
     async def getxattr(self, inode: int, name: bytes, ctx: Any) -> bytes:
+        posix.check_xattr_name(name)
         if name == STATS_XATTR and inode == pyfuse3.ROOT_INODE:
             return self.stats_json().encode()
         return self.ns.get_xattr(inode, name)
 
     @_errors
     async def listxattr(self, inode: int, ctx: Any) -> Sequence[bytes]:
-        return list(self.ns.get(inode).xattrs or ())
+        return posix.listed_xattrs(list(self.ns.get(inode).xattrs or ()), _caller(ctx))
 
     @_errors
     async def removexattr(self, inode: int, name: bytes, ctx: Any) -> None:
+        posix.check_xattr_name(name)
         self.ns.set_xattr(inode, name, None)
         self.store.xattr_changed(inode, name)
 

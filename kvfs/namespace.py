@@ -25,6 +25,7 @@ from kvfs.errors import (
     NotADirectory,
     NotEmpty,
     NotFound,
+    NotPermitted,
     Stale,
 )
 from kvfs.layout import (
@@ -257,7 +258,7 @@ class Namespace:
         if name in entries:
             raise Exists(name.decode(errors="replace"))
         if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
-            raise InvalidArgument("only regular files and directories are supported")
+            raise NotPermitted("only regular files and directories are supported")
         now = time.time_ns()
         is_dir = stat.S_ISDIR(mode)
         inode = Inode(
@@ -388,18 +389,32 @@ class Namespace:
         return victim
 
     def _exchange(self, p1: int, n1: bytes, p2: int, n2: bytes) -> None:
+        """renameat2(RENAME_EXCHANGE): ``p1/n1`` and ``p2/n2`` swap inodes. A directory
+        moved to the other parent takes its '..' along (``parent``) and moves one link
+        of its old parent's count to the new one; neither may land in its own subtree."""
         e1, e2 = self.directory(p1), self.directory(p2)
         a, b = self.inodes[e1[n1]], self.inodes[e2[n2]]
-        if p1 != p2 and (a.is_dir or b.is_dir):
-            raise InvalidArgument("exchanging directories across parents is not supported")
+        if a is b:
+            return
+        if p1 != p2:
+            if a.is_dir:
+                self._check_not_ancestor(a.ino, p2)
+            if b.is_dir:
+                self._check_not_ancestor(b.ino, p1)
+            moved = a.is_dir - b.is_dir  # subdirectories p1 loses to p2
+            self.inodes[p1].nlink -= moved
+            self.inodes[p2].nlink += moved
         e1[n1], e2[n2] = b.ino, a.ino
         a.parent, a.name, b.parent, b.name = p2, n2, p1, n1
-        self._touch_dir(p1)
-        self._touch_dir(p2)
-        ops: list[Op] = [Dentry(p1, n1, b.ino), Dentry(p2, n2, a.ino), self.inodes[p1].record()]
+        now = time.time_ns()
+        a.ctime_ns = b.ctime_ns = now
+        self._touch_dir(p1, now)
+        self._touch_dir(p2, now)
+        ops: list[Op] = [Dentry(p1, n1, b.ino), Dentry(p2, n2, a.ino), a.record(), b.record()]
+        ops.append(self.inodes[p1].record())
         if p2 != p1:
             ops.append(self.inodes[p2].record())
-        self._log(ops)  # the directories' new mtimes too, or replay differs
+        self._log(ops)  # the inodes' ctimes and the directories' mtimes and links too
 
     def _check_not_ancestor(self, ino: int, target_dir: int) -> None:
         cur = target_dir

@@ -2,7 +2,8 @@
 
 FUSE reports the calling *thread*; kvfs cares about processes (thread groups): who
 owns a file (eviction: orphans) and whether a writer that closes a file is dying
-from a signal (a killed writer's implicit close is not a real close).
+from a signal (a killed writer's implicit close is not a real close). Permission
+rules need the caller's thread itself: its supplementary groups and capabilities.
 """
 
 from __future__ import annotations
@@ -67,6 +68,39 @@ def thread_group(tid: int) -> int | None:
     return None
 
 
+@dataclass(frozen=True)
+class Credentials:
+    """The fields of ``/proc/<tid>/status`` kvfs uses to apply permission rules that
+    depend on more than the uid and gid a FUSE request carries."""
+
+    groups: frozenset[int]
+    """Supplementary groups (``Groups:``)."""
+    cap_effective: int
+    """Effective capability set (``CapEff:``), bit n = capability n."""
+
+    def capable(self, cap: int) -> bool:
+        return bool(self.cap_effective >> cap & 1)
+
+
+def credentials(tid: int) -> Credentials | None:
+    """A thread's supplementary groups and effective capabilities (they are per
+    thread), None if it is gone or ``/proc`` does not say."""
+    groups: frozenset[int] | None = None
+    caps: int | None = None
+    try:
+        with open(f"/proc/{tid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Groups:"):
+                    groups = frozenset(int(g) for g in line.split()[1:])
+                elif line.startswith(b"CapEff:"):
+                    caps = int(line.split()[1], 16)
+    except (OSError, ValueError, IndexError):
+        return None
+    if groups is None or caps is None:
+        return None
+    return Credentials(groups, caps)
+
+
 def killed(pid: int, start: int) -> bool:
     """Is process ``pid`` (started at ``start``) dying from a signal right now?
 
@@ -77,4 +111,13 @@ def killed(pid: int, start: int) -> bool:
     return st is not None and st.start_time == start and st.killed
 
 
-__all__ = ["PF_EXITING", "ProcStat", "killed", "start_time", "stat", "thread_group"]
+__all__ = [
+    "PF_EXITING",
+    "Credentials",
+    "ProcStat",
+    "credentials",
+    "killed",
+    "start_time",
+    "stat",
+    "thread_group",
+]

@@ -28,7 +28,7 @@ from typing import NoReturn, TypeVar
 import trio
 import xxhash
 
-from kvfs import procs
+from kvfs import posix, procs
 from kvfs.alloc import Allocator
 from kvfs.cache import UnitCache
 from kvfs.check import Report, check_index, fix_dir_links
@@ -57,6 +57,7 @@ from kvfs.layout import (
 )
 from kvfs.namespace import ROOT_INO, Inode, Namespace, building_index
 from kvfs.pool import Pool
+from kvfs.posix import ROOT, Caller
 from kvfs.readpath import Reader, domain_nursery
 from kvfs.space import Space
 
@@ -453,7 +454,7 @@ class Store:
     def handle(self, fh: int) -> Handle:
         return self._handles[fh]
 
-    async def open(self, ino: int, flags: int, pid: int = 0, uid: int = 0) -> int:
+    async def open(self, ino: int, flags: int, caller: Caller = ROOT) -> int:
         """A handle on a live file; Stale (ESTALE) for one kvfs removed, so an open
         through a dentry the kernel still caches retries its lookup and misses."""
         inode = self.ns.get(ino)
@@ -462,17 +463,17 @@ class Store:
         if inode.flags & FLAG_QUARANTINED:
             raise Corruption(f"inode {ino} is quarantined")
         writable = flags & os.O_ACCMODE != os.O_RDONLY
-        if writable and flags & os.O_TRUNC and inode.size:
-            await self.truncate(inode, 0)
+        if writable and flags & os.O_TRUNC:
+            await self._truncate_at_open(inode, caller)
             inode = self.ns.get(ino)  # the await may have let an eviction in
         inode.opens += 1
-        owner = self.evictor.opened(inode, pid)
+        owner = self.evictor.opened(inode, caller.pid)
         if writable:
             self._state(ino).writers += 1
         fh = self._next_fh
         self._next_fh += 1
-        self._handles[fh] = Handle(ino, writable, pid, owner, uid)
-        pins = self._pins.setdefault(uid, {})
+        self._handles[fh] = Handle(ino, writable, caller.pid, owner, caller.uid)
+        pins = self._pins.setdefault(caller.uid, {})
         pins[ino] = pins.get(ino, 0) + 1
         return fh
 
@@ -534,18 +535,19 @@ class Store:
             raise NoSpace("metadata area full")
 
     async def make(
-        self, parent: int, name: bytes, mode: int, uid: int, gid: int, flags: int = 0
+        self, parent: int, name: bytes, mode: int, caller: Caller = ROOT, flags: int = 0
     ) -> Inode:
-        """mkdir / mknod: a new committed directory or empty file."""
+        """mkdir / mknod: a new committed directory or empty file, owned by ``caller``
+        (or, in a setgid directory, by the directory's group: ``posix.new_owner``)."""
         await self.check_metadata_room()
-        return self.ns.make(parent, name, mode, uid, gid, flags=flags)
+        d = self.ns.get(parent)
+        mode, gid = posix.new_owner(d.mode, d.gid, mode, caller)
+        return self.ns.make(parent, name, mode, caller.uid, gid, flags=flags)
 
-    async def create(
-        self, parent: int, name: bytes, mode: int, uid: int, gid: int, pid: int = 0
-    ) -> Inode:
+    async def create(self, parent: int, name: bytes, mode: int, caller: Caller = ROOT) -> Inode:
         """A new empty file, marked WRITING until its first commit."""
-        inode = await self.make(parent, name, mode, uid, gid, flags=FLAG_WRITING)
-        self.evictor.created(inode, pid)
+        inode = await self.make(parent, name, mode, caller, flags=FLAG_WRITING)
+        self.evictor.created(inode, caller.pid)
         return inode
 
     def rename(self, old_parent: int, old: bytes, new_parent: int, new: bytes, flags: int) -> None:
@@ -634,6 +636,17 @@ class Store:
         self.space.charge(inode, -freed)
         del inode.units[first:]
         del inode.csums[first:]
+
+    def allocated_units(self, inode: Inode) -> int:
+        """Units of device space the file has (``st_blocks``): its mapped units plus
+        the dirty or in-flight units not mapped yet (their space is already claimed,
+        as ext4 counts delayed allocation); holes count nothing."""
+        n = inode.mapped_units
+        st = self._files.get(inode.ino)
+        if st is not None and (st.dirty or st.inflight):
+            units = inode.units
+            n += sum(1 for u in {*st.dirty, *st.inflight} if u >= len(units) or units[u] == NO_UNIT)
+        return n
 
     # ------------------------------------------------------------------ write path
     def _begin_data_change(self, inode: Inode) -> None:
@@ -951,6 +964,18 @@ class Store:
         # even when this file had nothing left to commit (an O_TRUNC to an empty file,
         # a commit another handle already made) -- engines rely on close ordering.
         await self.journal.wait_durable(self.journal.last_seq)
+
+    async def _truncate_at_open(self, inode: Inode, caller: Caller) -> None:
+        """open(O_TRUNC). libfuse enables ``atomic_o_trunc``, so the kernel sends no
+        SETATTR and leaves all of ext4's truncation to the open: size 0, mtime and
+        ctime now even if the file was already empty, and setuid/setgid dropped for
+        an unprivileged caller (``posix.drop_suid_sgid``), in the same record."""
+        inode.mode = posix.drop_suid_sgid(inode.mode, inode.gid, caller)
+        if inode.size:
+            await self.truncate(inode, 0)
+            return
+        inode.mtime_ns = inode.ctime_ns = time.time_ns()
+        self.ns.commit(inode)
 
     async def truncate(self, inode: Inode, size: int) -> None:
         self._check_size(inode, size)

@@ -22,6 +22,7 @@ from kvfs.errors import (
     NotADirectory,
     NotEmpty,
     NotFound,
+    NotPermitted,
 )
 from kvfs.layout import NO_UNIT, Op, decode_ops, encode_ops, phys
 from kvfs.namespace import (
@@ -120,8 +121,9 @@ def test_make_lookup_and_errors(lg: Logged) -> None:
     for bad in (b"", b".", b"..", b"a/b", b"a\0b"):
         with pytest.raises(InvalidArgument):
             mk(ns, R, bad)
-    with pytest.raises(InvalidArgument):
-        mk(ns, R, b"fifo", stat.S_IFIFO | 0o644)
+    for kind in (stat.S_IFIFO, stat.S_IFCHR, stat.S_IFBLK, stat.S_IFSOCK, stat.S_IFLNK):
+        with pytest.raises(NotPermitted):
+            mk(ns, R, b"special", kind | 0o644)
     with pytest.raises(NotFound):
         ns.get(12345)
     with pytest.raises(NotFound):
@@ -218,8 +220,34 @@ def test_rename_exchange(lg: Logged) -> None:
     e = mk(ns, R, b"e", DIR)
     ns.rename(R, b"a", R, b"e", RENAME_EXCHANGE)  # file <-> dir in one directory
     assert ns.lookup(R, b"a") is e and ns.lookup(R, b"e") is b
+    assert_same(ns, replayed(lg.txns))
+
+
+def test_rename_exchange_of_directories_across_parents(lg: Logged) -> None:
+    ns = lg.ns
+    p1, p2 = mk(ns, R, b"p1", DIR), mk(ns, R, b"p2", DIR)
+    d1, d2 = mk(ns, p1.ino, b"d1", DIR), mk(ns, p2.ino, b"d2", DIR)
+    inner = mk(ns, d1.ino, b"inner", DIR)
+    f = mk(ns, p2.ino, b"f")
+    for i in (d1, d2, f, p1, p2):
+        i.ctime_ns = i.mtime_ns = 1
+    ns.rename(p1.ino, b"d1", p2.ino, b"d2", RENAME_EXCHANGE)
+    assert ns.lookup(p1.ino, b"d1") is d2 and ns.lookup(p2.ino, b"d2") is d1
+    assert ns.lookup(d1.ino, b"..") is p2 and ns.lookup(d2.ino, b"..") is p1
+    assert (p1.nlink, p2.nlink) == (3, 3)
+    assert min(d1.ctime_ns, d2.ctime_ns, p1.mtime_ns, p2.mtime_ns, p1.ctime_ns) > 1
+    ns.rename(p1.ino, b"d1", p2.ino, b"f", RENAME_EXCHANGE)  # a directory for a file
+    assert ns.lookup(p1.ino, b"d1") is f and ns.lookup(p2.ino, b"f") is d2
+    assert ns.lookup(d2.ino, b"..") is p2 and (p1.nlink, p2.nlink) == (2, 4)
+    assert f.ctime_ns > 1
+    before = len(lg.txns)
+    with pytest.raises(InvalidArgument):  # d1 into its own subtree
+        ns.rename(p2.ino, b"d2", d1.ino, b"inner", RENAME_EXCHANGE)
     with pytest.raises(InvalidArgument):
-        ns.rename(R, b"a", d.ino, b"b", RENAME_EXCHANGE)  # a dir across parents
+        ns.rename(d1.ino, b"inner", p2.ino, b"d2", RENAME_EXCHANGE)
+    assert len(lg.txns) == before and ns.lookup(d1.ino, b"inner") is inner
+    assert_same(ns, replayed(lg.txns))
+    assert_same(ns, replayed([encode_ops(list(ns.snapshot()))]))
 
 
 def test_xattrs(lg: Logged) -> None:
@@ -295,7 +323,7 @@ class Fuzzer:
 
     def step(self) -> None:
         ns, rng = self.ns, self.rng
-        action = rng.randrange(9)
+        action = rng.randrange(10)
         if action <= 2:
             mode = DIR if rng.random() < 0.3 else FILE
             ns.make(self.a_dir(), self.name(), mode, rng.randrange(3), 0)
@@ -327,6 +355,8 @@ class Fuzzer:
                 ns.commit(inode)
         elif action == 8:
             ns.set_blob(rng.choice(["policy", "stats"]), rng.randbytes(rng.randrange(20)))
+        elif action == 9 and (p := self.pick(dirs_only=rng.random() < 0.5)) and (q := self.pick()):
+            ns.rename(*p, *q, RENAME_EXCHANGE)  # often directories, often across parents
 
 
 @pytest.mark.parametrize("seed", range(5))

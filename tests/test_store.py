@@ -79,7 +79,7 @@ def no_leaks(store: Store) -> bool:
 
 
 async def create(store: Store, name: bytes, parent: int = ROOT_INO) -> tuple[int, int]:
-    inode = await store.create(parent, name, FILE, 0, 0)
+    inode = await store.create(parent, name, FILE)
     return inode.ino, await store.open(inode.ino, os.O_RDWR)
 
 
