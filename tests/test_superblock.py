@@ -431,6 +431,11 @@ def test_a_foreign_signature_over_the_primary_is_not_overridden_by_mount(tmp_pat
     pool = inspect_pool([str(p) for p in paths])  # fsck: reported, repairable on request
     pool.close()
     assert "carries a ext2/3/4 filesystem signature" in pool.damage[0].reason
+    out: list[str] = []
+    assert fsck([str(p) for p in paths], out=out.append) == EXIT_UNCORRECTED, out
+    assert read_at(paths[1], 0) == bytes(block)
+    assert fsck([str(p) for p in paths], repair=True, out=out.append) == EXIT_CORRECTED, out
+    assert opened(paths, heal=True).damage == []
 
 
 def test_format_refuses_a_member_known_only_by_its_backup(tmp_path: Path) -> None:
@@ -503,3 +508,23 @@ def test_an_interrupted_upgrade_is_refused_until_upgrade_completes_it(tmp_path: 
     assert pool.superblocks == [sbs[0], old[1]]
     upgrade([str(p) for p in paths])
     assert opened(paths).superblocks == sbs
+
+
+def test_format_lists_every_device_when_sizes_differ(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvfs.cli import main
+
+    paths = images(tmp_path, 48 * MiB, 32 * MiB + 12 * 4096)
+    assert main(["format", "--meta-size", "8M", *map(str, paths)]) == 0
+    out = capsys.readouterr().out
+    assert "devices differ in size; all of each is used:" in out, out
+    sbs = opened(paths).superblocks
+    assert [sb.data_units for sb in sbs] == [38, 31]  # 1 MiB units: the last block is the backup's
+    for p, sb in zip(paths, sbs, strict=True):
+        assert f"  device {sb.device_index + 1} {p}: " in out
+        assert f", {sb.data_units} units = " in out
+    (tmp_path / "same").mkdir()
+    same = images(tmp_path / "same", 32 * MiB, 32 * MiB)
+    assert main(["format", "--meta-size", "8M", *map(str, same)]) == 0
+    assert "differ" not in capsys.readouterr().out
