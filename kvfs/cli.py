@@ -1,4 +1,4 @@
-"""The ``kvfs`` command: format, mount, umount, stats.
+"""The ``kvfs`` command: format, mount, umount, stats, fsck, upgrade.
 
 Exit codes: 0 success; 1 the operation failed (device error, mount failed);
 2 bad usage or input the user can fix (message on one line, no traceback).
@@ -107,6 +107,11 @@ def _parser() -> argparse.ArgumentParser:
     ck.add_argument("--repair", action="store_true", help="drop what cannot be trusted")
     ck.add_argument("--no-data", action="store_true", help="skip reading every data unit")
 
+    up = sub.add_parser(
+        "upgrade", help="give an unmounted format-version-1 pool backup superblocks, in place"
+    )
+    up.add_argument("devices", nargs="+", help="every device of the pool")
+
     pol = sub.add_parser("policy", help="show or set a top-level directory's policy/quota")
     pol.add_argument("directory")
     pol.add_argument("--set", choices=("kvfs-managed", "engine-managed"))
@@ -154,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         "stats": cmd_stats,
         "policy": cmd_policy,
         "fsck": cmd_fsck,
+        "upgrade": cmd_upgrade,
     }
     try:
         return commands[args.command](args)
@@ -196,11 +202,19 @@ def cmd_format(args: argparse.Namespace) -> int:
         force=args.force,
         label=args.label,
     )
-    cap = sum(sb.data_units for sb in sbs) * sbs[0].unit_size
+    unit = sbs[0].unit_size
+    cap = sum(sb.data_units for sb in sbs) * unit
     print(
         f"formatted {len(sbs)} device(s): {cap / 2**30:.2f} GiB of data in "
-        f"{sbs[0].unit_size >> 10} KiB units, {sbs[0].meta_size >> 20} MiB metadata"
+        f"{unit >> 10} KiB units, {sbs[0].meta_size >> 20} MiB metadata"
     )
+    if len({sb.device_size for sb in sbs}) > 1:
+        print("devices differ in size; all of each is used:")
+        for path, sb in zip(args.devices, sbs, strict=True):
+            print(
+                f"  device {sb.device_index + 1} {path}: {sb.device_size / 2**30:.2f} GiB, "
+                f"{sb.data_units} units = {sb.data_units * unit / 2**30:.2f} GiB of data"
+            )
     return EXIT_OK
 
 
@@ -277,7 +291,7 @@ def _run_mount(args: argparse.Namespace, ready: Callable[[], None]) -> int:
     from kvfs.pool import open_pool
     from kvfs.store import Store, StoreConfig
 
-    pool = open_pool(args.devices, degraded=args.degraded)
+    pool = open_pool(args.devices, degraded=args.degraded, heal=True)
     try:
         try:
             config = StoreConfig(
@@ -386,6 +400,16 @@ def cmd_fsck(args: argparse.Namespace) -> int:
     from kvfs.fsck import fsck
 
     return fsck(args.devices, repair=args.repair, check_data=not args.no_data)
+
+
+def cmd_upgrade(args: argparse.Namespace) -> int:
+    """Exit codes: 0 upgraded (or already current), 1 refused (why on one line), 2 bad
+    input (not one pool, a device missing or unreadable)."""
+    from kvfs.fsck import upgrade
+
+    for line in upgrade(args.devices):
+        print(f"kvfs: {line}")
+    return EXIT_OK
 
 
 def cmd_policy(args: argparse.Namespace) -> int:

@@ -2,6 +2,13 @@
 
 Formatting and opening are synchronous and run before the trio loop starts (or in a
 worker thread); every problem a user can cause is a :class:`UserError` with one line.
+
+Every member keeps its superblock twice (offset 0 and its last block) and every
+superblock lists all members (``docs/format.md``). Opening reads the primary copy,
+else the backup; a member with neither is identified only by elimination (the one
+slot of the member tables no other device fills), and only ``fsck --repair`` rebuilds
+it. Damaged copies are listed in ``Pool.damage``; a mount rewrites them
+(``open_pool(heal=True)``), fsck reports them and ``--repair`` rewrites them.
 """
 
 from __future__ import annotations
@@ -11,15 +18,18 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvfs.device import ALIGN, Device, FileDevice, MissingDevice, aligned_buffer, member_identity
-from kvfs.errors import Corruption, UserError
+from kvfs.errors import Corruption, DeviceError, UserError
 from kvfs.journal import encode_checkpoint, half_bounds
 from kvfs.layout import (
+    FORMAT_VERSION,
+    MAX_MEMBERS,
     RESERVED_HEAD,
     SB_BLOCK,
     SIGNATURE_PROBE,
+    Member,
     Superblock,
     foreign_signature,
 )
@@ -34,12 +44,44 @@ MIN_META = 32 << 20
 MAX_META = 8 << 30
 
 
+@dataclass(frozen=True)
+class CopyDamage:
+    """Superblock copies of one member that do not hold its superblock: ``block`` (the
+    intact copy, or the rebuilt superblock) belongs at each of ``offsets``."""
+
+    index: int
+    path: str
+    copy: str
+    """"primary", "backup" or "both" (rebuilt from the other members' tables)."""
+    reason: str
+    block: bytes = field(repr=False)
+    offsets: tuple[int, ...]
+
+    def __str__(self) -> str:
+        where = f"device {self.index + 1} ({self.path})"
+        if self.copy == "both":
+            return (
+                f"{where}: both superblock copies are damaged ({self.reason}); it is the "
+                f"only device the member tables leave for slot {self.index + 1}"
+            )
+        other = "backup" if self.copy == "primary" else "primary"
+        return (
+            f"{where}: {self.copy} superblock copy damaged ({self.reason}); the {other} is intact"
+        )
+
+
 @dataclass
 class Pool:
     """Open devices of one pool, ordered by device index."""
 
     devices: list[Device]
     superblocks: list[Superblock]
+    damage: list[CopyDamage] = field(default_factory=list)
+    """Superblock copies to rewrite (``rewrite_copies``)."""
+
+    @property
+    def version(self) -> int:
+        return min(sb.version for sb in self.superblocks)
 
     @property
     def unit_size(self) -> int:
@@ -118,6 +160,8 @@ def format_pool(
     label: str = "",
 ) -> list[Superblock]:
     """Write a new, empty pool onto ``paths`` (destroys what they hold)."""
+    if len(paths) > MAX_MEMBERS:
+        raise UserError(f"a pool has at most {MAX_MEMBERS} devices, {len(paths)} given")
     devices = _open_all(paths)
     try:
         for dev in devices:
@@ -137,52 +181,60 @@ def _check_formattable(dev: Device, force: bool) -> None:
         return
     try:
         sb = Superblock.decode(head[:SB_BLOCK])
+        which = ""
     except Corruption:
         sig = foreign_signature(head)
         if sig:
             raise UserError(
                 f"{dev.path} holds a {sig}; refusing to overwrite it (use --force)"
             ) from None
-        return
+        found = _backup_at(dev, dev.size - SB_BLOCK)
+        if isinstance(found, str):
+            return
+        sb, which = found, " (by its backup superblock; the primary is damaged)"
     raise UserError(
         f"{dev.path} already belongs to kvfs pool {uuid.UUID(bytes=sb.pool_uuid)} "
-        f"(device {sb.device_index + 1} of {sb.device_count}); use --force to reformat"
+        f"(device {sb.device_index + 1} of {sb.device_count}){which}; use --force to reformat"
     )
 
 
 def _layout(devices: list[Device], unit: int, meta_size: int, label: str) -> list[Superblock]:
+    """Superblocks of a new pool: device 0 holds the metadata area, every device's data
+    units run up to its last block (the backup superblock)."""
     head = -(-RESERVED_HEAD // unit) * unit
     total = sum(d.size for d in devices)
     if not meta_size:
         meta_size = min(max(total // 128, MIN_META), MAX_META)
     meta_size = -(-meta_size // unit) * unit
     pool_uuid, now = uuid.uuid4().bytes, time.time_ns()
-    layout = []
+    members = []
     for i, dev in enumerate(devices):
         data_start = head + (meta_size if i == 0 else 0)
-        units = (dev.size - data_start) // unit if dev.size > data_start else 0
+        room = dev.size - SB_BLOCK - data_start
+        units = room // unit if room > 0 else 0
         if units < 1:
             raise UserError(f"{dev.path}: too small ({dev.size} bytes) for a kvfs device")
-        layout.append((i, dev, data_start, units))
-    pool_units = sum(u for *_, u in layout)
+        members.append(Member(uuid.uuid4().bytes, dev.size, data_start, units))
     return [
         Superblock(
             pool_uuid=pool_uuid,
-            device_uuid=uuid.uuid4().bytes,
+            device_uuid=m.device_uuid,
             device_index=i,
             device_count=len(devices),
             unit_size=unit,
             block_size=dev.logical_block,
-            device_size=dev.size,
-            data_start=data_start,
-            data_units=units,
-            meta_start=head if i == 0 else 0,
-            meta_size=meta_size if i == 0 else 0,
+            device_size=m.device_size,
+            data_start=m.data_start,
+            data_units=m.data_units,
+            meta_start=head,
+            meta_size=meta_size,
             created_ns=now,
-            pool_units=pool_units,
+            pool_units=sum(m.data_units for m in members),
             label=label,
+            backup_offset=m.device_size - SB_BLOCK,
+            members=tuple(members),
         )
-        for i, dev, data_start, units in layout
+        for i, (dev, m) in enumerate(zip(devices, members, strict=True))
     ]
 
 
@@ -199,7 +251,9 @@ def _write_empty_pool(devices: list[Device], sbs: list[Superblock]) -> None:
         _write(meta, base, blob)
     meta.flush()
     for dev, sb in zip(devices, sbs, strict=True):
-        _write(dev, 0, sb.encode())
+        block = sb.encode()
+        _write(dev, 0, block)
+        _write(dev, sb.backup_offset, block)
         dev.flush()
         dev.discard(sb.data_start, sb.data_units * sb.unit_size)
 
@@ -214,43 +268,241 @@ def _write(dev: Device, offset: int, data: bytes) -> None:
         buf.close()
 
 
-def open_pool(paths: list[str], degraded: bool = False) -> Pool:
+def open_pool(paths: list[str], degraded: bool = False, heal: bool = False) -> Pool:
     """Open and cross-check the devices of one pool (any order on the command line).
-    With ``degraded``, devices other than device 0 may be missing."""
+    With ``degraded``, devices other than device 0 may be missing. With ``heal`` (a
+    mount), damaged superblock copies are rewritten from the intact ones, each with a
+    WARNING. A member whose copies are both damaged is refused (``inspect_pool``)."""
     devices = _open_all(paths)
     try:
-        sbs = [_read_superblock(dev) for dev in devices]
-        return _assemble(devices, sbs, degraded)
+        pool = _assemble(_read_members(devices), degraded)
+        if heal:
+            _heal(pool)
+        return pool
     except BaseException:
         for d in devices:
             d.close()
         raise
 
 
-def _read_superblock(dev: Device) -> Superblock:
-    head = _read_head(dev, SIGNATURE_PROBE)
+def inspect_pool(paths: list[str]) -> Pool:
+    """Open a pool for fsck, writing nothing: like ``open_pool``, but a member known only
+    by its backup copy is accepted even under a foreign signature, and a member with
+    both copies damaged gets a superblock rebuilt (in memory, listed in ``damage``)
+    when it is the only unidentified device and exactly one slot of the member
+    tables is unaccounted for. fsck proves the rebuilt identity before writing it."""
+    devices = _open_all(paths)
     try:
-        sb = Superblock.decode(head[:SB_BLOCK])
-    except Corruption as e:
-        sig = foreign_signature(head)
-        if sig:
-            raise UserError(f"{dev.path} holds a {sig}, not a kvfs pool") from None
-        if not any(head[:SB_BLOCK]):
-            raise UserError(f"{dev.path} is not formatted (run: kvfs format {dev.path})") from None
-        raise UserError(f"{dev.path}: damaged or foreign superblock ({e})") from None
-    if sb.device_size > dev.size:
-        raise UserError(f"{dev.path} is smaller than when it was formatted")
+        return _assemble(_read_members(devices), salvage=True)
+    except BaseException:
+        for d in devices:
+            d.close()
+        raise
+
+
+def open_for_upgrade(paths: list[str]) -> Pool:
+    """Open every device of a pool of version 1, 2 or both (an interrupted upgrade)."""
+    devices = _open_all(paths)
+    try:
+        return _assemble(_read_members(devices), mixed=True)
+    except BaseException:
+        for d in devices:
+            d.close()
+        raise
+
+
+def rewrite_copies(pool: Pool) -> list[str]:
+    """Write every copy in ``pool.damage`` (then clear it); one line per member done."""
+    done = []
+    while pool.damage:
+        d = pool.damage[0]
+        dev = pool.devices[d.index]
+        for offset in d.offsets:
+            _write(dev, offset, d.block)
+        dev.flush()
+        pool.damage.pop(0)
+        copies = "both superblock copies" if len(d.offsets) > 1 else f"the {d.copy} superblock"
+        done.append(f"device {d.index + 1} ({d.path}): rewrote {copies}")
+    return done
+
+
+def _heal(pool: Pool) -> None:
+    if pool.version < FORMAT_VERSION:
+        log.warning(
+            "pool is format version %d: no backup superblocks (kvfs upgrade DEV... adds them)",
+            pool.version,
+        )
+    for d in pool.damage:
+        log.warning("%s: rewriting it from the intact copy", d)
+    try:
+        rewrite_copies(pool)
+    except DeviceError as e:
+        log.warning("could not rewrite a superblock copy: %s", e)
+
+
+def upgraded(sbs: list[Superblock]) -> list[Superblock]:
+    """Version-2 superblocks for the members of a pool (``sbs`` in index order, of
+    version 1 or 2): identities and data areas kept, except that every device's data
+    units now end before its last block, where the backup copy goes."""
+    unit = sbs[0].unit_size
+    rows = tuple(
+        Member(
+            sb.device_uuid,
+            sb.device_size,
+            sb.data_start,
+            min(sb.data_units, (sb.device_size - SB_BLOCK - sb.data_start) // unit),
+        )
+        for sb in sbs
+    )
+    return [
+        dataclasses.replace(
+            sb,
+            version=FORMAT_VERSION,
+            data_units=row.data_units,
+            meta_start=sbs[0].meta_start,
+            meta_size=sbs[0].meta_size,
+            pool_units=sum(r.data_units for r in rows),
+            backup_offset=sb.device_size - SB_BLOCK,
+            members=rows,
+        )
+        for sb, row in zip(sbs, rows, strict=True)
+    ]
+
+
+def write_superblocks(pool: Pool, sbs: list[Superblock]) -> None:
+    """Replace every member's superblock by ``sbs`` (index order): all backups first,
+    then the primaries, each device flushed. Until the first primary is written the
+    pool reads as it was; an interruption after it leaves a pool of mixed versions,
+    which only ``kvfs upgrade`` opens (and completes)."""
+    blocks = [sb.encode() for sb in sbs]
+    for dev, sb, block in zip(pool.devices, sbs, blocks, strict=True):
+        _write(dev, sb.backup_offset, block)
+        dev.flush()
+    for dev, block in zip(pool.devices, blocks, strict=True):
+        _write(dev, 0, block)
+        dev.flush()
+    pool.superblocks = list(sbs)
+
+
+# ----------------------------------------------------------------------------- reading
+@dataclass
+class _Found:
+    """What one device holds: its superblock (from the primary copy, else the backup)
+    and why a copy is not usable."""
+
+    dev: Device
+    sb: Superblock | None = None
+    block: bytes = b""
+    """The raw block ``sb`` was read from."""
+    head: bytes = b""
+    primary_error: str | None = None
+    backup_error: str | None = None
+    foreign: str | None = None
+    """A foreign signature in the head of a device whose primary copy is damaged."""
+
+
+def _read_block(dev: Device, offset: int) -> bytes:
+    buf = aligned_buffer(SB_BLOCK)
+    try:
+        dev.read_into(offset, memoryview(buf)[:SB_BLOCK])
+        return bytes(buf[:SB_BLOCK])
+    finally:
+        buf.close()
+
+
+def _backup_at(dev: Device, offset: int) -> Superblock | str:
+    """The version-2 superblock whose backup copy is at ``offset``, or why not."""
+    if offset < RESERVED_HEAD or offset + SB_BLOCK > dev.size:
+        return "no room for a backup there"
+    try:
+        sb = Superblock.decode(_read_block(dev, offset))
+    except (Corruption, DeviceError) as e:
+        return str(e)
+    if sb.backup_offset != offset:
+        return f"a superblock whose backup belongs at {sb.backup_offset}, not {offset}"
     return sb
 
 
-def _assemble(devices: list[Device], sbs: list[Superblock], degraded: bool = False) -> Pool:
-    pools = {sb.pool_uuid for sb in sbs}
-    if len(pools) > 1:
-        raise UserError("the devices belong to different kvfs pools")
-    count = sbs[0].device_count
+def _read_member(dev: Device) -> _Found:
+    found = _Found(dev)
+    try:
+        found.head = _read_head(dev, SIGNATURE_PROBE)
+        found.block = found.head[:SB_BLOCK]
+        found.sb = Superblock.decode(found.block)
+    except (Corruption, DeviceError) as e:
+        found.primary_error = str(e)
+        found.foreign = foreign_signature(found.head) if found.head else None
+        _find_backup(found, [dev.size - SB_BLOCK])
+        return found
+    sb = found.sb
+    if sb.device_size > dev.size:
+        raise UserError(f"{dev.path} is smaller than when it was formatted")
+    if sb.version >= 2:
+        try:
+            backup = _read_block(dev, sb.backup_offset)
+        except DeviceError as e:
+            found.backup_error = str(e)
+            return found
+        if backup != found.block:
+            try:
+                Superblock.decode(backup)
+                found.backup_error = "it differs from the primary copy"
+            except Corruption as e:
+                found.backup_error = str(e)
+    return found
+
+
+def _find_backup(found: _Found, offsets: list[int]) -> None:
+    for offset in offsets:
+        sb = _backup_at(found.dev, offset)
+        if isinstance(sb, Superblock):
+            found.sb, found.block, found.backup_error = sb, _read_block(found.dev, offset), None
+            return
+        if found.backup_error is None:
+            found.backup_error = sb
+
+
+def _read_members(devices: list[Device]) -> list[_Found]:
+    """Read every device; a device without a usable copy at its current end is looked
+    for at the ends the member tables record (it may have grown since format)."""
+    found = [_read_member(d) for d in devices]
+    sizes = {m.device_size for f in found if f.sb for m in f.sb.members}
+    for f in found:
+        if f.sb is None:
+            _find_backup(f, sorted(s - SB_BLOCK for s in sizes if s < f.dev.size))
+    return found
+
+
+# ----------------------------------------------------------------------------- assembling
+def _assemble(
+    found: list[_Found], degraded: bool = False, salvage: bool = False, mixed: bool = False
+) -> Pool:
+    known = [f for f in found if f.sb is not None]
+    unknown = [f for f in found if f.sb is None]
+    if not known:
+        raise _unidentified(unknown[0], None)
+    sbs = [f.sb for f in known if f.sb is not None]
+    _check_one_pool(sbs, mixed)
+    if not salvage:
+        for f in known:
+            if f.primary_error and f.foreign:
+                raise _foreign_over_backup(f)
+    damage = [d for f in known for d in _damage_of(f)]
     indexes = sorted(sb.device_index for sb in sbs)
-    if len(set(indexes)) != len(indexes) or any(i >= count for i in indexes):
+    if len(set(indexes)) != len(indexes):
         raise UserError("two of the given devices claim the same place in the pool")
+    if unknown:
+        slot = _free_slot(unknown, indexes, sbs)
+        if slot is None or not salvage:
+            raise _unidentified(unknown[0], slot)
+        rebuilt = _rebuilt(sbs, slot, unknown[0])
+        unknown[0].sb = rebuilt
+        damage.append(_both(unknown[0], rebuilt))
+        known.append(unknown[0])
+        sbs.append(rebuilt)
+        indexes = sorted([*indexes, slot])
+    devices = [f.dev for f in known]
+    count = sbs[0].device_count
     if indexes != list(range(count)):
         have = ", ".join(str(i + 1) for i in indexes)
         missing = sorted(set(range(count)) - set(indexes))
@@ -263,10 +515,113 @@ def _assemble(devices: list[Device], sbs: list[Superblock], degraded: bool = Fal
             sbs.append(
                 dataclasses.replace(sbs[0], device_index=i, data_units=0, meta_start=0, meta_size=0)
             )
-    if len({(sb.unit_size, sb.pool_units, sb.device_count) for sb in sbs}) > 1:
-        raise UserError("device superblocks disagree on the pool geometry")
     order = sorted(range(len(sbs)), key=lambda i: sbs[i].device_index)
-    return Pool([devices[i] for i in order], [sbs[i] for i in order])
+    return Pool([devices[i] for i in order], [sbs[i] for i in order], damage)
 
 
-__all__ = ["Pool", "format_pool", "open_pool"]
+def _check_one_pool(sbs: list[Superblock], mixed: bool) -> None:
+    """The superblocks describe one pool: same UUID, version and geometry, and every
+    version-2 member carries the same member table."""
+    if len({sb.pool_uuid for sb in sbs}) > 1:
+        raise UserError("the devices belong to different kvfs pools")
+    if len({sb.version for sb in sbs}) > 1 and not mixed:
+        raise UserError(
+            "the pool's upgrade to format version 2 was interrupted: run kvfs upgrade "
+            "with all its devices again"
+        )
+    if len({(sb.unit_size, sb.device_count) for sb in sbs}) > 1:
+        raise UserError("device superblocks disagree on the pool geometry")
+    if len({sb.pool_units for sb in sbs if sb.version == 1}) > 1:
+        raise UserError("device superblocks disagree on the pool geometry")
+    if len({sb.pool_part() for sb in sbs if sb.version >= 2}) > 1:
+        raise UserError("device superblocks disagree on the pool geometry (member tables)")
+
+
+def _damage_of(f: _Found) -> list[CopyDamage]:
+    sb = f.sb
+    assert sb is not None
+    if f.primary_error:
+        reason = f.primary_error + (f"; it carries a {f.foreign} signature" if f.foreign else "")
+        return [CopyDamage(sb.device_index, f.dev.path, "primary", reason, f.block, (0,))]
+    if f.backup_error and sb.version >= 2:
+        offsets = (sb.backup_offset,)
+        return [CopyDamage(sb.device_index, f.dev.path, "backup", f.backup_error, f.block, offsets)]
+    return []
+
+
+def _free_slot(unknown: list[_Found], indexes: list[int], sbs: list[Superblock]) -> int | None:
+    """The one slot an unidentified device can fill: exactly one such device, one slot
+    of the (version-2) member tables that no identified device fills, and the device
+    is at least as large as that slot's member was."""
+    tables = [sb for sb in sbs if sb.version >= 2]
+    if len(unknown) != 1 or not tables:
+        return None
+    free = sorted(set(range(tables[0].device_count)) - set(indexes))
+    if len(free) != 1 or tables[0].members[free[0]].device_size > unknown[0].dev.size:
+        return None
+    return free[0]
+
+
+def _rebuilt(sbs: list[Superblock], slot: int, f: _Found) -> Superblock:
+    """Member ``slot``'s superblock, from another member's and the member table."""
+    ref = next(sb for sb in sbs if sb.version >= 2)
+    row = ref.members[slot]
+    return dataclasses.replace(
+        ref,
+        device_uuid=row.device_uuid,
+        device_index=slot,
+        block_size=f.dev.logical_block,
+        device_size=row.device_size,
+        data_start=row.data_start,
+        data_units=row.data_units,
+        backup_offset=row.device_size - SB_BLOCK,
+    )
+
+
+def _both(f: _Found, sb: Superblock) -> CopyDamage:
+    reason = f"primary: {f.primary_error}; backup: {f.backup_error}"
+    return CopyDamage(
+        sb.device_index, f.dev.path, "both", reason, sb.encode(), (0, sb.backup_offset)
+    )
+
+
+def _foreign_over_backup(f: _Found) -> UserError:
+    sb = f.sb
+    assert sb is not None
+    return UserError(
+        f"{f.dev.path} holds a {f.foreign} where its kvfs superblock was (the backup copy "
+        f"says device {sb.device_index + 1} of pool {uuid.UUID(bytes=sb.pool_uuid)}); "
+        "if that was written by mistake, kvfs fsck --repair restores the superblock"
+    )
+
+
+def _unidentified(f: _Found, slot: int | None) -> UserError:
+    """Why a device without a usable superblock copy cannot be opened."""
+    path = f.dev.path
+    if slot is not None:
+        sig = f" (it carries a {f.foreign} signature)" if f.foreign else ""
+        return UserError(
+            f"{path}: both superblock copies are damaged (primary: {f.primary_error}; "
+            f"backup: {f.backup_error}){sig}; it can only be device {slot + 1} of the "
+            "pool: kvfs fsck --repair with every device of the pool rebuilds them"
+        )
+    if f.foreign:
+        return UserError(f"{path} holds a {f.foreign}, not a kvfs pool")
+    if f.head and not any(f.head[:SB_BLOCK]):
+        return UserError(f"{path} is not formatted (run: kvfs format {path})")
+    return UserError(
+        f"{path}: damaged or foreign superblock ({f.primary_error}) and no valid backup copy"
+    )
+
+
+__all__ = [
+    "CopyDamage",
+    "Pool",
+    "format_pool",
+    "inspect_pool",
+    "open_for_upgrade",
+    "open_pool",
+    "rewrite_copies",
+    "upgraded",
+    "write_superblocks",
+]

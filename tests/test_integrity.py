@@ -293,15 +293,21 @@ def test_both_checkpoints_destroyed_refuses_to_mount(tmp_path: Path, pool: list[
 
 
 def test_garbage_superblock_is_refused_and_data_stays_intact(tmp_path: Path) -> None:
+    """Both copies of one device's superblock damaged: mount refuses with one line, fsck
+    says what it would rebuild, nothing is written. (One damaged copy is repaired from
+    the other: ``test_mount_superblock.py``.)"""
     require_fuse()
     devs = [harness.make_image(tmp_path / f"d{i}.img", 192 * MiB) for i in range(2)]
     data = files(4, 20 * MiB)  # striped over both devices
     with mount(tmp_path, devs, "--format", "--meta-size", "8M") as mnt:
         for name, content in data.items():
             write(mnt / name.decode(), content)
-    for victim in devs:
-        saved = victim.read_bytes()[:4096]
-        flip(victim, 100, 32)
+    for i, victim in enumerate(devs):
+        copies = (0, victim.stat().st_size - 4096)  # primary and backup
+        saved = victim.read_bytes()
+        for offset in copies:
+            flip(victim, offset + 100, 32)
+        damaged = victim.read_bytes()
         r = subprocess.run(
             [*KVFS, "mount", "--foreground", str(tmp_path / "mnt"), *map(str, devs)],
             capture_output=True,
@@ -310,14 +316,16 @@ def test_garbage_superblock_is_refused_and_data_stays_intact(tmp_path: Path) -> 
         )
         assert r.returncode == 2, r.stderr
         err = r.stderr.strip()
-        assert f"{victim}: damaged or foreign superblock (superblock checksum mismatch)" in err
+        assert f"{victim}: both superblock copies are damaged (primary: superblock " in err, err
+        assert f"it can only be device {i + 1} of the pool" in err, err
         assert len(err.splitlines()) == 1 and "Traceback" not in err
         assert not harness.is_mounted(tmp_path / "mnt")
         r = kvfs("fsck", *devs)
-        assert r.returncode == 8 and "damaged or foreign superblock" in r.stdout, r.stdout
-        fd = os.open(victim, os.O_WRONLY)
-        os.pwrite(fd, saved, 0)
-        os.close(fd)
+        assert r.returncode == 4 and "both superblock copies are damaged" in r.stdout, r.stdout
+        assert victim.read_bytes() == damaged  # neither mount nor fsck wrote anything
+        for offset in copies:
+            flip(victim, offset + 100, 32)  # XOR again: restored
+        assert victim.read_bytes() == saved
     # refusing touched nothing: every byte of every file is still there
     with mount(tmp_path, devs) as mnt:
         for name, content in data.items():

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import random
 from array import array
+from typing import Any
 
 import pytest
+import xxhash
 
 from kvfs.errors import Corruption
 from kvfs.layout import (
@@ -25,6 +27,7 @@ from kvfs.layout import (
     Dentry,
     Drop,
     InodeRecord,
+    Member,
     Op,
     Superblock,
     Undentry,
@@ -41,34 +44,44 @@ from kvfs.layout import (
 )
 
 SEED = 0x1234_5678_9ABC_DEF0
-SB_RECORD = 160
-"""Bytes of an encoded superblock that carry meaning (struct + checksum)."""
+SB_RECORD = 160 + 3 * 40
+"""Bytes of an encoded 3-device superblock that carry meaning (header + member table)."""
 
 
-def superblock(**changes: object) -> Superblock:
-    fields: dict[str, object] = dict(
+def superblock(
+    index: int = 1, data_start: int = 1 << 20, uuid: bytes = bytes(range(16, 32)), **changes: Any
+) -> Superblock:
+    """A valid version-2 superblock of device ``index`` of a 3-device pool."""
+    unit, size = 1 << 20, 64 << 30
+    own = Member(uuid, size, data_start, (size - 4096 - data_start) // unit)
+    members = tuple(
+        own if i == index else Member(bytes([i]) * 16, 32 << 30, unit, 30_000) for i in range(3)
+    )
+    fields: dict[str, Any] = dict(
         pool_uuid=bytes(range(16)),
-        device_uuid=bytes(range(16, 32)),
-        device_index=1,
+        device_uuid=own.device_uuid,
+        device_index=index,
         device_count=3,
-        unit_size=1 << 20,
+        unit_size=unit,
         block_size=4096,
-        device_size=64 << 30,
-        data_start=1 << 20,
-        data_units=65535,
-        meta_start=0,
-        meta_size=0,
+        device_size=size,
+        data_start=data_start,
+        data_units=own.data_units,
+        meta_start=1 << 20,
+        meta_size=8 << 20,
         created_ns=1_700_000_000_123_456_789,
-        pool_units=200_000,
+        pool_units=sum(m.data_units for m in members),
         label="kv-pool",
+        backup_offset=size - 4096,
+        members=members,
     )
     fields.update(changes)
-    return Superblock(**fields)  # type: ignore[arg-type]
+    return Superblock(**fields)
 
 
 # ----------------------------------------------------------------------------- superblock
 def test_superblock_round_trip() -> None:
-    for sb in (superblock(), superblock(label="", device_index=0, meta_size=8 << 20)):
+    for sb in (superblock(), superblock(index=0, data_start=9 << 20, label="")):
         block = sb.encode()
         assert len(block) == SB_BLOCK
         assert Superblock.decode(block) == sb
@@ -94,8 +107,13 @@ def test_truncated_or_foreign_superblock_is_corruption() -> None:
 
 
 def test_superblock_of_another_format_version_is_rejected() -> None:
-    with pytest.raises(Corruption, match="version"):
-        Superblock.decode(superblock(version=99).encode())
+    block = bytearray(superblock().encode())
+    block[8:12] = (99).to_bytes(4, "little")
+    block[-8:] = xxhash.xxh64_intdigest(bytes(block[:-8])).to_bytes(8, "little")
+    with pytest.raises(Corruption, match="unsupported format version 99"):
+        Superblock.decode(bytes(block))
+    with pytest.raises(ValueError, match="version 99"):
+        superblock(version=99).encode()
 
 
 @pytest.mark.parametrize(("offset", "magic", "name"), FOREIGN_SIGNATURES)
@@ -115,7 +133,7 @@ def test_mbr_detected_and_blank_or_kvfs_head_is_not_foreign() -> None:
     assert foreign_signature(bytes(head)) == "MBR partition table"
     rng = random.Random(1)
     for _ in range(50):
-        sb = superblock(pool_uuid=rng.randbytes(16), device_uuid=rng.randbytes(16))
+        sb = superblock(pool_uuid=rng.randbytes(16), uuid=rng.randbytes(16))
         ours = sb.encode() + bytes(SIGNATURE_PROBE - SB_BLOCK)
         assert foreign_signature(ours) is None
 
