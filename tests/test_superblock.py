@@ -459,7 +459,7 @@ def _store_files(paths: list[Path]) -> None:
         async with trio.open_nursery() as nursery:
             await nursery.start(store.run)
             for i in range(4):
-                inode = await store.create(ROOT_INO, f"f{i}".encode(), 0o100644, 0, 0)
+                inode = await store.create(ROOT_INO, f"f{i}".encode(), 0o100644)
                 fh = await store.open(inode.ino, os.O_RDWR)
                 data = random.Random(i).randbytes(40 * UNIT)
                 for off in range(0, len(data), UNIT):
