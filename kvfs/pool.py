@@ -233,11 +233,22 @@ def _read_superblock(dev: Device) -> Superblock:
         if sig:
             raise UserError(f"{dev.path} holds a {sig}, not a kvfs pool") from None
         if not any(head[:SB_BLOCK]):
-            raise UserError(f"{dev.path} is not formatted (run: kvfs format {dev.path})") from None
+            raise UserError(_no_superblock(dev)) from None
         raise UserError(f"{dev.path}: damaged or foreign superblock ({e})") from None
     if sb.device_size > dev.size:
         raise UserError(f"{dev.path} is smaller than when it was formatted")
     return sb
+
+
+def _no_superblock(dev: Device) -> str:
+    """What to say about a device without a superblock. Never advice to format it:
+    it may be a member of a pool that is not attached right now (a detached loop
+    device reads as empty), and formatting would destroy that pool's data."""
+    what = "is empty (0 bytes: a detached loop device?)" if not dev.size else "has no superblock"
+    return (
+        f"{dev.path} {what}: not a kvfs pool member; attach the right one, or leave it "
+        "out and mount with --degraded to serve what the other members hold"
+    )
 
 
 def _assemble(devices: list[Device], sbs: list[Superblock], degraded: bool = False) -> Pool:
@@ -249,21 +260,48 @@ def _assemble(devices: list[Device], sbs: list[Superblock], degraded: bool = Fal
     if len(set(indexes)) != len(indexes) or any(i >= count for i in indexes):
         raise UserError("two of the given devices claim the same place in the pool")
     if indexes != list(range(count)):
-        have = ", ".join(str(i + 1) for i in indexes)
         missing = sorted(set(range(count)) - set(indexes))
         if not degraded or 0 in missing:
-            hint = " (device 1 holds the metadata)" if 0 in missing else " (or --degraded)"
-            raise UserError(f"pool has {count} devices; given device number(s) {have}{hint}")
+            raise UserError(_missing_members(devices, sbs, missing))
         for i in missing:
-            log.warning("device %d of %d is missing: mounting degraded", i + 1, count)
-            devices.append(MissingDevice(f"<missing device {i + 1}>"))
+            log.warning("member %d of %d is missing: mounting degraded", i + 1, count)
+            # a stand-in: every request fails, and it has no units to allocate
+            devices.append(MissingDevice(f"<missing member {i + 1}>"))
             sbs.append(
-                dataclasses.replace(sbs[0], device_index=i, data_units=0, meta_start=0, meta_size=0)
+                dataclasses.replace(
+                    sbs[0],
+                    device_uuid=bytes(16),  # unknown: only the member itself records it
+                    device_index=i,
+                    data_units=0,
+                    meta_start=0,
+                    meta_size=0,
+                )
             )
     if len({(sb.unit_size, sb.pool_units, sb.device_count) for sb in sbs}) > 1:
         raise UserError("device superblocks disagree on the pool geometry")
     order = sorted(range(len(sbs)), key=lambda i: sbs[i].device_index)
     return Pool([devices[i] for i in order], [sbs[i] for i in order])
+
+
+def _missing_members(devices: list[Device], sbs: list[Superblock], missing: list[int]) -> str:
+    """One line on the members a mount lacks: what is wrong and what is safe to do."""
+    count = sbs[0].device_count
+    names = ", ".join(str(i + 1) for i in missing)
+    which = f"member {names} is" if len(missing) == 1 else f"members {names} are"
+    given = ", ".join(
+        f"member {sb.device_index + 1} {dev.path}"
+        for dev, sb in sorted(zip(devices, sbs, strict=True), key=lambda d: d[1].device_index)
+    )
+    head = f"pool {uuid.UUID(bytes=sbs[0].pool_uuid)} has {count} members; {which} missing"
+    if 0 in missing:
+        return (
+            f"{head} (given: {given}); member 1 holds the metadata: attach it, "
+            "the pool cannot be mounted without it"
+        )
+    return (
+        f"{head} (given: {given}): attach it, or mount with --degraded to serve "
+        "what the others hold"
+    )
 
 
 __all__ = ["Pool", "format_pool", "open_pool"]
