@@ -241,7 +241,7 @@ def _read_superblock(dev: Device) -> Superblock:
 
 
 def _no_superblock(dev: Device) -> str:
-    """What to say about a device without a superblock. Never advice to format it:
+    """What to say about a device without a superblock. Never advise formatting it:
     it may be a member of a pool that is not attached right now (a detached loop
     device reads as empty), and formatting would destroy that pool's data."""
     what = "is empty (0 bytes: a detached loop device?)" if not dev.size else "has no superblock"
@@ -264,7 +264,12 @@ def _assemble(devices: list[Device], sbs: list[Superblock], degraded: bool = Fal
         if not degraded or 0 in missing:
             raise UserError(_missing_members(devices, sbs, missing))
         for i in missing:
-            log.warning("member %d of %d is missing: mounting degraded", i + 1, count)
+            log.warning(
+                "member %d of %d is missing: mounting degraded; files with data on it "
+                "are unreadable until it returns",
+                i + 1,
+                count,
+            )
             # a stand-in: every request fails, and it has no units to allocate
             devices.append(MissingDevice(f"<missing member {i + 1}>"))
             sbs.append(
@@ -299,8 +304,8 @@ def _missing_members(devices: list[Device], sbs: list[Superblock], missing: list
             "the pool cannot be mounted without it"
         )
     return (
-        f"{head} (given: {given}): attach it, or mount with --degraded to serve "
-        "what the others hold"
+        f"{head} (given: {given}): attach {'it' if len(missing) == 1 else 'them'}, "
+        "or mount with --degraded to serve what the others hold"
     )
 
 

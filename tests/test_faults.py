@@ -380,7 +380,8 @@ def test_missing_device_refused_unless_degraded(tmp_path: Path) -> None:
     assert not harness.is_mounted(mnt)
     r = kvfs("mount", "--foreground", mnt, devs[0], devs[1])
     assert r.returncode == 2 and "no such device or image file" in r.stderr, r.stderr
-    with harness.mounted(mnt, [devs[0]], "--degraded", log_file=log):
+    # dropped on request (kept as unreadable by default: tests/test_mount_degraded.py)
+    with harness.mounted(mnt, [devs[0]], "--degraded", "--drop-unreadable", log_file=log):
         assert sorted(os.listdir(mnt)) == kept
         for name in kept:
             assert read_or_errno(mnt / name) == files[name]
