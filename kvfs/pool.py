@@ -297,7 +297,7 @@ def _missing_members(devices: list[Device], sbs: list[Superblock], missing: list
         f"member {sb.device_index + 1} {dev.path}"
         for dev, sb in sorted(zip(devices, sbs, strict=True), key=lambda d: d[1].device_index)
     )
-    head = f"pool {uuid.UUID(bytes=sbs[0].pool_uuid)} has {count} members; {which} missing"
+    head = f"pool {uuid.UUID(bytes=sbs[0].pool_uuid)} has {count} devices; {which} missing"
     if 0 in missing:
         return (
             f"{head} (given: {given}); member 1 holds the metadata: attach it, "

@@ -376,7 +376,7 @@ def test_missing_device_refused_unless_degraded(tmp_path: Path) -> None:
     devs[1].rename(tmp_path / "away.img")  # device 2 unplugged
     r = kvfs("mount", "--foreground", mnt, devs[0])
     assert r.returncode == 2, r.stderr
-    assert "has 2 members; member 2 is missing" in r.stderr and "--degraded" in r.stderr
+    assert "has 2 devices; member 2 is missing" in r.stderr and "--degraded" in r.stderr
     assert not harness.is_mounted(mnt)
     r = kvfs("mount", "--foreground", mnt, devs[0], devs[1])
     assert r.returncode == 2 and "no such device or image file" in r.stderr, r.stderr

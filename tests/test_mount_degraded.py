@@ -262,10 +262,10 @@ def test_refusals_name_the_missing_member_and_never_suggest_format(
     mnt, opt = tmp_path / "mnt", ["--degraded"] if degraded else []
     if not degraded:
         line = one_line(kvfs("mount", "--foreground", mnt, *devs[:2]))
-        assert f"pool {pool_uuid} has 3 members; member 3 is missing" in line, line
+        assert f"pool {pool_uuid} has 3 devices; member 3 is missing" in line, line
         assert "attach it, or mount with --degraded" in line, line
     line = one_line(kvfs("mount", "--foreground", mnt, *devs[1:], *opt))
-    assert f"pool {pool_uuid} has 3 members; member 1 is missing" in line, line
+    assert f"pool {pool_uuid} has 3 devices; member 1 is missing" in line, line
     assert "member 1 holds the metadata" in line, line
     # member 3's place taken by a device without a superblock: all zeros, or empty (a
     # detached loop device reads as 0 bytes); formatting it could destroy a member
