@@ -98,8 +98,15 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument(
         "--degraded",
         action="store_true",
-        help="mount even if devices other than the first are missing "
-        "(files with data on them are dropped)",
+        help="mount even if members other than the first are missing: files with data "
+        "on a missing member stay listed, but their reads and writes fail (EIO; a full "
+        "rewrite with O_TRUNC is allowed) until a mount with every member serves them again",
+    )
+    m.add_argument(
+        "--drop-unreadable",
+        action="store_true",
+        help="with --degraded: drop the files with data on a missing member instead "
+        "(for good: they stay gone when the member returns)",
     )
 
     ck = sub.add_parser("fsck", help="check (and --repair) an unmounted pool")
@@ -228,6 +235,8 @@ def _check_mountpoint(path: str) -> None:
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
+    if args.drop_unreadable and not args.degraded:
+        raise UserError("--drop-unreadable is an option of --degraded mounts")
     _check_mountpoint(args.mountpoint)
     if not os.path.exists("/dev/fuse"):
         raise UserError("/dev/fuse is missing: load the fuse module or install fuse3")
@@ -308,7 +317,7 @@ def _run_mount(args: argparse.Namespace, ready: Callable[[], None]) -> int:
         except ValueError as e:
             raise UserError(str(e)) from None
         store = Store(pool, config)
-        report = store.load()
+        report = store.load(drop_unreadable=args.drop_unreadable)
         log.info(
             "pool loaded: %d files, %d dirs in %.2f s (dropped %d incomplete)",
             report.files,
@@ -316,6 +325,12 @@ def _run_mount(args: argparse.Namespace, ready: Callable[[], None]) -> int:
             report.seconds,
             report.dropped_incomplete,
         )
+        if pool.missing:
+            log.warning(
+                "degraded: %d file(s) unreadable, %d dropped (data on a missing member)",
+                report.unreadable,
+                report.dropped_unreadable,
+            )
         options = {"fsname=kvfs", "subtype=kvfs", "default_permissions", "noatime"}
         if args.allow_other:
             options.add("allow_other")

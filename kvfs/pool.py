@@ -504,16 +504,27 @@ def _assemble(
     devices = [f.dev for f in known]
     count = sbs[0].device_count
     if indexes != list(range(count)):
-        have = ", ".join(str(i + 1) for i in indexes)
         missing = sorted(set(range(count)) - set(indexes))
         if not degraded or 0 in missing:
-            hint = " (device 1 holds the metadata)" if 0 in missing else " (or --degraded)"
-            raise UserError(f"pool has {count} devices; given device number(s) {have}{hint}")
+            raise UserError(_missing_members(devices, sbs, missing))
         for i in missing:
-            log.warning("device %d of %d is missing: mounting degraded", i + 1, count)
-            devices.append(MissingDevice(f"<missing device {i + 1}>"))
+            log.warning(
+                "member %d of %d is missing: mounting degraded; files with data on it "
+                "are unreadable until it returns",
+                i + 1,
+                count,
+            )
+            # a stand-in: every request fails, and it has no units to allocate
+            devices.append(MissingDevice(f"<missing member {i + 1}>"))
             sbs.append(
-                dataclasses.replace(sbs[0], device_index=i, data_units=0, meta_start=0, meta_size=0)
+                dataclasses.replace(
+                    sbs[0],
+                    device_uuid=bytes(16),  # unknown: only the member itself records it
+                    device_index=i,
+                    data_units=0,
+                    meta_start=0,
+                    meta_size=0,
+                )
             )
     order = sorted(range(len(sbs)), key=lambda i: sbs[i].device_index)
     return Pool([devices[i] for i in order], [sbs[i] for i in order], damage)
@@ -607,10 +618,46 @@ def _unidentified(f: _Found, slot: int | None) -> UserError:
         )
     if f.foreign:
         return UserError(f"{path} holds a {f.foreign}, not a kvfs pool")
-    if f.head and not any(f.head[:SB_BLOCK]):
-        return UserError(f"{path} is not formatted (run: kvfs format {path})")
+    if not f.head or not any(f.head[:SB_BLOCK]):
+        return UserError(_no_superblock(path, f.dev.size))
     return UserError(
         f"{path}: damaged or foreign superblock ({f.primary_error}) and no valid backup copy"
+    )
+
+
+def _missing_members(devices: list[Device], sbs: list[Superblock], missing: list[int]) -> str:
+    """One line on the members a mount lacks: what is wrong and what is safe to do."""
+    count = sbs[0].device_count
+    table = next((sb.members for sb in sbs if sb.version >= 2), None)
+    names = ", ".join(
+        f"{i + 1} (device uuid {uuid.UUID(bytes=table[i].device_uuid)})" if table else str(i + 1)
+        for i in missing
+    )
+    which = f"member {names} is" if len(missing) == 1 else f"members {names} are"
+    given = ", ".join(
+        f"member {sb.device_index + 1} {dev.path}"
+        for dev, sb in sorted(zip(devices, sbs, strict=True), key=lambda d: d[1].device_index)
+    )
+    head = f"pool {uuid.UUID(bytes=sbs[0].pool_uuid)} has {count} devices; {which} missing"
+    if 0 in missing:
+        return (
+            f"{head} (given: {given}); member 1 holds the metadata: attach it, "
+            "the pool cannot be mounted without it"
+        )
+    return (
+        f"{head} (given: {given}): attach {'it' if len(missing) == 1 else 'them'}, "
+        "or mount with --degraded to serve what the others hold"
+    )
+
+
+def _no_superblock(path: str, size: int) -> str:
+    """What to say about a device without a superblock. Never advise formatting it:
+    it may be a member of a pool that is not attached right now (a detached loop
+    device reads as empty), and formatting would destroy that pool's data."""
+    what = "is empty (0 bytes: a detached loop device?)" if not size else "has no superblock"
+    return (
+        f"{path} {what}: not a kvfs pool member; attach the right one, or leave it "
+        "out and mount with --degraded to serve what the other members hold"
     )
 
 

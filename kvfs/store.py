@@ -17,6 +17,7 @@ FUSE-free and async. Concurrency contract (see ``docs/design.md``):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import mmap
 import os
@@ -63,6 +64,9 @@ from kvfs.space import Space
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+LOGGED_NAMES = 50
+"""How many files a mount names in its log when it drops or cannot read them."""
 
 
 FILE_SIZE_LIMIT = 1 << 40
@@ -147,6 +151,10 @@ class RecoveryReport:
     dropped_incomplete: int
     dropped_unlinked: int
     seconds: float
+    unreadable: int = 0
+    """Files kept with data on a missing member (degraded mount): reads fail (EIO)."""
+    dropped_unreadable: int = 0
+    """Files with data on a missing member dropped at the operator's request."""
 
 
 @dataclass(frozen=True)
@@ -179,6 +187,8 @@ class StoreStatistics:
     evictions: int
     orphan_evictions: int
     quarantined: int
+    unreadable_files: int
+    """Files with data on a missing member (degraded mount): listed, reads fail."""
     open_handles: int
 
 
@@ -218,7 +228,11 @@ class Store:
         self._quarantined = self._incomplete = 0
         self.on_vanish: Callable[[int, bytes, int], None] = lambda parent, name, ino: None
         self.evictor = Evictor(self.ns, self.cfg.eviction_policy, self.cfg.default_policy)
-        self.lost: dict[int, bytes] = {}
+        self._missing = frozenset(pool.missing)  # members absent from a degraded mount
+        for dev in self._missing:
+            self.alloc.set_offline(dev)  # it has no units in the allocator either
+        self.unreadable: set[int] = set()
+        """Inodes with a unit on a missing member: kept, listed, every read fails."""
         self._ckpt_inodes = 0
         self.reader = Reader(
             pool,
@@ -259,12 +273,14 @@ class Store:
         self._ckpt_inodes = len(self.ns.inodes)
         return self.ns.snapshot()
 
-    def load(self) -> RecoveryReport:
-        """Rebuild the index from the metadata log (blocking; before serving)."""
+    def load(self, drop_unreadable: bool = False) -> RecoveryReport:
+        """Rebuild the index from the metadata log (blocking; before serving).
+        ``drop_unreadable``: drop files with data on a missing member (degraded
+        mount) instead of keeping them unreadable until it returns."""
         with building_index():  # no GC scans while millions of objects are made
-            return self._load()
+            return self._load(drop_unreadable)
 
-    def _load(self) -> RecoveryReport:
+    def _load(self, drop_unreadable: bool) -> RecoveryReport:
         t0 = time.monotonic()
         meta, start, size = self.pool.meta
         found = recover(meta, start, size, self.pool.seed)
@@ -276,7 +292,7 @@ class Store:
                 self.ns.apply(op)
         if ROOT_INO not in self.ns.inodes:
             raise Corruption("metadata has no root directory")
-        incomplete, unlinked = self._drop_unfinished(doomed)
+        incomplete, unlinked, dropped = self._drop_unfinished(doomed, drop_unreadable)
         self._rebuild_allocator()
         self.evictor.adopt_all()
         clean = not (
@@ -285,7 +301,7 @@ class Store:
             or found.damage
             or incomplete
             or unlinked
-            or self.lost
+            or dropped
         )
         self.journal.resume(found, in_place=clean)
         files = sum(1 for i in self.ns.inodes.values() if not i.is_dir)
@@ -297,6 +313,8 @@ class Store:
             incomplete,
             unlinked,
             time.monotonic() - t0,
+            unreadable=len(self.unreadable),
+            dropped_unreadable=dropped,
         )
         log.info("recovered %s", report)
         return report
@@ -316,7 +334,7 @@ class Store:
             except (KeyError, AssertionError):  # it depended on a lost transaction
                 skipped += 1
         report = Report()
-        check_index(self.ns, self.pool, report)
+        check_index(self.ns, self._checkable_pool(), report)
         for fix in report.fixes:
             fix()
         fix_dir_links(self.ns)
@@ -331,19 +349,35 @@ class Store:
             log.warning("salvage: %s", problem)
         return report.doomed
 
-    def _drop_unfinished(self, doomed: set[int]) -> tuple[int, int]:
-        """Drop files left mid-write or unlinked-while-open by a crash, files with
-        data on a missing device (degraded mount), ``doomed`` ones (a salvage), and
-        names that point nowhere."""
+    def _checkable_pool(self) -> Pool:
+        """The pool as fsck's checks must see it in a degraded mount: a missing
+        member's size is unknown, and its units are unreadable, not outside the pool."""
+        if not self._missing:
+            return self.pool
+        sbs = [
+            dataclasses.replace(sb, data_units=UNIT_MASK + 1) if dev in self._missing else sb
+            for dev, sb in enumerate(self.pool.superblocks)
+        ]
+        return Pool(self.pool.devices, sbs)
+
+    def _drop_unfinished(self, doomed: set[int], drop_unreadable: bool) -> tuple[int, int, int]:
+        """Drop files left mid-write or unlinked-while-open by a crash, ``doomed`` ones
+        (a salvage), and names that point nowhere. Files with data on a missing member
+        (degraded mount) are kept as :attr:`unreadable`, or dropped too with
+        ``drop_unreadable``. Returns (incomplete, unlinked, unreadable dropped)."""
         doomed = (doomed & self.ns.inodes.keys()) | {
             ino
             for ino, inode in self.ns.inodes.items()
             if ino != ROOT_INO
             and (inode.flags & (FLAG_WRITING | FLAG_QUARANTINED) or inode.nlink == 0)
         }
-        self.lost = self._lost_to_missing_devices()
-        doomed |= set(self.lost)
+        unreadable = self._on_missing_members(doomed, drop_unreadable)
         incomplete = sum(1 for i in doomed if self.ns.inodes[i].nlink)
+        unlinked = len(doomed) - incomplete
+        if drop_unreadable:
+            doomed |= unreadable
+        else:
+            self.unreadable = unreadable
         for inode in self.ns.inodes.values():
             if inode.entries:
                 for name in [
@@ -352,41 +386,52 @@ class Store:
                     del inode.entries[name]
         for ino in doomed:
             del self.ns.inodes[ino]
-        return incomplete, len(doomed) - incomplete
+        return incomplete, unlinked, len(unreadable) if drop_unreadable else 0
 
-    def _lost_to_missing_devices(self) -> dict[int, bytes]:
-        missing = set(self.pool.missing)
+    def _on_missing_members(self, doomed: set[int], drop: bool) -> set[int]:
+        """Files (other than ``doomed`` ones) with a unit on a missing member, logged:
+        their count and the first names."""
+        missing = self._missing
         if not missing:
-            return {}
-        lost = {
-            inode.ino: inode.name
+            return set()
+        found = [
+            inode
             for inode in self.ns.inodes.values()
-            if any(p != NO_UNIT and p >> DEV_SHIFT in missing for p in inode.units)
-        }
-        size = sum(self.ns.inodes[i].size for i in lost)
+            if inode.ino not in doomed
+            and any(p != NO_UNIT and p >> DEV_SHIFT in missing for p in inode.units)
+        ]
         log.warning(
-            "degraded: %d file(s), %d bytes lost with missing device(s) %s",
-            len(lost),
-            size,
+            "degraded: %d file(s), %d bytes, have data on missing member(s) %s: %s",
+            len(found),
+            sum(inode.size for inode in found),
             ", ".join(str(i + 1) for i in sorted(missing)),
+            "dropped (--drop-unreadable)"
+            if drop
+            else "kept and listed; every read of them fails (EIO) until the member returns",
         )
-        for ino, name in list(lost.items())[:50]:
-            log.warning("lost: inode %d %s", ino, name.decode(errors="replace"))
-        return lost
+        what = "dropped" if drop else "unreadable"
+        for inode in found[:LOGGED_NAMES]:
+            log.warning("%s: inode %d %s", what, inode.ino, inode.name.decode(errors="replace"))
+        if len(found) > LOGGED_NAMES:
+            log.warning("%s: %d more file(s) not named here", what, len(found) - LOGGED_NAMES)
+        return {inode.ino for inode in found}
 
     def _rebuild_allocator(self) -> None:
         """Claim every mapped unit; a file in one contiguous extent (the common case)
-        is claimed in one step, found with C-speed min/max instead of a unit loop."""
+        is claimed in one step, found with C-speed min/max instead of a unit loop.
+        Units on a missing member are skipped: the allocator has none there."""
+        missing = self._missing
         for inode in self.ns.inodes.values():
             units = inode.units
             if not units:
                 continue
             lo, hi = min(units), max(units)
             if lo >= 0 and hi - lo == len(units) - 1 and lo >> DEV_SHIFT == hi >> DEV_SHIFT:
-                self.alloc.mark_used(lo >> DEV_SHIFT, lo & UNIT_MASK, len(units))
+                if lo >> DEV_SHIFT not in missing:
+                    self.alloc.mark_used(lo >> DEV_SHIFT, lo & UNIT_MASK, len(units))
                 continue
             for p in units:
-                if p != NO_UNIT:
+                if p != NO_UNIT and p >> DEV_SHIFT not in missing:
                     self.alloc.mark_used(p >> DEV_SHIFT, p & UNIT_MASK)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -620,6 +665,7 @@ class Store:
         if self.ns.inodes.get(inode.ino) is not inode:
             return
         self._free_units(inode, 0)
+        self.unreadable.discard(inode.ino)
         self._discard_dirty(inode.ino)
         self._files.pop(inode.ino, None)
         self.evictor.forget(inode.ino)
@@ -630,7 +676,10 @@ class Store:
         for u in range(first, len(inode.units)):
             p = inode.units[u]
             if p != NO_UNIT:
-                self.space.defer_free(p)
+                # a unit on a missing member is not in the allocator: unmapped, it is
+                # released implicitly (free when the member returns, as no file maps it)
+                if p >> DEV_SHIFT not in self._missing:
+                    self.space.defer_free(p)
                 freed += 1
             self.cache.discard((inode.ino, u))
         self.space.charge(inode, -freed)
@@ -650,6 +699,8 @@ class Store:
 
     # ------------------------------------------------------------------ write path
     def _begin_data_change(self, inode: Inode) -> None:
+        if inode.ino in self.unreadable:  # its old bytes cannot be read to be changed
+            raise self._unreadable_error(inode)
         if not inode.flags & FLAG_WRITING:
             inode.flags |= FLAG_WRITING
             self.ns.commit(inode)
@@ -983,6 +1034,8 @@ class Store:
             raise IsADirectory(f"inode {inode.ino}")
         st = self._state(inode.ino)
         self._check_failed(st)
+        if size == 0:  # a full rewrite needs none of the old bytes, missing ones included
+            self.unreadable.discard(inode.ino)
         self._begin_data_change(inode)
         if size < inode.size:
             keep = -(-size // self.unit)
@@ -1004,11 +1057,14 @@ class Store:
     # ------------------------------------------------------------------ read path
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
         """Every byte of ``off``..``off + size`` up to EOF, or an error: EIO for a
-        file that is quarantined or whose bytes were not all stored."""
+        file that is quarantined, whose bytes were not all stored, or that has data
+        on a missing member (degraded mount)."""
         ino = self._handles[fh].ino
         inode = self.ns.inodes.get(ino)
         if inode is None or inode.flags & FLAG_QUARANTINED:
             raise Corruption(f"inode {ino} is quarantined or gone")
+        if ino in self.unreadable:
+            raise self._unreadable_error(inode)
         st = self._files.get(ino)
         if st is not None:
             self._check_failed(st)
@@ -1019,6 +1075,14 @@ class Store:
         self._reads += 1
         self._bytes_read += end - off
         return data
+
+    def _unreadable_error(self, inode: Inode) -> DeviceError:
+        """EIO for a file with data on a missing member (degraded mount)."""
+        members = sorted({p >> DEV_SHIFT for p in inode.units if p != NO_UNIT} & self._missing)
+        return DeviceError(
+            f"inode {inode.ino}: data on missing member {', '.join(str(d + 1) for d in members)} "
+            "(degraded mount)"
+        )
 
     def _quarantine(self, inode: Inode, u: int, p: int) -> NoReturn:
         self._bad_units.add((inode.ino, u))
@@ -1109,6 +1173,7 @@ class Store:
             evictions=self.evictor.evictions,
             orphan_evictions=self.evictor.orphan_evictions,
             quarantined=self._quarantined,
+            unreadable_files=len(self.unreadable),
             open_handles=len(self._handles),
         )
 
