@@ -609,6 +609,9 @@ def _foreign_over_backup(f: _Found) -> UserError:
 def _unidentified(f: _Found, slot: int | None) -> UserError:
     """Why a device without a usable superblock copy cannot be opened."""
     path = f.dev.path
+    if not f.foreign and (not f.head or not any(f.head[:SB_BLOCK])):
+        # never written (or wiped): a blank device, not a damaged member to rebuild
+        return UserError(_no_superblock(path, f.dev.size))
     if slot is not None:
         sig = f" (it carries a {f.foreign} signature)" if f.foreign else ""
         return UserError(
@@ -618,8 +621,6 @@ def _unidentified(f: _Found, slot: int | None) -> UserError:
         )
     if f.foreign:
         return UserError(f"{path} holds a {f.foreign}, not a kvfs pool")
-    if not f.head or not any(f.head[:SB_BLOCK]):
-        return UserError(_no_superblock(path, f.dev.size))
     return UserError(
         f"{path}: damaged or foreign superblock ({f.primary_error}) and no valid backup copy"
     )
@@ -629,23 +630,25 @@ def _missing_members(devices: list[Device], sbs: list[Superblock], missing: list
     """One line on the members a mount lacks: what is wrong and what is safe to do."""
     count = sbs[0].device_count
     table = next((sb.members for sb in sbs if sb.version >= 2), None)
-    names = ", ".join(
-        f"{i + 1} (device uuid {uuid.UUID(bytes=table[i].device_uuid)})" if table else str(i + 1)
-        for i in missing
-    )
+    names = ", ".join(str(i + 1) for i in missing)
     which = f"member {names} is" if len(missing) == 1 else f"members {names} are"
     given = ", ".join(
         f"member {sb.device_index + 1} {dev.path}"
         for dev, sb in sorted(zip(devices, sbs, strict=True), key=lambda d: d[1].device_index)
     )
     head = f"pool {uuid.UUID(bytes=sbs[0].pool_uuid)} has {count} devices; {which} missing"
+    if table:  # version 2: every member's table names the missing one
+        uuids = ", ".join(str(uuid.UUID(bytes=table[i].device_uuid)) for i in missing)
+        given = f"device uuid {uuids}; given: {given}"
+    else:
+        given = f"given: {given}"
     if 0 in missing:
         return (
-            f"{head} (given: {given}); member 1 holds the metadata: attach it, "
+            f"{head} ({given}); member 1 holds the metadata: attach it, "
             "the pool cannot be mounted without it"
         )
     return (
-        f"{head} (given: {given}): attach {'it' if len(missing) == 1 else 'them'}, "
+        f"{head} ({given}): attach {'it' if len(missing) == 1 else 'them'}, "
         "or mount with --degraded to serve what the others hold"
     )
 
