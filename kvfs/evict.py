@@ -23,7 +23,7 @@ import itertools
 import logging
 import time
 from array import array
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -349,32 +349,38 @@ class Evictor:
                 continue
             if evictable(inode) and (group is None or self.group_of(inode) == group):
                 yield inode, True
-        managed: dict[int, bool] = {}
-        for ino in self.policy.victims():
-            inode = self.ns.inodes.get(ino)
-            if inode is None or not evictable(inode):
-                continue
-            g = self.group_of(inode)
-            if group is not None and g != group:
-                continue
-            if g not in managed:
-                managed[g] = self.group_policy(g) == KVFS_MANAGED
-            if managed[g]:
-                yield inode, False
+        yield from self._in_order(self.policy.victims(), evictable, group, orphans=False)
 
     def _fresh_candidates(
         self, evictable: Callable[[Inode], bool], group: int | None
     ) -> Iterator[tuple[Inode, bool]]:
-        for ino in list(self._fresh):
+        yield from self._in_order(list(self._fresh), evictable, group, orphans=True)
+
+    def _in_order(
+        self,
+        keys: Iterable[int],
+        evictable: Callable[[Inode], bool],
+        group: int | None,
+        orphans: bool,
+    ) -> Iterator[tuple[Inode, bool]]:
+        """(inode, is_orphan) of ``keys`` in their order that may go: evictable, in
+        ``group`` if one is given, and in a kvfs-managed directory -- or, with
+        ``orphans``, an orphan anywhere."""
+        managed: dict[int, bool] = {}
+        for ino in keys:
             inode = self.ns.inodes.get(ino)
             if inode is None or not evictable(inode):
                 continue
             g = self.group_of(inode)
             if group is not None and g != group:
                 continue
-            orphan = ino in self.orphans
-            if orphan or self.group_policy(g) == KVFS_MANAGED:
-                yield inode, orphan
+            orphan = orphans and ino in self.orphans
+            if not orphan:
+                if g not in managed:
+                    managed[g] = self.group_policy(g) == KVFS_MANAGED
+                if not managed[g]:
+                    continue
+            yield inode, orphan
 
     def statistics(self) -> EvictorStatistics:
         return EvictorStatistics(
