@@ -13,11 +13,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import pwd
 import re
+import secrets
 import shutil
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -342,3 +344,35 @@ def read_or_errno(path: Path) -> bytes | int:
         return e.errno
     finally:
         os.close(fd)
+
+
+def errno_of(fn: Callable[..., object], *args: object) -> int:
+    """The errno ``fn(*args)`` fails with; the test fails if it succeeds."""
+    try:
+        fn(*args)
+    except OSError as e:
+        assert e.errno is not None, e
+        return e.errno
+    raise AssertionError(f"{getattr(fn, '__name__', fn)}{args} did not fail")
+
+
+@pytest.fixture
+def unprivileged_user() -> Iterator[pwd.struct_passwd]:
+    """A throwaway unprivileged system user (no home), removed afterwards."""
+    if os.geteuid() != 0:
+        pytest.skip(f"creating a user needs root; running as uid {os.geteuid()}")
+    if shutil.which("useradd") is None or shutil.which("userdel") is None:
+        pytest.skip("useradd/userdel are not installed (passwd)")
+    name = f"kvfs-test-{secrets.token_hex(4)}"
+    subprocess.run(
+        ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    try:
+        pw = pwd.getpwnam(name)
+        assert pw.pw_uid != 0 and pw.pw_gid != 0
+        yield pw
+    finally:
+        subprocess.run(["userdel", name], capture_output=True, timeout=60)

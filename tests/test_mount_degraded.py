@@ -22,7 +22,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import KvfsMount, read_or_errno, require_fuse, write_file
+from conftest import KvfsMount, errno_of, read_or_errno, require_fuse, write_file
 from test_faults import device_of
 
 from kvfs import harness
@@ -87,15 +87,6 @@ def finish(m: KvfsMount) -> None:
     m.close()
     assert m.exit_codes and all(c == 0 for c in m.exit_codes), (m.exit_codes, m.stderr)
     assert not m.unexpected_errors(), m.unexpected_errors()
-
-
-def errno_of(fn: object, *args: object) -> int:
-    try:
-        fn(*args)  # type: ignore[operator]
-    except OSError as e:
-        assert e.errno is not None
-        return e.errno
-    return 0
 
 
 # stripe k of inode i is on member (i + k) % 3: 12 MiB files have two stripes, 1 MiB

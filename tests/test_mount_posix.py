@@ -17,36 +17,25 @@ import functools
 import os
 import pickle
 import pwd
-import secrets
 import select
-import shutil
 import signal
 import socket
 import stat
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-from conftest import KvfsMount, pattern, wait_for, write_file
+from conftest import KvfsMount, errno_of, pattern, wait_for, write_file
 
 MiB = 1 << 20
 T = TypeVar("T")
 ALLOW_OTHER = pytest.mark.mount_options("--allow-other")
 OTHER_GROUP = 4242
 """A group the throwaway user is not a member of."""
-
-
-def errno_of(fn: Callable[..., object], *args: object) -> int:
-    try:
-        fn(*args)
-    except OSError as e:
-        assert e.errno is not None, e
-        return e.errno
-    raise AssertionError(f"{getattr(fn, '__name__', fn)}{args} did not fail")
 
 
 # ---------------------------------------------------------------------- another user
@@ -58,25 +47,10 @@ class User:
 
 
 @pytest.fixture
-def other_user() -> Iterator[User]:
-    """A throwaway unprivileged system user (no home), removed afterwards."""
-    if os.geteuid() != 0:
-        pytest.skip(f"creating a user needs root; running as uid {os.geteuid()}")
-    if shutil.which("useradd") is None or shutil.which("userdel") is None:
-        pytest.skip("useradd/userdel are not installed (passwd)")
-    name = f"kvfs-test-{secrets.token_hex(4)}"
-    subprocess.run(
-        ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )
-    try:
-        pw = pwd.getpwnam(name)
-        assert pw.pw_uid != 0 and pw.pw_gid not in (0, OTHER_GROUP)
-        yield User(name, pw.pw_uid, pw.pw_gid)
-    finally:
-        subprocess.run(["userdel", name], capture_output=True, timeout=60)
+def other_user(unprivileged_user: pwd.struct_passwd) -> User:
+    pw = unprivileged_user
+    assert pw.pw_gid != OTHER_GROUP
+    return User(pw.pw_name, pw.pw_uid, pw.pw_gid)
 
 
 def as_user(user: User, cwd: Path, fn: Callable[[], T], timeout: float = 60.0) -> T:

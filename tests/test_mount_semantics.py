@@ -18,11 +18,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import KvfsMount, fuse_unavailable, pattern, wait_for, write_file
+from conftest import KvfsMount, errno_of, fuse_unavailable, pattern, wait_for, write_file
 
 from kvfs import harness
 
@@ -41,15 +40,6 @@ def read_all(path: Path | str) -> bytes:
         return data
     finally:
         os.close(fd)
-
-
-def errno_of(fn: Callable[..., object], *args: object) -> int:
-    try:
-        fn(*args)
-    except OSError as e:
-        assert e.errno is not None, e
-        return e.errno
-    raise AssertionError(f"{fn.__name__}{args} did not fail")
 
 
 # ---------------------------------------------------------------------- basics

@@ -18,8 +18,6 @@ import os
 import pwd
 import subprocess
 import sys
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,21 +33,6 @@ pytestmark = [
 def content(name: str, size: int) -> bytes:
     seed = hashlib.sha256(name.encode()).digest()
     return (seed * (size // len(seed) + 1))[:size]
-
-
-@pytest.fixture
-def user() -> Iterator[pwd.struct_passwd]:
-    """A throwaway unprivileged user, removed afterwards."""
-    name = f"kvfs-t{uuid.uuid4().hex[:8]}"
-    subprocess.run(
-        ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
-        check=True,
-        capture_output=True,
-    )
-    try:
-        yield pwd.getpwnam(name)
-    finally:
-        subprocess.run(["userdel", name], capture_output=True)
 
 
 class UserWriter:
@@ -136,15 +119,15 @@ def user_dir(mount: KvfsMount, user: pwd.struct_passwd, name: str) -> Path:
 
 
 def test_a_user_over_its_share_loses_only_its_own_files(
-    kvfs_mount: KvfsMount, user: pwd.struct_passwd
+    kvfs_mount: KvfsMount, unprivileged_user: pwd.struct_passwd
 ) -> None:
     """Reported: a second user's 14 x 256 MiB evicted 8 of root's 10 files."""
     mine = kvfs_mount.path / "root-cache"
     mine.mkdir()
     for i in range(10):  # root: 160 MiB, well within its half of the pool
         write_file(mine / f"r{i}", content(f"r{i}", 16 * MiB))
-    theirs = user_dir(kvfs_mount, user, "user-cache")
-    p = UserWriter(user, theirs, "u", 14, 64 * MiB)  # 896 MiB through a ~500 MiB pool
+    theirs = user_dir(kvfs_mount, unprivileged_user, "user-cache")
+    p = UserWriter(unprivileged_user, theirs, "u", 14, 64 * MiB)  # 896 MiB through a ~500 MiB pool
     out = p.report()
     p.finish()
     assert not out["errors"], out["errors"]
@@ -159,7 +142,7 @@ def test_a_user_over_its_share_loses_only_its_own_files(
 
 
 def test_open_files_of_a_user_cannot_starve_root(
-    kvfs_mount: KvfsMount, user: pwd.struct_passwd
+    kvfs_mount: KvfsMount, unprivileged_user: pwd.struct_passwd
 ) -> None:
     """Reported: holding its files open, another user made root's next write fail
     (ENOSPC) and root's last files go. Open files are never evicted, so what a user
@@ -168,8 +151,10 @@ def test_open_files_of_a_user_cannot_starve_root(
     mine.mkdir()
     for i in range(10):  # root: 160 MiB
         write_file(mine / f"r{i}", content(f"r{i}", 16 * MiB))
-    theirs = user_dir(kvfs_mount, user, "user-cache")
-    p = UserWriter(user, theirs, "held", 30, 32 * MiB, hold=True)  # tries 960 MiB, all open
+    theirs = user_dir(kvfs_mount, unprivileged_user, "user-cache")
+    p = UserWriter(
+        unprivileged_user, theirs, "held", 30, 32 * MiB, hold=True
+    )  # tries 960 MiB, all open
     try:
         out = p.report()
         held = len(out["written"])
@@ -188,9 +173,9 @@ def test_open_files_of_a_user_cannot_starve_root(
         p.finish()
 
 
-def test_the_reserve_is_root_s(kvfs_mount: KvfsMount, user: pwd.struct_passwd) -> None:
-    theirs = user_dir(kvfs_mount, user, "user-cache")
-    p = UserWriter(user, theirs, "held", 20, 32 * MiB, hold=True)
+def test_the_reserve_is_root_s(kvfs_mount: KvfsMount, unprivileged_user: pwd.struct_passwd) -> None:
+    theirs = user_dir(kvfs_mount, unprivileged_user, "user-cache")
+    p = UserWriter(unprivileged_user, theirs, "held", 20, 32 * MiB, hold=True)
     try:
         out = p.report()
         assert out["errors"], "the user filled the whole pool"
