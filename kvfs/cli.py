@@ -140,7 +140,18 @@ def _parser() -> argparse.ArgumentParser:
 def _format_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="overwrite foreign data or pools")
     p.add_argument("--unit-size", type=parse_size, default=1 << 20, help="extent unit (1M)")
-    p.add_argument("--meta-size", type=parse_size, default=0, help="metadata area (auto)")
+    p.add_argument(
+        "--meta-size",
+        type=parse_size,
+        default=0,
+        help="metadata area (default: sized for a full pool of --mean-file-size files)",
+    )
+    p.add_argument(
+        "--mean-file-size",
+        type=parse_size,
+        default=0,
+        help="expected mean file size, sizes the metadata area (default: one unit)",
+    )
     p.add_argument(
         "--create",
         type=parse_size,
@@ -208,6 +219,7 @@ def cmd_format(args: argparse.Namespace) -> int:
         meta_size=args.meta_size,
         force=args.force,
         label=args.label,
+        mean_file_size=args.mean_file_size,
     )
     unit = sbs[0].unit_size
     cap = sum(sb.data_units for sb in sbs) * unit

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from kvfs.device import ALIGN, Device, FileDevice, MissingDevice, aligned_buffer, member_identity
 from kvfs.errors import Corruption, DeviceError, UserError
-from kvfs.journal import encode_checkpoint, half_bounds
+from kvfs.journal import META_FULL, encode_checkpoint, half_bounds
 from kvfs.layout import (
     FORMAT_VERSION,
     MAX_MEMBERS,
@@ -40,8 +40,34 @@ log = logging.getLogger(__name__)
 MIN_UNIT = 64 * 1024
 MAX_UNIT = 64 << 20
 DEFAULT_UNIT = 1 << 20
-MIN_META = 32 << 20
-MAX_META = 8 << 30
+MIN_META = 1 << 20
+"""The smallest metadata area ``--meta-size`` may ask for (two halves of 512 KiB)."""
+DEFAULT_MIN_META = 32 << 20
+"""The default area is never smaller than this (small pools, many empty files)."""
+CHECKPOINT_FILE_BYTES = 320
+"""Checkpoint bytes one file costs, apart from its units: INODE record (69) and a RUN
+(20), its DENTRY (19 + a name of up to ~130 bytes: LMCache's
+``model@world@worker@hash@dtype.pt`` is ~70, vLLM's ``<hash>.bin`` ~20), the
+eviction policy's persisted state (five int64 columns and a ghost key, 56) and its
+owner (24). ``tests/test_meta_sizing.py`` encodes a real checkpoint and asserts it."""
+CHECKPOINT_UNIT_BYTES = 12
+"""Checkpoint bytes per mapped unit: its checksum (8) and a share of the runs (a run
+per stripe of 8 units or less: 20 / 8), with slack for fragmentation."""
+SPARE_FILES = 1 / 16
+"""Room for empty files and directories on top of the files the data can hold."""
+
+
+def default_meta_size(pool_units: int, unit: int, mean_file_size: int = 0) -> int:
+    """A metadata area whose checkpoint fits the file count of the full pool: one file
+    per ``mean_file_size`` (default: per unit -- a file holds at least one unit), plus
+    ``SPARE_FILES``; each checkpoint may fill ``META_FULL`` of a half, and there are
+    two halves. Rounded up to a unit, at least ``DEFAULT_MIN_META``."""
+    per_file = max(1, -(-mean_file_size // unit)) if mean_file_size else 1
+    files = -(-pool_units // per_file)
+    files += int(files * SPARE_FILES)
+    checkpoint = files * CHECKPOINT_FILE_BYTES + pool_units * CHECKPOINT_UNIT_BYTES
+    size = 2 * int(checkpoint / META_FULL) + 2 * ALIGN
+    return max(DEFAULT_MIN_META, -(-size // unit) * unit)
 
 
 @dataclass(frozen=True)
@@ -158,8 +184,11 @@ def format_pool(
     meta_size: int = 0,
     force: bool = False,
     label: str = "",
+    mean_file_size: int = 0,
 ) -> list[Superblock]:
-    """Write a new, empty pool onto ``paths`` (destroys what they hold)."""
+    """Write a new, empty pool onto ``paths`` (destroys what they hold). The metadata
+    area is ``meta_size``, or sized for a full pool of files of ``mean_file_size``
+    (default: one unit each; ``default_meta_size``)."""
     if len(paths) > MAX_MEMBERS:
         raise UserError(f"a pool has at most {MAX_MEMBERS} devices, {len(paths)} given")
     devices = _open_all(paths)
@@ -167,7 +196,7 @@ def format_pool(
         for dev in devices:
             _check_formattable(dev, force)
         unit = _unit_for(devices, unit_size)
-        sbs = _layout(devices, unit, meta_size, label)
+        sbs = _layout(devices, unit, meta_size, label, mean_file_size)
         _write_empty_pool(devices, sbs)
         return sbs
     finally:
@@ -198,14 +227,26 @@ def _check_formattable(dev: Device, force: bool) -> None:
     )
 
 
-def _layout(devices: list[Device], unit: int, meta_size: int, label: str) -> list[Superblock]:
+def _layout(
+    devices: list[Device], unit: int, meta_size: int, label: str, mean_file_size: int = 0
+) -> list[Superblock]:
     """Superblocks of a new pool: device 0 holds the metadata area, every device's data
     units run up to its last block (the backup superblock)."""
     head = -(-RESERVED_HEAD // unit) * unit
-    total = sum(d.size for d in devices)
-    if not meta_size:
-        meta_size = min(max(total // 128, MIN_META), MAX_META)
+    if meta_size and meta_size < MIN_META:
+        raise UserError(f"the metadata area must be at least {MIN_META >> 20} MiB")
+    if mean_file_size < 0:
+        raise UserError("the mean file size must be positive")
+    if not meta_size:  # sized for the units the devices would hold without it
+        units = sum(max(0, d.size - SB_BLOCK - head) // unit for d in devices)
+        meta_size = default_meta_size(units, unit, mean_file_size)
     meta_size = -(-meta_size // unit) * unit
+    if head + meta_size + unit + SB_BLOCK > devices[0].size:
+        raise UserError(
+            f"{devices[0].path}: too small for the {meta_size >> 20} MiB metadata area it "
+            "would hold (give --mean-file-size or a smaller --meta-size, or name a "
+            "larger device first)"
+        )
     pool_uuid, now = uuid.uuid4().bytes, time.time_ns()
     members = []
     for i, dev in enumerate(devices):
