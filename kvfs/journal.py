@@ -520,6 +520,11 @@ class Journal:
         checkpoint always fits (docs/design.md, "Limits")."""
         return self._ckpt_end > self._half_size * META_FULL
 
+    @property
+    def checkpoint_bytes(self) -> int:
+        """Bytes of the last checkpoint written (or found at mount); 0 before one."""
+        return self._ckpt_end
+
     def statistics(self) -> JournalStatistics:
         return JournalStatistics(
             self.generation,

@@ -8,7 +8,10 @@ journal's durable point passes the record that dropped them, are then discarded
 The eviction driver keeps usage under the high watermark (a background task), and
 makes room inline when a write finds none: it asks the :class:`~kvfs.evict.Evictor`
 for victims and has the store remove them (``evict``); NoSpace/QuotaExceeded only
-when nothing may be evicted. Everything here runs on the trio thread.
+when nothing may be evicted. Metadata pressure is eviction pressure too: when the
+next checkpoint would come near the metadata area's limit, files go by the same
+rules until it shrinks (:meth:`Space.make_metadata_room`). Everything here runs on
+the trio thread.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Collection
+from dataclasses import dataclass
 from typing import TypeVar
 
 import trio
@@ -25,15 +29,26 @@ import trio
 from kvfs.alloc import Allocator
 from kvfs.errors import DeviceError, KvfsError, NoSpace, QuotaExceeded
 from kvfs.evict import Evictor
-from kvfs.journal import Journal
+from kvfs.journal import META_FULL, Journal
 from kvfs.layout import DEV_SHIFT, UNIT_MASK
 from kvfs.namespace import Inode, Namespace
-from kvfs.pool import Pool
+from kvfs.pool import CHECKPOINT_FILE_BYTES, CHECKPOINT_UNIT_BYTES, Pool
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 EVICTION_LOG_INTERVAL = 5.0
 """Seconds between the INFO lines that sum up evictions (a line per file is DEBUG)."""
+META_HIGH = 0.70
+"""Share of a metadata half the next checkpoint may reach (estimated) before the
+background evictor acts; the synchronous path acts at ``META_FULL`` (0.75) of the
+last checkpoint, where growth would otherwise be refused."""
+META_LOW = 0.65
+"""Share of a half that eviction for metadata brings the next checkpoint down to:
+a create storm at the limit pays one eviction batch and one checkpoint per ~10% of
+a half, not one per create."""
+META_BASIS = 256
+"""Inodes a checkpoint must hold before its bytes per inode serve as the estimate
+(below, the bound of a one-unit file does)."""
 
 
 def coalesce(units: list[int]) -> list[tuple[int, int, int]]:
@@ -46,6 +61,35 @@ def coalesce(units: list[int]) -> list[tuple[int, int, int]]:
         else:
             runs.append((dev, unit, 1))
     return runs
+
+
+@dataclass(frozen=True)
+class MetadataStatistics:
+    """How full the metadata area is (``kvfs stats``)."""
+
+    area_bytes: int
+    """The whole area: two halves."""
+    half_bytes: int
+    limit_bytes: int
+    """A checkpoint larger than this (``META_FULL`` of a half) is metadata pressure."""
+    checkpoint_bytes: int
+    """The last checkpoint."""
+    journal_bytes: int
+    """Journal behind the last checkpoint, in the current half."""
+    next_checkpoint_bytes: int
+    """Estimated size of the next checkpoint."""
+    evictions: int
+    """Files evicted to make metadata room since the mount."""
+
+
+def _units_weight(inode: Inode) -> int:
+    """What evicting a file gains for data: its units (an empty file counts one, so
+    every victim is progress)."""
+    return max(inode.mapped_units, 1)
+
+
+def _file_weight(inode: Inode) -> int:
+    return 1
 
 
 class Space:
@@ -66,6 +110,7 @@ class Space:
         pinned: Callable[[int], int] = lambda uid: 0,
         privileged: Callable[[int], bool] = lambda uid: uid == 0,
         reserve_units: int = 0,
+        checkpointed_inodes: Callable[[], int] = lambda: 0,
         high_watermark: float,
         low_watermark: float,
         discard: bool,
@@ -91,6 +136,12 @@ class Space:
         self._trim_wake = trio.Event()
         self._freed = trio.Event()
         self._evict_wake = trio.Event()
+        self._checkpointed_inodes = checkpointed_inodes
+        self._meta_lock = trio.Lock()
+        self._meta_logged = -EVICTION_LOG_INTERVAL
+        self._full_logged = -EVICTION_LOG_INTERVAL
+        self.metadata_evictions = 0
+        self._meta_idle_until = 0.0  # no background retry before (nothing was evictable)
 
     # ------------------------------------------------------------------ frees
     def defer_free(self, p: int) -> None:
@@ -218,12 +269,28 @@ class Space:
         back (sync: the frees complete once the journal has the unlinks). Files in
         their grace after a close go only with ``include_fresh`` (the last resort);
         ``owners``: only files of these uids."""
+        return self._evict_by(units, _units_weight, group, include_fresh, owners)
+
+    def evict_files(self, files: int, include_fresh: bool = False) -> int:
+        """Evict up to ``files`` files, best victims first, by the rules of
+        :meth:`evict_units` (metadata pressure: each one shrinks the index)."""
+        return self._evict_by(files, _file_weight, None, include_fresh, None)
+
+    def _evict_by(
+        self,
+        need: int,
+        weigh: Callable[[Inode], int],
+        group: int | None,
+        include_fresh: bool,
+        owners: Collection[int] | None,
+    ) -> int:
         freed = 0
         self.evictor.reap()  # a writer that just exited leaves orphans: they go first
         candidates = self.evictor.candidates(self._evictable, group, include_fresh, owners)
         for inode, orphan in candidates:
-            if freed >= units:
+            if freed >= need:
                 break
+            weight = weigh(inode)
             mapped = inode.mapped_units
             log.debug(
                 "evicting inode %d of uid %d (%s, %d units)",
@@ -236,7 +303,7 @@ class Space:
             self.evictor.evictions += 1
             self.evictor.orphan_evictions += orphan
             self._note_eviction(mapped, orphan)
-            freed += max(mapped, 1)
+            freed += weight
         return freed
 
     def _note_eviction(self, units: int, orphan: bool) -> None:
@@ -311,6 +378,90 @@ class Space:
         if self.used_fraction() > self.high:
             self._evict_wake.set()
 
+    # ------------------------------------------------------------------ metadata pressure
+    def _half_bytes(self) -> int:
+        return self.journal.statistics().half_bytes
+
+    def _bytes_per_inode(self) -> float:
+        """What one inode costs the checkpoint: measured on the last one when it is
+        large enough to tell, else the bound of a one-unit file."""
+        then = self._checkpointed_inodes()
+        if then >= META_BASIS:
+            return self.journal.checkpoint_bytes / then
+        return CHECKPOINT_FILE_BYTES + CHECKPOINT_UNIT_BYTES
+
+    def metadata_estimate(self) -> int:
+        """Bytes the next checkpoint will take, estimated: the last one's, plus its
+        bytes per inode for every inode added since (minus for every one removed)."""
+        grown = len(self.ns.inodes) - self._checkpointed_inodes()
+        return max(0, int(self.journal.checkpoint_bytes + grown * self._bytes_per_inode()))
+
+    def _metadata_excess(self, share: float) -> int:
+        """Files to evict for the next checkpoint to fall to ``share`` of a half."""
+        over = self.metadata_estimate() - share * self._half_bytes()
+        return max(0, -int(-over // self._bytes_per_inode()))
+
+    async def make_metadata_room(self, background: bool = False) -> None:
+        """Bring the next checkpoint down to ``META_LOW`` of a half: evict files (data
+        eviction's rules; files in their grace only as the last resort, never in the
+        ``background``) and, if the last checkpoint is over the limit
+        (``Journal.metadata_full``) and the index shrank since, take a fresh one. The
+        caller checks ``metadata_full`` afterwards: still full means nothing more
+        could go (ENOSPC). One caller at a time; the next finds the work done."""
+        async with self._meta_lock:
+            for _ in range(3):  # the estimate may be off: measure, and go on once or twice
+                if not background and not self.journal.metadata_full:
+                    return
+                estimate, excess = self.metadata_estimate(), self._metadata_excess(META_LOW)
+                if excess:
+                    evicted = self.evict_files(excess)
+                    if evicted < excess and not background:
+                        evicted += self.evict_files(excess - evicted, include_fresh=True)
+                    self.metadata_evictions += evicted
+                    self._log_pressure(estimate, excess, evicted)
+                    if background and not evicted:
+                        self._meta_idle_until = time.monotonic() + EVICTION_LOG_INTERVAL
+                shrunk = len(self.ns.inodes) < self._checkpointed_inodes()
+                if not (self.journal.metadata_full and shrunk):
+                    return
+                await self.journal.checkpoint()
+
+    def _log_pressure(self, estimate: int, wanted: int, evicted: int) -> None:
+        now = time.monotonic()
+        if now - self._meta_logged >= EVICTION_LOG_INTERVAL:
+            self._meta_logged = now
+            log.info(
+                "metadata pressure: the next checkpoint would fill ~%d%% of a metadata "
+                "half (limit %d%%): %d of %d file(s) evicted to bring it to %d%%",
+                estimate * 100 // max(self._half_bytes(), 1),
+                int(META_FULL * 100),
+                evicted,
+                wanted,
+                int(META_LOW * 100),
+            )
+
+    def metadata_statistics(self) -> MetadataStatistics:
+        j = self.journal.statistics()
+        return MetadataStatistics(
+            area_bytes=self.pool.meta[2],
+            half_bytes=j.half_bytes,
+            limit_bytes=int(j.half_bytes * META_FULL),
+            checkpoint_bytes=self.journal.checkpoint_bytes,
+            journal_bytes=max(0, j.used_bytes - self.journal.checkpoint_bytes),
+            next_checkpoint_bytes=self.metadata_estimate(),
+            evictions=self.metadata_evictions,
+        )
+
+    def log_metadata_full(self) -> None:
+        """A WARNING, once per EVICTION_LOG_INTERVAL: growth refused, nothing evictable."""
+        now = time.monotonic()
+        if now - self._full_logged >= EVICTION_LOG_INTERVAL:
+            self._full_logged = now
+            log.warning(
+                "metadata area full and nothing may be evicted (open, engine-managed or "
+                "directories): ENOSPC; reformat with a larger --meta-size for more files"
+            )
+
     async def evict_loop(self) -> None:
         """Keep usage under the high watermark, evicting down to the low one, so
         writers rarely wait for eviction; also turns dead owners' files to orphans.
@@ -323,10 +474,17 @@ class Space:
             self._evict_wake = trio.Event()
             self.evictor.reap()
             self.log_evictions()
-            if self.used_fraction() > self.high:
-                target = self.used_fraction() - self.low
-                self.evict_units(int(target * self.alloc.total_units) + 1)
+            metadata = (
+                self.metadata_estimate() > META_HIGH * self._half_bytes()
+                and time.monotonic() >= self._meta_idle_until
+            )
+            if self.used_fraction() > self.high or metadata:
+                if self.used_fraction() > self.high:
+                    target = self.used_fraction() - self.low
+                    self.evict_units(int(target * self.alloc.total_units) + 1)
                 try:
+                    if metadata:
+                        await self.make_metadata_room(background=True)
                     await self.journal.wait_durable()
                 except KvfsError as e:
                     if not failed:

@@ -258,6 +258,7 @@ class Store:
             pinned=self._pinned,
             privileged=lambda uid: uid in (0, os.getuid()),
             reserve_units=int(self.alloc.total_units * self.cfg.reserve),
+            checkpointed_inodes=lambda: self._ckpt_inodes,
             high_watermark=self.cfg.high_watermark,
             low_watermark=self.cfg.low_watermark,
             discard=self.cfg.discard,
@@ -304,6 +305,8 @@ class Store:
             or dropped
         )
         self.journal.resume(found, in_place=clean)
+        if clean:  # the checkpoint found is the last one: it holds exactly these
+            self._ckpt_inodes = len(self.ns.inodes)
         files = sum(1 for i in self.ns.inodes.values() if not i.is_dir)
         report = RecoveryReport(
             found.generation,
@@ -570,14 +573,16 @@ class Store:
             self._incomplete += 1
 
     async def check_metadata_room(self) -> None:
-        """NoSpace for an operation that would grow the index past its area. Room
-        freed by removals shows in the next checkpoint, so take one first if the
-        index shrank since the last."""
-        if self.journal.metadata_full and len(self.ns.inodes) < self._ckpt_inodes:
-            await self.journal.checkpoint()
+        """Room in the metadata area for an operation that grows the index. Metadata
+        pressure is eviction pressure: once the last checkpoint is over the area's
+        limit, files are evicted by data eviction's rules and a smaller checkpoint
+        is taken (``Space.make_metadata_room``; removals since the last checkpoint
+        count too). NoSpace only when nothing could go."""
         if self.journal.metadata_full:
-            log.warning("metadata area full: reformat with a larger --meta-size")
-            raise NoSpace("metadata area full")
+            await self.space.make_metadata_room()
+        if self.journal.metadata_full:
+            self.space.log_metadata_full()
+            raise NoSpace("metadata area full: nothing may be evicted")
 
     async def make(
         self, parent: int, name: bytes, mode: int, caller: Caller = ROOT, flags: int = 0
@@ -587,7 +592,13 @@ class Store:
         await self.check_metadata_room()
         d = self.ns.get(parent)
         mode, gid = posix.new_owner(d.mode, d.gid, mode, caller)
-        return self.ns.make(parent, name, mode, caller.uid, gid, flags=flags)
+        inode = self.ns.make(parent, name, mode, caller.uid, gid, flags=flags)
+        if not inode.is_dir and not flags & FLAG_WRITING:
+            # mknod: a committed empty file, evictable like a closed one (it costs
+            # the index what any file does)
+            self.evictor.created(inode, caller.pid)
+            self.evictor.committed(inode, caller.pid)
+        return inode
 
     async def create(self, parent: int, name: bytes, mode: int, caller: Caller = ROOT) -> Inode:
         """A new empty file, marked WRITING until its first commit."""
