@@ -500,6 +500,12 @@ def cmd_stats(args: argparse.Namespace) -> int:
     )
     print(f"integrity   {s['corruptions']} checksum failures, {s['quarantined']} quarantined")
     print(f"eviction    {s['evictions']} files evicted ({s['orphan_evictions']} orphans)")
+    m = stats["metadata"]
+    print(
+        f"metadata    checkpoint {m['checkpoint_bytes'] / 2**20:.1f} MiB of "
+        f"{m['limit_bytes'] / 2**20:.1f} MiB allowed, journal {m['journal_bytes'] / 2**20:.1f} "
+        f"MiB, area {m['area_bytes'] / 2**20:.0f} MiB; {m['evictions']} files evicted for room"
+    )
     for d, space in zip(stats["devices"], stats["space"], strict=True):
         state = "" if space["writable"] else ", failed a write: no new data"
         print(

@@ -330,6 +330,7 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
             "allocator": asdict(s.alloc.statistics()),
             "cache": asdict(s.cache.statistics()),
             "journal": asdict(s.journal.statistics()),
+            "metadata": asdict(s.space.metadata_statistics()),
             "eviction": asdict(s.evictor.statistics()),
             "devices": [asdict(d.statistics()) for d in s.pool.devices],
             "space": [asdict(d) for d in s.device_space()],
