@@ -1,0 +1,173 @@
+"""Metadata pressure on a real mount: a pool formatted with a tiny metadata area
+(1 MiB, the smallest: ~1.8k files) and plenty of data room (64 KiB units), so the index is what
+fills. In a kvfs-managed directory creates go on (kvfs evicts; evicted files are a
+clean ENOENT, survivors byte-identical, also after a remount); ENOSPC only when
+every file is open or engine-managed. Contents derive from names."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import resource
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvfs.harness import make_image, mounted
+
+pytestmark = pytest.mark.skipif(
+    not os.path.exists("/dev/fuse") or os.geteuid() != 0, reason="needs root and /dev/fuse"
+)
+MiB = 1 << 20
+FILES = 4500  # about 2.5x what the area holds
+ENGINE = 500
+OPTIONS = ("--format", "--unit-size", "64K", "--meta-size", "1M")
+
+
+def content(name: str) -> bytes:
+    seed = hashlib.sha256(name.encode()).digest()
+    return seed * (8 + int(name[1:6]) % 40)  # 256 B .. 1.5 KiB
+
+
+def name_of(i: int) -> str:
+    return f"b{i:05d}-{(i * 2654435761) % 2**32:08x}.bin"
+
+
+WRITER = """
+import hashlib, os, sys
+d, first, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+for i in range(first, first + n):
+    name = f"b{i:05d}-{(i * 2654435761) % 2**32:08x}.bin"
+    seed = hashlib.sha256(name.encode()).digest()
+    fd = os.open(os.path.join(d, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.write(fd, seed * (8 + int(name[1:6]) % 40))
+    finally:
+        os.close(fd)
+"""
+
+
+def write_all(d: Path, first: int, n: int) -> None:
+    """Create files ``first .. first + n - 1`` in a writer process; every one must
+    be accepted."""
+    p = subprocess.run(
+        [sys.executable, "-c", WRITER, str(d), str(first), str(n)],
+        capture_output=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stderr.decode()[-2000:]
+
+
+def survivors(d: Path, count: int) -> list[int]:
+    """Which of files 0..count-1 are there: each exact, or a clean ENOENT (never
+    listed, never opened)."""
+    listed = set(os.listdir(d))
+    alive = []
+    for i in range(count):
+        name = name_of(i)
+        try:
+            with open(d / name, "rb", buffering=0) as f:
+                data = f.read()
+        except FileNotFoundError:
+            assert name not in listed, f"{name}: listed but ENOENT"
+            continue
+        assert data == content(name), f"{name}: wrong bytes"
+        alive.append(i)
+    return alive
+
+
+def metadata_stats(mnt: Path) -> dict[str, int]:
+    raw = json.loads(os.getxattr(mnt, "user.kvfs.stats"))
+    m: dict[str, int] = raw["metadata"]
+    return m
+
+
+@pytest.fixture
+def pool(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    img = make_image(tmp_path / "dev.img", 512 * MiB)
+    mnt, log = tmp_path / "mnt", tmp_path / "kvfs.log"
+    yield mnt, img
+    errors = [line for line in log.read_text().splitlines() if " ERROR " in line]
+    assert not errors, errors
+
+
+@pytest.mark.timeout(300)
+def test_creates_go_on_in_a_kvfs_managed_directory(pool: tuple[Path, Path]) -> None:
+    mnt, img = pool
+    log = img.parent / "kvfs.log"
+    with mounted(mnt, [img], *OPTIONS, log_file=log):
+        d = mnt / "vllm"
+        d.mkdir()  # kvfs-managed: the default policy
+        write_all(d, 0, FILES)
+        m = metadata_stats(mnt)
+        assert m["area_bytes"] == MiB and m["evictions"] > FILES // 2, m
+        assert m["checkpoint_bytes"] <= m["limit_bytes"], m
+        alive = survivors(d, FILES)
+        assert FILES // 5 < len(alive) < FILES // 2, len(alive)
+        assert FILES - 1 in alive and FILES - 100 in alive, "the newest files went"
+        stats = subprocess.run(
+            [sys.executable, "-m", "kvfs", "stats", str(mnt)], capture_output=True, text=True
+        )
+        assert stats.returncode == 0 and "metadata    checkpoint" in stats.stdout, stats
+    assert "metadata pressure" in log.read_text()
+    with mounted(mnt, [img], log_file=log):  # remount: the same survivors, exact
+        assert survivors(mnt / "vllm", FILES) == alive
+
+
+@pytest.mark.timeout(300)
+def test_enospc_only_when_nothing_is_evictable(pool: tuple[Path, Path]) -> None:
+    """Files in an engine-managed directory (of a live writer) and open files in a
+    kvfs-managed one never go: the area fills and creates fail with ENOSPC; every
+    file accepted before is exact; closing the open ones makes room again."""
+    mnt, img = pool
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 8192:
+        pytest.skip(f"needs 8192 open files, the hard limit is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (8192, hard))
+    fds: list[int] = []
+    try:
+        with mounted(mnt, [img], *OPTIONS, log_file=img.parent / "kvfs.log"):
+            engine = mnt / "lmcache"
+            engine.mkdir()
+            os.setxattr(engine, "user.kvfs.policy", b"engine-managed")
+            for i in range(ENGINE):
+                (engine / name_of(i)).write_bytes(content(name_of(i)))
+            managed = mnt / "vllm"
+            managed.mkdir()
+            failure = None
+            for i in range(ENGINE, FILES):
+                name = name_of(i)
+                try:
+                    fd = os.open(managed / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+                except OSError as e:
+                    failure = e
+                    break
+                fds.append(fd)
+                os.write(fd, content(name))
+                os.fsync(fd)
+            assert failure is not None and failure.errno == errno.ENOSPC, repr(failure)
+            held = len(fds)
+            assert held > ENGINE, held
+            assert survivors(engine, ENGINE) == list(range(ENGINE))
+            for fd in fds:
+                os.lseek(fd, 0, os.SEEK_SET)
+                name = os.readlink(f"/proc/self/fd/{fd}").rsplit("/", 1)[1]
+                assert os.read(fd, 4096) == content(name)
+            for fd in fds[: held // 2]:  # closed: evictable again
+                os.close(fd)
+            del fds[: held // 2]
+            write_all(managed, ENGINE + held, 500)
+            assert survivors(engine, ENGINE) == list(range(ENGINE)), "engine-managed file lost"
+            alive = set(survivors(managed, ENGINE + held + 500))
+            assert set(range(ENGINE + held // 2, ENGINE + held)) <= alive, "an open file went"
+            while fds:
+                os.close(fds.pop())
+    finally:
+        for fd in fds:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
