@@ -17,6 +17,7 @@ the trio thread.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import time
 from collections import deque
@@ -30,7 +31,7 @@ from kvfs.alloc import Allocator
 from kvfs.errors import DeviceError, KvfsError, NoSpace, QuotaExceeded
 from kvfs.evict import Evictor
 from kvfs.journal import META_FULL, Journal
-from kvfs.layout import DEV_SHIFT, UNIT_MASK
+from kvfs.layout import DEV_SHIFT, UNIT_MASK, encode_op
 from kvfs.namespace import Inode, Namespace
 from kvfs.pool import CHECKPOINT_FILE_BYTES, CHECKPOINT_UNIT_BYTES, Pool
 
@@ -48,7 +49,14 @@ a create storm at the limit pays one eviction batch and one checkpoint per ~10% 
 a half, not one per create."""
 META_BASIS = 256
 """Inodes a checkpoint must hold before its bytes per inode serve as the estimate
-(below, the bound of a one-unit file does)."""
+of what each removed inode gives back (below, a sample of the newest inodes does)."""
+META_SAMPLE = 64
+"""Newest inodes whose records are encoded to estimate what each added one costs."""
+DENTRY_BYTES, XATTR_BYTES = 19, 15
+"""DENTRY and XATTR operations before their names and values (docs/format.md)."""
+EVICTION_STATE_BYTES = 80
+"""What the eviction state adds to a checkpoint per file: the policy's columns and a
+ghost key (56), the owner (24); see ``pool.CHECKPOINT_FILE_BYTES``."""
 
 
 def coalesce(units: list[int]) -> list[tuple[int, int, int]]:
@@ -382,19 +390,34 @@ class Space:
     def _half_bytes(self) -> int:
         return self.journal.statistics().half_bytes
 
+    def _newest_cost(self, count: int) -> float:
+        """Mean checkpoint bytes of the newest ``count`` inodes (at most META_SAMPLE):
+        their records, names and xattrs as encoded, plus the eviction state."""
+        sample = list(itertools.islice(reversed(self.ns.inodes.values()), min(count, META_SAMPLE)))
+        if not sample:
+            return CHECKPOINT_FILE_BYTES + CHECKPOINT_UNIT_BYTES
+        total = 0
+        for inode in sample:
+            total += len(encode_op(inode.record())) + DENTRY_BYTES + len(inode.name)
+            total += sum(XATTR_BYTES + len(k) + len(v) for k, v in (inode.xattrs or {}).items())
+            total += 0 if inode.is_dir else EVICTION_STATE_BYTES
+        return total / len(sample)
+
     def _bytes_per_inode(self) -> float:
-        """What one inode costs the checkpoint: measured on the last one when it is
-        large enough to tell, else the bound of a one-unit file."""
+        """What removing one inode gives back: the last checkpoint's mean when it is
+        large enough to tell, else what the newest inodes cost."""
         then = self._checkpointed_inodes()
         if then >= META_BASIS:
             return self.journal.checkpoint_bytes / then
-        return CHECKPOINT_FILE_BYTES + CHECKPOINT_UNIT_BYTES
+        return self._newest_cost(META_SAMPLE)
 
     def metadata_estimate(self) -> int:
-        """Bytes the next checkpoint will take, estimated: the last one's, plus its
-        bytes per inode for every inode added since (minus for every one removed)."""
+        """Bytes the next checkpoint will take, estimated: the last one's, plus what
+        the inodes added since cost (the newest, encoded), minus the last one's mean
+        for every inode removed since."""
         grown = len(self.ns.inodes) - self._checkpointed_inodes()
-        return max(0, int(self.journal.checkpoint_bytes + grown * self._bytes_per_inode()))
+        per = self._newest_cost(grown) if grown > 0 else self._bytes_per_inode()
+        return max(0, int(self.journal.checkpoint_bytes + grown * per))
 
     def _metadata_excess(self, share: float) -> int:
         """Files to evict for the next checkpoint to fall to ``share`` of a half."""

@@ -160,3 +160,24 @@ async def test_background_eviction_acts_before_the_limit() -> None:
         # evicted files, so the checkpoint shrinks a little less than the index)
         assert store.space.metadata_estimate() < META_HIGH * half(store)
         assert await check_survivors(store, i)
+
+
+async def test_the_estimate_tracks_the_next_checkpoint() -> None:
+    """What eviction for metadata relies on: the estimate of the next checkpoint is
+    near what it turns out to be, after growth (no checkpoint with files yet, and
+    one since) and after removals."""
+    pool = memory_pool(size=160 << 20)
+    async with serving(pool, CFG) as store:
+        for rounds in range(2):
+            for i in range(rounds * 400, rounds * 400 + 400):
+                await put(store, i)
+            estimate = store.space.metadata_estimate()
+            await store.journal.checkpoint()
+            actual = store.journal.checkpoint_bytes
+            assert abs(estimate - actual) <= 0.1 * actual + 4096, (rounds, estimate, actual)
+        for i in range(300):
+            store.maybe_drop(store.ns.remove(ROOT_INO, name_of(i), want_dir=False))
+        estimate = store.space.metadata_estimate()
+        await store.journal.checkpoint()
+        actual = store.journal.checkpoint_bytes
+        assert abs(estimate - actual) <= 0.1 * actual + 4096, (estimate, actual)
