@@ -29,10 +29,10 @@ import trio
 
 from kvfs.alloc import Allocator
 from kvfs.errors import DeviceError, KvfsError, NoSpace, QuotaExceeded
-from kvfs.evict import Evictor
+from kvfs.evict import KVFS_MANAGED, Evictor
 from kvfs.journal import META_FULL, Journal
 from kvfs.layout import DEV_SHIFT, UNIT_MASK, encode_op
-from kvfs.namespace import Inode, Namespace
+from kvfs.namespace import ROOT_INO, Inode, Namespace
 from kvfs.pool import CHECKPOINT_FILE_BYTES, CHECKPOINT_UNIT_BYTES, Pool
 
 log = logging.getLogger(__name__)
@@ -437,9 +437,11 @@ class Space:
                     return
                 estimate, excess = self.metadata_estimate(), self._metadata_excess(META_LOW)
                 if excess:
-                    evicted = self.evict_files(excess)
-                    if evicted < excess and not background:
-                        evicted += self.evict_files(excess - evicted, include_fresh=True)
+                    evicted = 0
+                    if self._may_evict_any():
+                        evicted = self.evict_files(excess)
+                        if evicted < excess and not background:
+                            evicted += self.evict_files(excess - evicted, include_fresh=True)
                     self.metadata_evictions += evicted
                     self._log_pressure(estimate, excess, evicted)
                     if background and not evicted:
@@ -448,6 +450,20 @@ class Space:
                 if not (self.journal.metadata_full and shrunk):
                     return
                 await self.journal.checkpoint()
+
+    def _may_evict_any(self) -> bool:
+        """False when no file can be a victim: no orphans and no kvfs-managed group
+        (an all engine-managed pool whose writers live). Checked first because a
+        fruitless walk of the policy's order costs O(files), on every refused
+        operation."""
+        self.evictor.reap()
+        if self.evictor.orphans:
+            return True
+        root = self.ns.inodes[ROOT_INO]
+        groups = [ROOT_INO] + [
+            ino for ino in (root.entries or {}).values() if self.ns.inodes[ino].is_dir
+        ]
+        return any(self.evictor.group_policy(g) == KVFS_MANAGED for g in groups)
 
     def _log_pressure(self, estimate: int, wanted: int, evicted: int) -> None:
         now = time.monotonic()

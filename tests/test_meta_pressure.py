@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+from collections.abc import Iterator
 
 import pytest
 import trio
@@ -16,7 +17,7 @@ from test_store import CFG, get, memory_pool, no_leaks, serving, wait_until
 
 from kvfs.errors import NoSpace, NotFound
 from kvfs.journal import META_FULL
-from kvfs.namespace import ROOT_INO
+from kvfs.namespace import ROOT_INO, Inode
 from kvfs.space import META_HIGH
 from kvfs.store import Store
 
@@ -109,6 +110,15 @@ async def test_nospace_when_nothing_may_be_evicted() -> None:
                 accepted += 1
         assert 500 < accepted < 6000
         assert store.space.metadata_evictions == 0
+
+        def walk(*args: object, **kwargs: object) -> Iterator[tuple[Inode, bool]]:
+            raise AssertionError("walked the policy order with nothing evictable")
+
+        walked = store.evictor.candidates
+        store.evictor.candidates = walk  # type: ignore[method-assign]
+        with pytest.raises(NoSpace, match="metadata"):  # refused without walking the policy order
+            await store.create(ROOT_INO, b"one-more", 0o100644)
+        store.evictor.candidates = walked  # type: ignore[method-assign]
         assert await check_survivors(store, accepted) == list(range(accepted))
         for i in range(accepted - 100, accepted):
             store.maybe_drop(store.ns.remove(ROOT_INO, name_of(i), want_dir=False))
