@@ -5,15 +5,32 @@ of the committed transactions, never garbage."""
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import trio
 
-from kvfs.device import ALIGN, FaultyDevice, MemoryDevice
+from kvfs.device import ALIGN, Device, FaultyDevice, MemoryDevice
 from kvfs.errors import Corruption, DeviceError
-from kvfs.journal import Journal, Recovered, encode_checkpoint, half_bounds, recover
-from kvfs.layout import KIND_CKPT_END, PARSE_OK, Blob, Op, encode_entry, parse_entry
+from kvfs.journal import (
+    Journal,
+    Recovered,
+    checkpoint_pieces,
+    encode_checkpoint,
+    half_bounds,
+    recover,
+)
+from kvfs.layout import (
+    KIND_CKPT_END,
+    PARSE_OK,
+    Blob,
+    Op,
+    decode_ops,
+    encode_entry,
+    parse_entry,
+)
 
 SEED = 0xC0FFEE_1234
 META_START = 2 * ALIGN
@@ -35,18 +52,57 @@ class RecordingDevice(MemoryDevice):
         return super()._pwrite(offset, bufs)
 
 
-def state_of(found: Recovered) -> State:
-    state: State = {}
-    for op in found.ops:
-        assert isinstance(op, Blob)
-        state[op.name] = op.data
-    return state
+class BlobSink:
+    """Recovery's payloads as a blob dictionary; records the order it was fed in."""
+
+    def __init__(self) -> None:
+        self.state: State = {}
+        self.calls: list[str] = []
+
+    def reset(self) -> None:
+        self.state.clear()
+        self.calls.append("reset")
+
+    def checkpoint(self, payload: bytes) -> None:
+        self.calls.append("checkpoint")
+        self._apply(payload)
+
+    def transaction(self, payload: bytes) -> None:
+        self.calls.append("transaction")
+        self._apply(payload)
+
+    def _apply(self, payload: bytes) -> None:
+        for op in decode_ops(payload):
+            assert isinstance(op, Blob)
+            self.state[op.name] = op.data
 
 
-def recover_image(image: bytes | bytearray, seed: int = SEED) -> Recovered:
+@dataclass
+class Found:
+    """What recovery found, with the state it fed."""
+
+    rec: Recovered
+    state: State
+    calls: list[str]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.rec, name)
+
+
+def recover_dev(dev: Device, seed: int = SEED) -> Found:
+    sink = BlobSink()
+    rec = recover(dev, META_START, META_SIZE, seed, sink)
+    return Found(rec, sink.state, sink.calls)
+
+
+def state_of(found: Found) -> State:
+    return found.state
+
+
+def recover_image(image: bytes | bytearray, seed: int = SEED) -> Found:
     dev = MemoryDevice(len(image))
     dev.data[:] = image
-    return recover(dev, META_START, META_SIZE, seed)
+    return recover_dev(dev, seed)
 
 
 class Workload:
@@ -58,8 +114,8 @@ class Workload:
         self.states: list[State] = []  # states[i] = after i transactions (0 = checkpoint)
         self.marks: list[tuple[int, int]] = []  # (writes so far, transactions durable)
 
-    def snapshot(self) -> list[Op]:
-        return [Blob(k, v) for k, v in self.model.items()]
+    def snapshot(self) -> Iterator[bytes]:
+        return checkpoint_pieces([Blob(k, v) for k, v in self.model.items()], per_piece=3)
 
     def txn(self, i: int) -> list[Op]:
         ops: list[Op] = [Blob("n", b"%d" % i)]
@@ -113,36 +169,36 @@ async def test_append_flush_recover_round_trip() -> None:
     dev = RecordingDevice(DEV_SIZE)
     work = Workload(1)
     journal = await run_workload(dev, work, 40, checkpoint_bytes=1 << 20)
-    found = recover(dev, META_START, META_SIZE, SEED)
+    found = recover_dev(dev)
     assert work.index_of(state_of(found)) == 40
     assert found.transactions == 40
     assert (found.generation, found.half) == (journal.generation, journal.half) == (1, 1)
     stats = journal.statistics()
     assert stats.checkpoints == 1 and stats.flushes >= 1
-    assert found.seq == stats.durable_seq == journal.last_seq
+    assert stats.durable_seq == journal.last_seq == 40
 
 
 async def test_resume_checkpoints_first_then_switches_halves() -> None:
     dev = RecordingDevice(DEV_SIZE)
     work = Workload(2)
     await run_workload(dev, work, 10, checkpoint_bytes=1 << 20)
-    found = recover(dev, META_START, META_SIZE, SEED)
+    found = recover_dev(dev)
     assert (found.generation, found.half) == (1, 1)
     journal = Journal(dev, META_START, META_SIZE, [dev], work.snapshot, seed=SEED)
-    journal.resume(found, in_place=False)
+    journal.resume(found.rec, in_place=False)
     async with trio.open_nursery() as nursery:
         await nursery.start(journal.run)
         for i in range(11, 16):
             # the first flush after resume must not overwrite the recovered log
             await journal.wait_durable(journal.append(work.txn(i)))
-            again = recover(dev, META_START, META_SIZE, SEED)
+            again = recover_dev(dev)
             assert (again.generation, again.half) == (2, 0)
             assert work.index_of(state_of(again)) == i
         await journal.checkpoint()
         assert (journal.generation, journal.half) == (3, 1)
         await journal.wait_durable(journal.append(work.txn(16)))
         nursery.cancel_scope.cancel()
-    last = recover(dev, META_START, META_SIZE, SEED)
+    last = recover_dev(dev)
     assert (last.generation, last.half, last.transactions) == (3, 1, 1)
     assert work.index_of(state_of(last)) == 16
 
@@ -152,15 +208,15 @@ async def test_resume_in_place_after_a_clean_checkpoint_appends_behind_it() -> N
     work = Workload(3)
     await run_workload(dev, work, 6, checkpoint_bytes=1 << 20)
     first = Journal(dev, META_START, META_SIZE, [dev], work.snapshot, seed=SEED)
-    first.resume(recover(dev, META_START, META_SIZE, SEED), in_place=False)
+    first.resume(recover_dev(dev).rec, in_place=False)
     async with trio.open_nursery() as nursery:
         await nursery.start(first.run)
         await first.start()  # a checkpoint: the "clean unmount" state
         nursery.cancel_scope.cancel()
-    clean = recover(dev, META_START, META_SIZE, SEED)
+    clean = recover_dev(dev)
     assert clean.transactions == 0 and not clean.fell_back
     journal = Journal(dev, META_START, META_SIZE, [dev], work.snapshot, seed=SEED)
-    journal.resume(clean, in_place=True)
+    journal.resume(clean.rec, in_place=True)
     async with trio.open_nursery() as nursery:
         await nursery.start(journal.run)
         await journal.start()  # nothing to do: no checkpoint is written
@@ -168,7 +224,7 @@ async def test_resume_in_place_after_a_clean_checkpoint_appends_behind_it() -> N
             await journal.wait_durable(journal.append(work.txn(i)))
         nursery.cancel_scope.cancel()
     assert journal.statistics().checkpoints == 0
-    after = recover(dev, META_START, META_SIZE, SEED)
+    after = recover_dev(dev)
     assert (after.generation, after.half) == (clean.generation, clean.half)
     assert after.transactions == 3
     assert work.index_of(state_of(after)) == 9
