@@ -241,7 +241,9 @@ def _replay_half(
     base, size = half_bounds(meta_start, meta_size, half)
     reader = _HalfReader(dev, base, size, generation, seed, version)
     damage: list[Damage] = []
-    complete, end, seq, txns, ckpt_end = False, 0, 0, 0, 0
+    # complete: version 1 at CKPT_END; version 2 at the COMMIT that ends the write
+    # holding CKPT_END and the window's transactions (a torn one falls back)
+    ended, complete, end, seq, txns, ckpt_end = False, False, 0, 0, 0, 0
     pos: int = 0
     expected: int | None = None
     while True:
@@ -253,15 +255,18 @@ def _replay_half(
             damage.append(Damage(pos, expected, resume[1] - expected))
             pos, expected = resume
             continue
-        if entry.kind == KIND_CKPT_DATA and not complete:
+        if entry.kind == KIND_CKPT_DATA and not ended:
             sink.checkpoint(entry.payload)
         elif entry.kind == KIND_TXN:
-            if not complete:
+            if not ended:
                 break
             sink.transaction(entry.payload)
             txns += 1
         elif entry.kind == KIND_CKPT_END:
-            complete, ckpt_end = True, nxt
+            ended, ckpt_end = True, nxt
+            complete = version == 1
+        elif entry.kind == KIND_COMMIT and ended:
+            complete = True
         pos, expected = nxt, entry.seq + 1
         end, seq = nxt, entry.seq
     if not complete:
@@ -522,6 +527,7 @@ class Journal:
         self._pending: list[tuple[int, bytes]] = []  # (txid, ops payload), not yet written
         self._pending_bytes = 0
         self._window: list[bytes] | None = None  # payloads since the running snapshot
+        self._in_checkpoint = False
         self._window_bytes = 0
         self._dirty_devices: set[int] = set()
         self._wake = trio.Event()
@@ -598,9 +604,15 @@ class Journal:
                 raise DeviceError(f"metadata log unavailable: {self._failed}")
             await self._flushed.wait()
 
+    def request_checkpoint(self) -> None:
+        """Start a checkpoint soon, without waiting for it (sync)."""
+        self._want_checkpoint = True
+        self._wake.set()
+
     @property
     def checkpointing(self) -> bool:
-        return self._window is not None
+        """A checkpoint is being written (snapshot taken, new half not yet current)."""
+        return self._in_checkpoint
 
     # ----------------------------------------------------------------- flusher
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -684,6 +696,7 @@ class Journal:
         self._want_checkpoint = False
         self._ckpt_begun += 1
         self._window, self._window_bytes = [], 0
+        self._in_checkpoint = True
         try:
             pieces = self._snapshot()
             seed = self._seed
@@ -719,6 +732,7 @@ class Journal:
             await self._write(new, b"".join(stage), self._take_dirty(), flush_meta=True)
         finally:
             self._window = None
+            self._in_checkpoint = False
         self.generation, self.half, self._writer = generation, half, new
         self._entry_seq, self._ckpt_size = seq, ckpt_size
         self._durable = max(self._durable, last)
