@@ -443,9 +443,10 @@ class _HalfReader:
         return False
 
 
-def checkpoint_pieces(ops: Iterable[Op], per_piece: int = CKPT_OPS) -> Iterator[bytes]:
-    """CKPT_DATA payloads of ``per_piece`` operations each, encoded lazily: the next
-    piece is taken from ``ops`` only when asked for."""
+def checkpoint_pieces(ops: Iterable[Op], per_piece: int = 0) -> Iterator[bytes]:
+    """CKPT_DATA payloads of ``per_piece`` (default CKPT_OPS) operations each, encoded
+    lazily: the next piece is taken from ``ops`` only when asked for."""
+    per_piece = per_piece or CKPT_OPS
     it = iter(ops)
     while batch := list(itertools.islice(it, per_piece)):
         yield encode_ops(batch)

@@ -359,6 +359,53 @@ def test_hanging_metadata_device_fails_commits_within_the_deadline(tmp_path: Pat
             assert read_or_errno(mnt / "f1") == files["f1"]
 
 
+def test_a_stat_is_answered_while_a_checkpoint_is_in_progress(tmp_path: Path) -> None:
+    """A checkpoint started (user.kvfs.checkpoint) while the metadata device's writes
+    hang cannot finish; meanwhile the mount answers stats, lookups and its statistics,
+    which show the checkpoint in progress. Once the device answers it completes."""
+    from conftest import errno_of, require_fuse, wait_for
+
+    from kvfs import harness
+
+    require_fuse()
+    with faultfs(tmp_path, {"d0.img": 128 * MiB}) as ffs:
+        devs = [ffs.path / "d0.img"]
+        mnt, log = tmp_path / "mnt", tmp_path / "kvfs.log"
+        with harness.mounted(
+            mnt, devs, "--format", "--meta-size", "8M", "--io-timeout", "30", log_file=log
+        ) as proc:
+            files = populate(mnt, 3, 100_000)
+
+            def journal() -> dict[str, object]:
+                stats = json.loads(os.getxattr(mnt, "user.kvfs.stats"))
+                out: dict[str, object] = stats["journal"]
+                return out
+
+            before = journal()
+            ffs.set(**{"d0.img": {"write": "hang"}})
+            os.setxattr(mnt, "user.kvfs.checkpoint", b"1")  # returns at once
+            wait_for(lambda: journal()["checkpointing"], what="the checkpoint to start")
+            # its write hangs, so it is still in progress while these are answered
+            assert os.stat(mnt / "f1").st_size == 100_000
+            assert errno_of(os.stat, mnt / "not-there") == errno.ENOENT
+            assert sorted(os.listdir(mnt)) == ["f0", "f1", "f2"]
+            now = journal()
+            assert now["checkpointing"] and now["checkpoints"] == before["checkpoints"]
+            assert now["generation"] == before["generation"]
+            ffs.set()
+            wait_for(
+                lambda: (
+                    not journal()["checkpointing"]
+                    and journal()["checkpoints"] == before["checkpoints"] + 1
+                ),
+                what="the checkpoint to complete",
+            )
+            assert journal()["generation"] == before["generation"] + 1
+            for name, content in files.items():
+                assert read_or_errno(mnt / name) == content
+            assert proc.poll() is None
+
+
 def test_missing_device_refused_unless_degraded(tmp_path: Path) -> None:
     from conftest import require_fuse
 
