@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from conftest import read_or_errno
 from conftest import write_file as write
@@ -376,9 +376,9 @@ def test_a_stat_is_answered_while_a_checkpoint_is_in_progress(tmp_path: Path) ->
         ) as proc:
             files = populate(mnt, 3, 100_000)
 
-            def journal() -> dict[str, object]:
+            def journal() -> dict[str, Any]:
                 stats = json.loads(os.getxattr(mnt, "user.kvfs.stats"))
-                out: dict[str, object] = stats["journal"]
+                out: dict[str, Any] = stats["journal"]
                 return out
 
             before = journal()
