@@ -29,10 +29,12 @@ from kvfs.journal import (
     encode_checkpoint,
     half_bounds,
     recover,
+    scan,
 )
 from kvfs.layout import (
     ENTRY_OVERHEAD,
     KIND_CKPT_END,
+    KIND_TXN,
     PARSE_OK,
     Blob,
     Op,
@@ -644,3 +646,25 @@ def test_a_version_1_log_still_recovers(kind: str) -> None:
     assert ns.inodes[ROOT_INO].xattrs == {b"user.x": b"value"}
     for name, size_ in {**FILES, **LATER}.items():
         assert ns.lookup(ROOT_INO, name).size == size_
+
+
+@pytest.mark.parametrize("where", ["header", "payload"])
+async def test_mid_log_damage_is_found_without_block_aligned_flushes(where: str) -> None:
+    """A durable transaction in the middle of the log is damaged (its magic, or a
+    payload byte): a later write (COMMIT then a valid entry) proves it was durable,
+    so it is reported as damage and every later transaction is still replayed."""
+    dev = RecordingDevice(DEV_SIZE)
+    work = Workload(16)
+    await run_workload(dev, work, 60, checkpoint_bytes=1 << 20)
+    found = recover_dev(dev)
+    base, size = half_bounds(META_START, META_SIZE, found.half)
+    entries = list(scan(dev, base, size, found.generation, SEED))
+    txns = [(end, e) for end, e in entries if e.kind == KIND_TXN]
+    end, victim = txns[len(txns) // 3]
+    start = end - len(encode_entry(KIND_TXN, 0, 0, victim.payload))
+    bad = bytearray(dev.data)
+    bad[base + start + (0 if where == "header" else 40)] ^= 0x5A
+    damaged = recover_image(bad)
+    assert len(damaged.damage) == 1 and damaged.damage[0].offset == start
+    assert damaged.transactions == found.transactions - 1
+    assert damaged.state["n"] == b"60", "the transactions after the damage are kept"
