@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import gzip
 import importlib.util
+import itertools
 import queue
 import random
 import threading
@@ -264,6 +265,11 @@ async def test_crash_at_every_write_and_inside_every_write_recovers_a_prefix(
     work = Workload(3)
     journal = await run_workload(dev, work, 150, checkpoint_bytes=12 * 1024)
     assert journal.statistics().checkpoints >= 4, "the workload should switch halves often"
+    base1, _ = half_bounds(META_START, META_SIZE, 1)
+    halves = [offset >= base1 for offset, _ in dev.writes]
+    switches = sum(a != b for a, b in itertools.pairwise(halves))
+    if ckpt_write == 1:  # commits into the old half between the new half's pieces
+        assert switches > 2 * journal.statistics().checkpoints, switches
     image = bytearray(DEV_SIZE)
     previous = 0
     for n, (offset, data) in enumerate(dev.writes):
