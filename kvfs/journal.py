@@ -655,7 +655,10 @@ class Journal:
         if self._writer is None:
             return True
         grown = self._writer.offset - self._ckpt_size + self._pending_bytes
-        return grown > self._checkpoint_bytes or not self._fits_pending()
+        # at half of the room the last checkpoint left at most, so that the window of
+        # the next one has the other half of it, in both halves
+        limit = min(self._checkpoint_bytes, (self._half_size - self._ckpt_size) // 2)
+        return grown > limit or not self._fits_pending()
 
     def _fits_pending(self) -> bool:
         """The pending transactions fit in the current half (with their COMMIT)."""
