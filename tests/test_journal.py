@@ -268,8 +268,8 @@ async def test_crash_at_every_write_and_inside_every_write_recovers_a_prefix(
     base1, _ = half_bounds(META_START, META_SIZE, 1)
     halves = [offset >= base1 for offset, _ in dev.writes]
     switches = sum(a != b for a, b in itertools.pairwise(halves))
-    if ckpt_write == 1:  # commits into the old half between the new half's pieces
-        assert switches > 2 * journal.statistics().checkpoints, switches
+    if ckpt_write == 1:  # some commits went into the old half between the new one's pieces
+        assert switches > journal.statistics().checkpoints + 1, switches
     image = bytearray(DEV_SIZE)
     previous = 0
     for n, (offset, data) in enumerate(dev.writes):
