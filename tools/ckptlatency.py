@@ -12,7 +12,9 @@ of a random existing file (a fresh lookup: the daemon answers) and ``getxattr`` 
 file (never cached: the daemon answers). Reported: the worst and p99 latency of each,
 and the checkpoints' durations as the daemon logs them. Then, on a fresh small pool,
 ``--closes`` sequential small files (4 KiB, each closed = one durable commit) and the
-journal bytes that added per close. Prints one markdown table row per measurement.
+journal bytes that added per close. ``--gaps N``: the same pool without FUSE, in this
+process: what of a checkpoint runs on the trio thread, and the longest gaps of the
+loop while one is written. Prints one markdown table row per measurement.
 
 ``--tree``: run the daemon and the builder from that checkout (to compare with an older
 release). A tree without the ``user.kvfs.checkpoint`` trigger gets it added in the
@@ -213,6 +215,66 @@ def bytes_per_close(tree: str, work: Path, closes: int) -> str:
     return f"| {closes} | {grown / closes:,.0f} B | {closes / took:,.0f} closes/s |"
 
 
+def loop_gaps(tree: str, work: Path, n: int) -> str:
+    """In-process, without FUSE: ``Store.load()`` of an N-file pool, then the parts of
+    a checkpoint that run on the trio thread, and the longest gaps between the turns
+    of a task that only yields, while a checkpoint is written."""
+    _use_tree(tree)
+    import mounttime
+    import trio
+
+    from kvfs.pool import open_pool
+    from kvfs.store import Store
+
+    image = work / f"gaps-{n}.img"
+    mounttime.build(image, n)
+    pool = open_pool([str(image)])
+    try:
+        store = Store(pool)
+        store.load()
+        t0 = time.perf_counter()
+        store.evictor.save()
+        save = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        list(store.ns.inodes)
+        keys = time.perf_counter() - t0
+        pieces, worst = store._snapshot(), 0.0
+        while True:
+            t0 = time.perf_counter()
+            if next(pieces, None) is None:
+                break
+            worst = max(worst, time.perf_counter() - t0)
+        gaps: list[float] = []
+
+        async def run() -> None:
+            done = False
+
+            async def ticker() -> None:
+                last = time.perf_counter()
+                while not done:
+                    await trio.lowlevel.checkpoint()
+                    now = time.perf_counter()
+                    gaps.append(now - last)
+                    last = now
+
+            async with trio.open_nursery() as nursery:
+                await nursery.start(store.run)
+                nursery.start_soon(ticker)
+                await store.journal.checkpoint()
+                done = True
+                nursery.cancel_scope.cancel()
+
+        trio.run(run)
+    finally:
+        pool.close()
+        image.unlink(missing_ok=True)
+    top = ", ".join(f"{g * 1e3:.0f}" for g in sorted(gaps)[-4:][::-1])
+    return (
+        f"| {n:,} | {save:.2f} s | {keys * 1e3:.0f} ms | {worst * 1e3:.0f} ms "
+        f"| {top} ms | {p99(gaps) * 1e3:.1f} ms |"
+    )
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] in ("--build", "--daemon"):
         sys.exit(_child(sys.argv[1:]))
@@ -222,6 +284,7 @@ def main() -> None:
     ap.add_argument("--files", type=int, nargs="*", default=[100_000, 1_000_000])
     ap.add_argument("--checkpoints", type=int, default=3)
     ap.add_argument("--closes", type=int, default=500, help="0: skip the bytes-per-close run")
+    ap.add_argument("--gaps", type=int, nargs="*", default=[], help="loop gaps at N (in-process)")
     args = ap.parse_args()
     work = Path(args.dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -235,6 +298,14 @@ def main() -> None:
         print("|---:|---:|---:|---:|---:|---:|---:|")
         for n in args.files:
             print(latency_run(args.tree, work, n, args.checkpoints), flush=True)
+    if args.gaps:
+        print(
+            "| files | evictor.save() | list(inodes) | worst next() of the snapshot "
+            "| longest loop gaps | p99 gap |"
+        )
+        print("|---:|---:|---:|---:|---:|---:|")
+        for n in args.gaps:
+            print(loop_gaps(args.tree, work, n), flush=True)
     if args.closes:
         print("| sequential 4 KiB files closed | journal bytes per close | rate |")
         print("|---:|---:|---:|")
