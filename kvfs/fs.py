@@ -34,6 +34,9 @@ R = TypeVar("R")
 
 STATS_XATTR = b"user.kvfs.stats"
 """Read-only xattr on the root: the mount's statistics as JSON (``kvfs stats``)."""
+CHECKPOINT_XATTR = b"user.kvfs.checkpoint"
+"""Write-only xattr on the root, for root or the daemon's user: setting it (any value)
+starts a metadata checkpoint and returns at once (tests, ``tools/ckptlatency.py``)."""
 
 
 def _errors(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
@@ -295,6 +298,11 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
         posix.check_xattr_name(name)
         if name == STATS_XATTR:
             raise pyfuse3.FUSEError(errno.EPERM)
+        if name == CHECKPOINT_XATTR:
+            if inode != pyfuse3.ROOT_INODE or _caller(ctx).uid not in (0, os.getuid()):
+                raise pyfuse3.FUSEError(errno.EPERM)
+            self.store.journal.request_checkpoint()
+            return
         if name in GROUP_XATTRS:
             check_group_xattr(name, value)
         await self.store.check_metadata_room()

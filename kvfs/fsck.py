@@ -16,7 +16,6 @@ open, not a pool).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable, Iterator
 
@@ -25,7 +24,7 @@ import xxhash
 from kvfs.check import Report, check_index, fix_dir_links
 from kvfs.device import ALIGN, aligned_buffer
 from kvfs.errors import Corruption, DeviceError, UserError
-from kvfs.journal import encode_checkpoint, half_bounds, recover
+from kvfs.journal import ApplySink, encode_checkpoint, half_bounds, recover
 from kvfs.layout import DEV_SHIFT, FORMAT_VERSION, NO_UNIT, UNIT_MASK, Superblock
 from kvfs.namespace import Namespace
 from kvfs.pool import (
@@ -50,11 +49,20 @@ def offline_index(paths: list[str]) -> tuple[Namespace, Pool]:
     try:
         meta, start, size = pool.meta
         ns = Namespace(lambda ops: None)
-        for op in recover(meta, start, size, pool.seed).ops:
-            ns.apply(op)
+        recover(meta, start, size, pool.seed, _sink(ns))
         return ns, pool
     finally:
         pool.close()
+
+
+def _sink(ns: Namespace) -> ApplySink:
+    """Recovery's operations applied to ``ns`` (forgotten again on a fallback)."""
+
+    def reset() -> None:
+        ns.inodes.clear()
+        ns.blobs.clear()
+
+    return ApplySink(ns.apply, reset)
 
 
 def fsck(
@@ -88,8 +96,10 @@ def _fsck_pool(pool: Pool, repair: bool, check_data: bool, out: Callable[[str], 
     if pool.version < FORMAT_VERSION:
         report.notes.append("format version 1 has no backup superblocks: kvfs upgrade adds them")
     meta, start, size = pool.meta
+    ns = Namespace(lambda ops: None)
+    sink = _sink(ns)
     try:
-        found = recover(meta, start, size, pool.seed)
+        found = recover(meta, start, size, pool.seed, sink)
     except (Corruption, DeviceError) as e:
         _print_problems(report, out)
         out(f"metadata: UNRECOVERABLE: {e}")
@@ -101,14 +111,16 @@ def _fsck_pool(pool: Pool, repair: bool, check_data: bool, out: Callable[[str], 
         f"metadata: checkpoint generation {found.generation} (half {found.half}), "
         f"{found.transactions} journal transactions replayed, log ends at byte {found.end}"
     )
-    ns = Namespace(lambda ops: None)
     for damage_ in found.damage:
         report.problem(f"metadata log of half {found.half}: {damage_}")
-    for op in found.ops:
-        try:
-            ns.apply(op)
-        except (KeyError, AssertionError):
+    if found.damage:  # without damage, a skip is a fuzzy checkpoint's replay (normal)
+        for op in sink.first_skipped:
             report.problem(f"journal operation {op!r:.80} refers to a missing inode")
+        if sink.skipped > len(sink.first_skipped):
+            report.problem(
+                f"{sink.skipped - len(sink.first_skipped)} more journal operation(s) "
+                "refer to missing inodes"
+            )
     for d in pool.damage:
         if d.copy != "both":
             continue
@@ -278,14 +290,11 @@ def upgrade(paths: list[str]) -> list[str]:
 def _files_in_the_way(pool: Pool, new: list[Superblock]) -> list[str]:
     """Files with data in units the new superblocks no longer count as data."""
     meta, start, size = pool.meta
+    ns = Namespace(lambda ops: None)
     try:
-        found = recover(meta, start, size, pool.seed)
+        recover(meta, start, size, pool.seed, _sink(ns))
     except (Corruption, DeviceError) as e:
         raise UserError(f"metadata unreadable ({e}): run kvfs fsck first", 1) from None
-    ns = Namespace(lambda ops: None)
-    for op in found.ops:
-        with contextlib.suppress(KeyError, AssertionError):
-            ns.apply(op)
     hits = []
     for inode in ns.inodes.values():
         for p in inode.units:

@@ -3,58 +3,79 @@
 Format (``docs/format.md``): the meta area on device 0 is split in two halves. A half
 holds one *generation*: a checkpoint (CKPT_BEGIN, CKPT_DATA..., CKPT_END) followed by
 journal transactions (TXN), every entry carrying the generation, a consecutive
-sequence number and an xxh64 checksum. Recovery takes the newest half whose
+sequence number and an xxh64 checksum; every device write ends with a COMMIT entry.
+Recovery (:mod:`kvfs.recovery`, re-exported here) takes the newest half whose
 checkpoint is complete and replays its transactions up to the first entry that is
-torn, corrupt or out of sequence. When a half fills (or its journal grows past
-``checkpoint_bytes``) a fresh checkpoint is written into the other half.
+torn, corrupt or out of sequence, feeding each payload to a sink as it goes (nothing
+is collected). When a half's journal grows
+past ``checkpoint_bytes`` (or the half fills) a fresh checkpoint is written into the
+other half.
 
 Concurrency contract: ``append`` is synchronous (callers hold no await between a
-state change and its append, so log order = state order). One flusher task writes
-batches: it flushes the data devices that saw writes, then the journal blocks, then
-the meta device, and only then wakes ``wait_durable`` callers (group commit). Each
-flush ends on a block boundary (a PAD entry), so a durable block is never rewritten.
+state change and its append, so log order = state order); it returns a transaction id
+(monotonic for the journal's life, not the on-device sequence number). One flusher
+task does every device write: a group commit flushes the data devices that saw
+writes, then appends the pending transactions behind the last durable entry (the
+block holding it is rewritten with its durable bytes unchanged), then flushes the meta
+device, and only then wakes ``wait_durable`` callers.
+
+Checkpoints never freeze the loop: ``snapshot()`` is called on the trio thread and
+returns an iterator of CKPT_DATA payloads; the flusher calls ``next()`` (short) and
+writes the pieces to the other half, awaiting between them, while group commits go on
+in the current half. Every transaction appended after ``snapshot()`` was called (the
+*window*) is also written into the new half after its CKPT_END, and the new half
+becomes current only once that is durable: the new generation is the (fuzzy)
+checkpoint plus every transaction since it began (``docs/design.md``, "Checkpoints").
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import trio
+import trio.lowlevel
 
 from kvfs.device import ALIGN, Device, aligned_buffer
-from kvfs.errors import Corruption, DeviceError
+from kvfs.errors import DeviceError
 from kvfs.layout import (
     ENTRY_OVERHEAD,
+    ENTRY_VERSION,
     KIND_CKPT_BEGIN,
     KIND_CKPT_DATA,
     KIND_CKPT_END,
-    KIND_PAD,
     KIND_TXN,
-    PARSE_END,
-    PARSE_MORE,
-    PARSE_OK,
-    Entry,
     Op,
-    decode_ops,
+    commit_entry,
     encode_entry,
     encode_ops,
-    entry_header,
-    pad_entry,
-    parse_entry,
-    peek_entry,
+)
+from kvfs.recovery import (
+    ApplySink,
+    Damage,
+    NullSink,
+    Recovered,
+    RecoverySink,
+    half_bounds,
+    recover,
+    scan,
 )
 
 log = logging.getLogger(__name__)
 
-READ_CHUNK = 8 << 20
 META_FULL = 0.75
 """Fraction of a half a checkpoint may fill before growth is refused (ENOSPC)."""
-CKPT_OPS = 4096
-"""Operations per checkpoint entry (a few hundred KiB)."""
+CKPT_OPS = 1024
+"""Operations per checkpoint entry: ~100 KiB, one ``next()`` of the snapshot, 8 ms on
+the loaded 2-core test VM (4096 took 30-48 ms there: the loop stops for one piece)."""
+CKPT_WRITE = 1 << 20
+"""Checkpoint pieces are gathered into device writes of about this many bytes."""
+COMMIT_BYTES = ENTRY_OVERHEAD
+"""Size of a COMMIT entry (empty payload)."""
 
 
 @dataclass(frozen=True)
@@ -66,239 +87,63 @@ class JournalStatistics:
     flushes: int
     checkpoints: int
     durable_seq: int
+    """The last durable transaction id (what ``append`` returned)."""
+    checkpoint_bytes: int = 0
+    """Size of the current half's checkpoint (CKPT_BEGIN .. CKPT_END)."""
+    checkpointing: bool = False
+    """A checkpoint is being written into the other half right now."""
+    journal_bytes: int = 0
+    """Bytes of log written by group commits (TXN and COMMIT entries) this session."""
+    last_checkpoint_s: float = 0.0
+    """Wall time of the last completed checkpoint, snapshot to durable."""
 
 
-@dataclass(frozen=True)
-class Damage:
-    """Entries lost in the middle of a log: a later, complete group commit proves
-    that what lies between was durable once (kvfs writes a group commit only after
-    the one before it is durable), so this is damage, not the torn end of a crash."""
-
-    offset: int
-    """Byte offset in the half of the first entry that failed."""
-    first_seq: int
-    lost: int
-    """Sequence numbers skipped over (transactions and PAD entries)."""
-
-    def __str__(self) -> str:
-        return (
-            f"damaged at byte {self.offset}: {self.lost} entries from sequence number "
-            f"{self.first_seq} are lost, the complete transactions after them are kept"
-        )
-
-
-@dataclass
-class Recovered:
-    """What recovery found: the state's operations and where the log ended."""
-
-    generation: int
-    half: int
-    end: int
-    seq: int
-    transactions: int
-    ops: list[Op]
-    fell_back: bool = False
-    """The newest checkpoint was incomplete; this is the older half."""
-    damage: list[Damage] = field(default_factory=list)
-    """Mid-log damage skipped over; the transactions after it are in ``ops``."""
-
-
-def half_bounds(meta_start: int, meta_size: int, half: int) -> tuple[int, int]:
-    size = (meta_size // 2) // ALIGN * ALIGN
-    return meta_start + half * size, size
-
-
-def recover(dev: Device, meta_start: int, meta_size: int, seed: int) -> Recovered:
-    """Find the newest complete checkpoint and replay its journal (blocking)."""
-    candidates = []
-    for half in (0, 1):
-        base, _ = half_bounds(meta_start, meta_size, half)
-        head = aligned_buffer(ALIGN)
-        dev.read_into(base, memoryview(head))
-        entry = peek_entry(bytes(head), seed)
-        if entry is not None and entry.kind == KIND_CKPT_BEGIN:
-            candidates.append((entry.generation, half))
-    for i, (generation, half) in enumerate(sorted(candidates, reverse=True)):
-        found = _replay_half(dev, meta_start, meta_size, half, generation, seed)
-        if found is not None:
-            found.fell_back = i > 0
-            return found
-        log.warning("checkpoint generation %d is incomplete; trying the older one", generation)
-    raise Corruption("no complete metadata checkpoint found (not formatted, or destroyed)")
-
-
-def _replay_half(
-    dev: Device, meta_start: int, meta_size: int, half: int, generation: int, seed: int
-) -> Recovered | None:
-    base, size = half_bounds(meta_start, meta_size, half)
-    reader = _HalfReader(dev, base, size, generation, seed)
-    ops: list[Op] = []
-    damage: list[Damage] = []
-    complete, end, seq, txns = False, 0, 0, 0
-    pos: int = 0
-    expected: int | None = None
-    while True:
-        status, entry, nxt = reader.parse(pos, expected)
-        if status != PARSE_OK or entry is None:
-            resume = reader.resume_after(pos, expected) if complete else None
-            if resume is None or expected is None:
-                break
-            damage.append(Damage(pos, expected, resume[1] - expected))
-            pos, expected = resume
-            continue
-        if entry.kind in (KIND_CKPT_DATA, KIND_TXN):
-            if entry.kind == KIND_TXN and not complete:
-                break
-            ops.extend(decode_ops(entry.payload))
-            txns += entry.kind == KIND_TXN
-        elif entry.kind == KIND_CKPT_END:
-            complete = True
-        pos, expected = nxt, entry.seq + 1
-        end, seq = nxt, entry.seq
-    if not complete:
-        return None
-    return Recovered(generation, half, end, seq, txns, ops, damage=damage)
-
-
-def scan(
-    dev: Device, base: int, size: int, generation: int, seed: int
-) -> Iterator[tuple[int, Entry]]:
-    """Yield (end offset in the half, entry) of one half's log up to its first bad
-    entry (tools and tests: where each entry lies)."""
-    reader = _HalfReader(dev, base, size, generation, seed)
-    pos, expected = 0, None
-    while True:
-        status, entry, nxt = reader.parse(pos, expected)
-        if status != PARSE_OK or entry is None:
-            return
-        yield nxt, entry
-        pos, expected = nxt, entry.seq + 1
-
-
-RESUME_SCAN = 32 << 20
-"""How far past a bad entry recovery looks for the log to go on (bytes): further than
-one group commit writes (a few MiB)."""
-
-
-class _HalfReader:
-    """Parses the entries of one half, reading the device forward in big pieces."""
-
-    def __init__(self, dev: Device, base: int, size: int, generation: int, seed: int) -> None:
-        self.dev, self.base, self.size = dev, base, size
-        self.generation, self.seed = generation, seed
-        self.buf = bytearray()
-        self.start = 0  # half offset of buf[0]
-
-    def _load(self, pos: int) -> bool:
-        """Make the window start at or before ``pos`` and grow it by one piece;
-        False at the end of the half."""
-        if pos < self.start:  # a walk back (after a proof walk): start over there
-            self.buf, self.start = bytearray(), pos - pos % ALIGN
-        elif pos - self.start > READ_CHUNK:
-            drop = (pos - self.start) // ALIGN * ALIGN
-            del self.buf[:drop]
-            self.start += drop
-        have = self.start + len(self.buf)
-        if have >= self.size:
-            return False
-        n = min(READ_CHUNK, self.size - have)
-        chunk = aligned_buffer(n)
-        try:
-            self.dev.read_into(self.base + have, memoryview(chunk)[:n])
-            self.buf += chunk[:n]
-        finally:
-            chunk.close()
-        return True
-
-    def parse(self, pos: int, expected: int | None) -> tuple[int, Entry | None, int]:
-        """``parse_entry`` at half offset ``pos``, reading more of the half as needed."""
-        while True:
-            if pos >= self.start:
-                status, entry, nxt = parse_entry(
-                    memoryview(self.buf), pos - self.start, self.generation, expected, self.seed
-                )
-                if status != PARSE_MORE:
-                    return status, entry, nxt + self.start
-            if not self._load(pos):
-                return PARSE_END, None, pos
-
-    def resume_after(self, pos: int, expected: int | None) -> tuple[int, int] | None:
-        """Where the log goes on after the bad entry at ``pos`` (offset, sequence
-        number), if it provably does; None for a torn tail.
-
-        Candidates: the entry right after the bad one when its header is intact (a
-        flipped payload bit), else the first entry of this generation with a later
-        sequence number at a block boundary (every group commit starts on one).
-        The proof that this is not the torn end of the last write: walking on from
-        the candidate reaches the end of a group commit (a PAD ending on a block
-        boundary) followed by a valid entry -- a later write, and kvfs only issues
-        a write once the one before it is durable."""
-        if expected is None:
-            return None
-        for cand, cseq in self._candidates(pos, expected):
-            if self._later_flush(cand, cseq):
-                return cand, cseq
-        return None
-
-    def _candidates(self, pos: int, expected: int) -> Iterator[tuple[int, int]]:
-        head = self._header(pos)
-        if head is not None and head[2] == expected:
-            nxt = pos + ENTRY_OVERHEAD + head[3]
-            yield nxt + (-nxt % 8), expected + 1
-        limit = min(self.size, pos + RESUME_SCAN)
-        block = pos + ALIGN - pos % ALIGN
-        while block < limit:
-            head = self._header(block)
-            if head is not None and head[2] > expected:
-                status, entry, _ = self.parse(block, None)
-                if status == PARSE_OK and entry is not None:
-                    yield block, entry.seq
-                    return
-            block += ALIGN
-
-    def _header(self, pos: int) -> tuple[int, int, int, int] | None:
-        """(kind, generation, seq, length) of a plausible entry header at ``pos``."""
-        while pos < self.start or pos + ENTRY_OVERHEAD > self.start + len(self.buf):
-            if not self._load(pos):
-                return None
-        return entry_header(memoryview(self.buf), pos - self.start, self.generation)
-
-    def _later_flush(self, pos: int, seq: int) -> bool:
-        limit = pos + RESUME_SCAN
-        while pos < limit:
-            status, entry, nxt = self.parse(pos, seq)
-            if status != PARSE_OK or entry is None:
-                return False
-            if entry.kind == KIND_PAD and nxt % ALIGN == 0:
-                return self.parse(nxt, entry.seq + 1)[0] == PARSE_OK
-            pos, seq = nxt, entry.seq + 1
-        return False
+def checkpoint_pieces(ops: Iterable[Op], per_piece: int = 0) -> Iterator[bytes]:
+    """CKPT_DATA payloads of ``per_piece`` (default CKPT_OPS) operations each, encoded
+    lazily: the next piece is taken from ``ops`` only when asked for."""
+    per_piece = per_piece or CKPT_OPS
+    it = iter(ops)
+    while batch := list(itertools.islice(it, per_piece)):
+        yield encode_ops(batch)
 
 
 def encode_checkpoint(
     ops: Iterable[Op], generation: int, seq: int, seed: int
 ) -> tuple[bytes, int, int]:
-    """A whole checkpoint, block-padded: (bytes, last sequence number, op count)."""
+    """A whole checkpoint, ending in a COMMIT: (bytes, last sequence number, op count).
+    Offline tools only (format, fsck --repair, tools/mounttime.py); the journal
+    writes live checkpoints piece by piece."""
     pieces = [encode_entry(KIND_CKPT_BEGIN, generation, seq + 1, b"", seed)]
     seq += 1
-    batch: list[Op] = []
     count = 0
-    for op in ops:
-        batch.append(op)
-        count += 1
-        if len(batch) >= CKPT_OPS:
-            seq += 1
-            pieces.append(encode_entry(KIND_CKPT_DATA, generation, seq, encode_ops(batch), seed))
-            batch = []
-    if batch:
+
+    def counted() -> Iterator[Op]:
+        nonlocal count
+        for op in ops:
+            count += 1
+            yield op
+
+    for payload in checkpoint_pieces(counted()):
         seq += 1
-        pieces.append(encode_entry(KIND_CKPT_DATA, generation, seq, encode_ops(batch), seed))
+        pieces.append(encode_entry(KIND_CKPT_DATA, generation, seq, payload, seed))
+    n_data = len(pieces) - 1  # CKPT_END holds the number of CKPT_DATA entries
     seq += 1
-    pieces.append(encode_entry(KIND_CKPT_END, generation, seq, count.to_bytes(8, "little"), seed))
-    data = b"".join(pieces)
+    pieces.append(encode_entry(KIND_CKPT_END, generation, seq, n_data.to_bytes(8, "little"), seed))
     seq += 1
-    data += pad_entry(generation, seq, len(data), ALIGN, seed)
-    return data, seq, count
+    pieces.append(commit_entry(generation, seq, seed))
+    return b"".join(pieces), seq, count
+
+
+class _HalfWriter:
+    """Where the log of one half ends: each write starts at the block holding that
+    end and rewrites the block's durable bytes (``tail``) unchanged."""
+
+    def __init__(self, base: int, size: int, offset: int = 0, tail: bytes = b"") -> None:
+        assert len(tail) == offset % ALIGN
+        self.base, self.size, self.offset, self.tail = base, size, offset, tail
+
+    def room(self) -> int:
+        return self.size - self.offset
 
 
 class Journal:
@@ -310,7 +155,7 @@ class Journal:
         meta_start: int,
         meta_size: int,
         data_devices: list[Device],
-        snapshot: Callable[[], Iterable[Op]],
+        snapshot: Callable[[], Iterator[bytes]],
         *,
         seed: int,
         on_durable: Callable[[int], None] = lambda seq: None,
@@ -330,30 +175,41 @@ class Journal:
         self._io_timeout = io_timeout
         self.generation = 0
         self.half = 0
-        self._offset = 0  # bytes of the current half in use (block aligned)
-        self._ckpt_end = 0
-        self._seq = 0
-        self._durable = 0
-        self._pending: list[bytes] = []
+        self._writer: _HalfWriter | None = None  # None: nothing may be appended here
+        self._entry_seq = 0  # sequence number of the current half's last entry
+        self._ckpt_size = 0  # bytes of the current half's checkpoint
+        self._txid = 0  # last transaction id handed out by append
+        self._durable = 0  # last durable transaction id
+        self._pending: list[tuple[int, bytes]] = []  # (txid, ops payload), not yet written
         self._pending_bytes = 0
+        self._window: list[bytes] | None = None  # payloads since the running snapshot
+        self._in_checkpoint = False
+        self._window_bytes = 0
         self._dirty_devices: set[int] = set()
         self._wake = trio.Event()
         self._flushed = trio.Event()
+        self._last_flush = time.monotonic()
         self._want_checkpoint = False
+        self._ckpt_begun = self._ckpt_done = 0
         self._failed: DeviceError | None = None
         self._flushes = self._checkpoints = 0
+        self._journal_bytes = 0
+        self._last_ckpt_s = 0.0
         self._lock = trio.Lock()
 
     # ----------------------------------------------------------------- state
     def resume(self, found: Recovered, in_place: bool) -> None:
         """Continue after what recovery found. ``in_place`` (a clean unmount: the log
         ends right after its checkpoint, nothing torn can follow) appends to that
-        half at once; otherwise the first flush writes a fresh checkpoint into the
-        other half, so nothing is ever appended behind a torn tail."""
+        half at once, if it is of the current entry version; otherwise the first
+        flush writes a fresh checkpoint into the other half, so nothing is ever
+        appended behind a torn tail (nor version-2 entries behind version-1 ones)."""
         self.generation, self.half = found.generation, found.half
-        self._seq = self._durable = found.seq
-        if in_place:
-            self._offset = self._ckpt_end = found.end
+        self._entry_seq = found.seq
+        if in_place and found.version == ENTRY_VERSION:
+            base, _ = half_bounds(self._meta_start, self._meta_size, self.half)
+            self._writer = _HalfWriter(base, self._half_size, found.end, found.tail)
+            self._ckpt_size = found.checkpoint_end
         else:
             self._want_checkpoint = True
 
@@ -363,18 +219,22 @@ class Journal:
             await self.checkpoint()
 
     def append(self, ops: list[Op]) -> int:
-        """Queue one atomic transaction; returns its sequence number (sync)."""
-        self._seq += 1
-        raw = encode_entry(KIND_TXN, self.generation, self._seq, encode_ops(ops), self._seed)
-        self._pending.append(raw)
-        self._pending_bytes += len(raw)
+        """Queue one atomic transaction; returns its transaction id (sync)."""
+        self._txid += 1
+        payload = encode_ops(ops)
+        self._pending.append((self._txid, payload))
+        self._pending_bytes += len(payload) + ENTRY_OVERHEAD + 8
+        if self._window is not None:
+            self._window.append(payload)
+            self._window_bytes += len(payload) + ENTRY_OVERHEAD + 8
         if self._pending_bytes > (4 << 20):
             self._wake.set()
-        return self._seq
+        return self._txid
 
     @property
     def last_seq(self) -> int:
-        return self._seq
+        """The last transaction id handed out by :meth:`append`."""
+        return self._txid
 
     def note_data_write(self, device_index: int) -> None:
         """A data write completed; flush that device before the next journal write."""
@@ -382,7 +242,7 @@ class Journal:
 
     async def wait_durable(self, seq: int | None = None) -> None:
         """Return once transaction ``seq`` (default: all so far) is on stable storage."""
-        target = self._seq if seq is None else seq
+        target = self._txid if seq is None else seq
         while self._durable < target:
             if self._failed is not None:
                 raise DeviceError(f"metadata log unavailable: {self._failed}")
@@ -390,14 +250,25 @@ class Journal:
             await self._flushed.wait()
 
     async def checkpoint(self) -> None:
-        """Write a fresh checkpoint into the other half and wait for it."""
+        """Write a fresh checkpoint, one that starts after this call (a running one
+        does not count), and wait until it is the current half."""
+        target = self._ckpt_begun + 1
         self._want_checkpoint = True
-        target = self._seq
         self._wake.set()
-        while self._want_checkpoint or self._durable < target:
+        while self._ckpt_done < target:
             if self._failed is not None:
                 raise DeviceError(f"metadata log unavailable: {self._failed}")
             await self._flushed.wait()
+
+    def request_checkpoint(self) -> None:
+        """Start a checkpoint soon, without waiting for it (sync)."""
+        self._want_checkpoint = True
+        self._wake.set()
+
+    @property
+    def checkpointing(self) -> bool:
+        """A checkpoint is being written (snapshot taken, new half not yet current)."""
+        return self._in_checkpoint
 
     # ----------------------------------------------------------------- flusher
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -426,65 +297,146 @@ class Journal:
                 log.error("metadata log write failed: %s", e)
                 self._failed = e
             finally:
-                flushed, self._flushed = self._flushed, trio.Event()
-                flushed.set()
-                self._on_durable(self._durable)
+                self._signal()
+
+    def _signal(self) -> None:
+        """Wake whoever waits for durability (after any write, or a failure)."""
+        flushed, self._flushed = self._flushed, trio.Event()
+        flushed.set()
+        self._on_durable(self._durable)
 
     def _needs_checkpoint(self) -> bool:
-        grown = self._offset - self._ckpt_end + self._pending_bytes
-        full = self._offset + self._pending_bytes + 2 * ALIGN > self._half_size
-        return grown > self._checkpoint_bytes or full  # (offset + grown counted twice)
+        if self._writer is None:
+            return True
+        grown = self._writer.offset - self._ckpt_size + self._pending_bytes
+        # at half of the room the last checkpoint left at most, so that the window of
+        # the next one has the other half of it, in both halves
+        limit = min(self._checkpoint_bytes, (self._half_size - self._ckpt_size) // 2)
+        return grown > limit or not self._fits_pending()
+
+    def _fits_pending(self) -> bool:
+        """The pending transactions fit in the current half (with their COMMIT)."""
+        w = self._writer
+        return w is not None and self._pending_bytes + COMMIT_BYTES + ALIGN <= w.room()
 
     async def _write_pending(self) -> None:
-        data = b"".join(self._pending)
-        self._pending.clear()
+        """One group commit into the current half."""
+        assert self._writer is not None
+        pending, self._pending = self._pending, []
         self._pending_bytes = 0
-        self._seq += 1
-        data += pad_entry(self.generation, self._seq, self._offset + len(data), ALIGN, self._seed)
-        last = self._seq
-        await self._write_blocks(self._offset, data, self._take_dirty())
-        self._offset += len(data)
-        self._durable = last
+        seq = self._entry_seq
+        gen, seed = self.generation, self._seed
+        parts = []
+        for _, payload in pending:
+            seq += 1
+            parts.append(encode_entry(KIND_TXN, gen, seq, payload, seed))
+        seq += 1
+        parts.append(commit_entry(gen, seq, seed))
+        data = b"".join(parts)
+        await self._write(self._writer, data, self._take_dirty(), flush_meta=True)
+        self._entry_seq = seq
+        self._durable = pending[-1][0]
         self._flushes += 1
+        self._journal_bytes += len(data)
+        self._last_flush = time.monotonic()
 
     def _take_dirty(self) -> list[int]:
         dirty, self._dirty_devices = sorted(self._dirty_devices), set()
         return dirty
 
     async def _write_checkpoint(self) -> None:
-        """Snapshot now (sync), then write it to the other half as generation+1."""
+        """Write generation+1 into the other half from ``snapshot()``'s pieces while
+        group commits go on in this half; then the window's transactions behind its
+        CKPT_END, and switch once that is durable."""
         t0 = time.monotonic()
         generation, half = self.generation + 1, 1 - self.half
-        self._pending.clear()
-        self._pending_bytes = 0
-        data, self._seq, count = encode_checkpoint(
-            self._snapshot(), generation, self._seq, self._seed
-        )
-        if len(data) + 2 * ALIGN > self._half_size:
-            raise DeviceError(
-                f"metadata area too small: checkpoint needs {len(data)} bytes, "
-                f"half holds {self._half_size}"
-            )
-        self.generation, self.half = generation, half
+        base, _ = half_bounds(self._meta_start, self._meta_size, half)
+        new = _HalfWriter(base, self._half_size)
         self._want_checkpoint = False
-        await self._write_blocks(0, data, self._take_dirty())
-        self._offset = self._ckpt_end = len(data)
-        self._durable = self._seq
+        self._ckpt_begun += 1
+        self._window, self._window_bytes = [], 0
+        self._in_checkpoint = True
+        try:
+            pieces = self._snapshot()
+            seed = self._seed
+            seq = 1
+            stage = [encode_entry(KIND_CKPT_BEGIN, generation, seq, b"", seed)]
+            staged = len(stage[0])
+            count = 0
+            for payload in pieces:  # each next() is short, on this (the trio) thread
+                seq += 1
+                count += 1
+                entry = encode_entry(KIND_CKPT_DATA, generation, seq, payload, seed)
+                stage.append(entry)
+                staged += len(entry)
+                if staged >= CKPT_WRITE:
+                    await self._write(new, b"".join(stage), [], flush_meta=False)
+                    stage, staged = [], 0
+                await self._commit_meanwhile()
+            seq += 1
+            stage.append(
+                encode_entry(KIND_CKPT_END, generation, seq, count.to_bytes(8, "little"), seed)
+            )
+            ckpt_size = new.offset + staged + len(stage[-1])
+            # the window ends here: from now on appends wait for the new half
+            window, self._window = self._window, None
+            last = self._txid
+            self._pending.clear()
+            self._pending_bytes = 0
+            for payload in window:
+                seq += 1
+                stage.append(encode_entry(KIND_TXN, generation, seq, payload, seed))
+            seq += 1
+            stage.append(commit_entry(generation, seq, seed))
+            await self._write(new, b"".join(stage), self._take_dirty(), flush_meta=True)
+        finally:
+            self._window = None
+            self._in_checkpoint = False
+        self.generation, self.half, self._writer = generation, half, new
+        self._entry_seq, self._ckpt_size = seq, ckpt_size
+        self._durable = max(self._durable, last)
+        self._ckpt_done += 1
         self._checkpoints += 1
+        self._last_ckpt_s = time.monotonic() - t0
         log.info(
-            "checkpoint generation %d: %d records, %d bytes, %.3f s",
+            "checkpoint generation %d: %d pieces, %d bytes + %d window transaction(s), %.3f s",
             generation,
             count,
-            len(data),
-            time.monotonic() - t0,
+            ckpt_size,
+            len(window),
+            self._last_ckpt_s,
         )
 
-    async def _write_blocks(self, offset: int, data: bytes, dirty: list[int]) -> None:
-        if offset + len(data) > self._half_size:
-            raise DeviceError("metadata log half overflow")
-        base, _ = half_bounds(self._meta_start, self._meta_size, self.half)
-        buf = aligned_buffer(len(data))
-        buf[: len(data)] = data
+    async def _commit_meanwhile(self) -> None:
+        """Between two checkpoint pieces: a group commit into the current half when
+        one is due (someone waits, or the interval passed) and fits; a full half
+        holds them back until the new one is current (backpressure, nothing lost)."""
+        due = self._wake.is_set() or time.monotonic() - self._last_flush >= self._interval
+        if self._pending and due and self._fits_pending():
+            self._wake = trio.Event()
+            await self._write_pending()
+            self._signal()
+        else:
+            await trio.lowlevel.checkpoint()
+
+    async def _write(
+        self, writer: _HalfWriter, data: bytes, dirty: list[int], *, flush_meta: bool
+    ) -> None:
+        """Append ``data`` to ``writer``'s half: flush the ``dirty`` data devices, write
+        from the start of the block holding the log's end (its durable bytes again,
+        unchanged), zero-filled to a block, then flush the meta device if asked."""
+        if len(data) > writer.room():
+            raise DeviceError(
+                f"metadata area too small: the log needs {writer.offset + len(data)} bytes "
+                f"of a half that holds {writer.size} (reformat with a larger --meta-size)"
+            )
+        head = writer.tail
+        start = writer.offset - len(head)
+        n = len(head) + len(data)
+        size = -(-n // ALIGN) * ALIGN
+        buf = aligned_buffer(size)
+        buf[: len(head)] = head
+        buf[len(head) : n] = data
         devices = [self._data_devices[i] for i in dirty]
 
         def write() -> None:
@@ -492,15 +444,19 @@ class Journal:
                 dev.flush()
             # release the views even on error: a traceback holding one would make
             # buf.close() raise BufferError instead of the DeviceError
-            with memoryview(buf) as whole, whole[: len(data)] as view:
-                self._meta.write(base + offset, [view])
-            self._meta.flush()
+            with memoryview(buf) as whole, whole[:size] as view:
+                self._meta.write(writer.base + start, [view])
+            if flush_meta:
+                self._meta.flush()
 
         try:
             # a hung device must not hang every commit: same deadline as data I/O; the
             # abandoned thread keeps ``buf`` alive through its views until it returns
             with trio.move_on_after(self._io_timeout):
                 await trio.to_thread.run_sync(write, abandon_on_cancel=True)
+                end = start + n
+                writer.tail = bytes(buf[end - end % ALIGN - start : n])
+                writer.offset = end
                 buf.close()
                 return
             raise DeviceError(
@@ -513,12 +469,13 @@ class Journal:
 
     @property
     def metadata_full(self) -> bool:
-        """The last checkpoint fills more than META_FULL of a half: refuse growth.
+        """The last complete checkpoint fills more than META_FULL of a half: refuse
+        growth.
 
         Between checkpoints the state can only grow by what the journal holds, and
         the journal part of a half is at least 1 - META_FULL of it, so the next
         checkpoint always fits (docs/design.md, "Limits")."""
-        return self._ckpt_end > self._half_size * META_FULL
+        return self._ckpt_size > self._half_size * META_FULL
 
     @property
     def checkpoint_bytes(self) -> int:
@@ -529,19 +486,27 @@ class Journal:
         return JournalStatistics(
             self.generation,
             self.half,
-            self._offset,
+            self._writer.offset if self._writer is not None else 0,
             self._half_size,
             self._flushes,
             self._checkpoints,
             self._durable,
+            self._ckpt_size,
+            self.checkpointing,
+            self._journal_bytes,
+            self._last_ckpt_s,
         )
 
 
 __all__ = [
+    "ApplySink",
     "Damage",
     "Journal",
     "JournalStatistics",
+    "NullSink",
     "Recovered",
+    "RecoverySink",
+    "checkpoint_pieces",
     "encode_checkpoint",
     "half_bounds",
     "recover",

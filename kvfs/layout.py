@@ -19,9 +19,12 @@ from kvfs.errors import Corruption
 
 FORMAT_VERSION = 2
 """Version of the pool format (the superblock); version 1 pools are still read."""
-ENTRY_VERSION = 1
-"""Version of the journal entry framing: unchanged since format version 1, so the logs
-of version-1 and version-2 pools are the same bytes."""
+ENTRY_VERSION = 2
+"""Version of the journal entry framing and of the log grammar written now: version 2
+appends each group commit right behind the last (a COMMIT entry ends it) instead of
+padding it to a block (PAD). Logs of version 1 (kvfs 0.2.0) are still read."""
+ENTRY_VERSIONS = (1, 2)
+"""Entry versions recovery reads; one half holds entries of one version only."""
 SB_MAGIC = b"KVFSPOOL"
 SB_BLOCK = 4096
 RESERVED_HEAD = 1 << 20
@@ -262,6 +265,10 @@ KIND_CKPT_DATA = 3
 KIND_CKPT_END = 4
 
 
+MAGIC_BYTES = JOURNAL_MAGIC.to_bytes(4, "little")
+"""How an entry starts on the device (recovery searches for it with ``bytes.find``)."""
+
+
 @dataclass(frozen=True)
 class Entry:
     """One journal entry: an atomic transaction or a piece of a checkpoint."""
@@ -270,31 +277,49 @@ class Entry:
     generation: int
     seq: int
     payload: bytes
+    version: int = ENTRY_VERSION
 
 
-def encode_entry(kind: int, generation: int, seq: int, payload: bytes, seed: int = 0) -> bytes:
-    """Frame one entry; ``seed`` (from the pool UUID) keeps other pools' logs invalid."""
-    head = _ENTRY.pack(JOURNAL_MAGIC, ENTRY_VERSION, kind, generation, seq, len(payload), 0)
+def encode_entry(
+    kind: int,
+    generation: int,
+    seq: int,
+    payload: bytes,
+    seed: int = 0,
+    version: int = ENTRY_VERSION,
+) -> bytes:
+    """Frame one entry; ``seed`` (from the pool UUID) keeps other pools' logs invalid.
+    ``version`` other than ENTRY_VERSION only to build old logs in tests."""
+    head = _ENTRY.pack(JOURNAL_MAGIC, version, kind, generation, seq, len(payload), 0)
     csum = xxhash.xxh64_intdigest(head + payload, seed)
     raw = head + payload + _ENTRY_CSUM.pack(csum)
     return raw + bytes(-len(raw) % 8)
 
 
 KIND_PAD = 5
+"""Version 1 only: zeros that make a group commit end on a 4096-byte boundary."""
+KIND_COMMIT = 6
+"""Version 2: ends every device write of the log (a group commit; empty payload)."""
 
 PARSE_OK, PARSE_MORE, PARSE_END = 0, 1, 2
 
 
 def parse_entry(
-    view: memoryview, pos: int, generation: int, expected_seq: int | None, seed: int = 0
+    view: memoryview,
+    pos: int,
+    generation: int,
+    expected_seq: int | None,
+    seed: int = 0,
+    version: int = ENTRY_VERSION,
 ) -> tuple[int, Entry | None, int]:
     """Parse the entry at ``pos``: (PARSE_OK, entry, next position), (PARSE_MORE, ...)
     when ``view`` ends inside a plausible entry, or (PARSE_END, ...) when the bytes
-    there are torn, corrupt, of another generation or out of sequence — the log's end."""
+    there are torn, corrupt, of another generation or version, or out of sequence —
+    the log's end."""
     if pos + _ENTRY.size > len(view):
         return PARSE_MORE, None, pos
-    magic, version, kind, gen, seq, length, _ = _ENTRY.unpack_from(view, pos)
-    if magic != JOURNAL_MAGIC or version != ENTRY_VERSION or gen != generation:
+    magic, ver, kind, gen, seq, length, _ = _ENTRY.unpack_from(view, pos)
+    if magic != JOURNAL_MAGIC or ver != version or gen != generation:
         return PARSE_END, None, pos
     if expected_seq is not None and seq != expected_seq:
         return PARSE_END, None, pos
@@ -305,34 +330,47 @@ def parse_entry(
     if csum != xxhash.xxh64_intdigest(view[pos : end - _ENTRY_CSUM.size], seed):
         return PARSE_END, None, pos
     payload = bytes(view[pos + _ENTRY.size : end - _ENTRY_CSUM.size])
-    return PARSE_OK, Entry(kind, gen, seq, payload), end + (-end % 8)
+    return PARSE_OK, Entry(kind, gen, seq, payload, ver), end + (-end % 8)
 
 
-def entry_header(view: memoryview, pos: int, generation: int) -> tuple[int, int, int, int] | None:
+def entry_header(
+    view: memoryview, pos: int, generation: int, version: int = ENTRY_VERSION
+) -> tuple[int, int, int, int] | None:
     """(kind, generation, seq, length) of a header at ``pos`` whose magic, version and
     generation are right (the checksum is not checked), else None."""
     if pos + _ENTRY.size > len(view):
         return None
-    magic, version, kind, gen, seq, length, _ = _ENTRY.unpack_from(view, pos)
-    if magic != JOURNAL_MAGIC or version != ENTRY_VERSION or gen != generation:
+    magic, ver, kind, gen, seq, length, _ = _ENTRY.unpack_from(view, pos)
+    if magic != JOURNAL_MAGIC or ver != version or gen != generation:
         return None
     return kind, gen, seq, length
 
 
-def pad_entry(generation: int, seq: int, at: int, block: int, seed: int = 0) -> bytes:
-    """A PAD entry that, written at offset ``at``, ends exactly on a ``block`` boundary."""
+def pad_entry(
+    generation: int, seq: int, at: int, block: int, seed: int = 0, version: int = 1
+) -> bytes:
+    """A PAD entry (version 1 logs) that, written at offset ``at``, ends exactly on a
+    ``block`` boundary."""
     room = -at % block
     while room < ENTRY_OVERHEAD:
         room += block
-    return encode_entry(KIND_PAD, generation, seq, bytes(room - ENTRY_OVERHEAD), seed)
+    return encode_entry(KIND_PAD, generation, seq, bytes(room - ENTRY_OVERHEAD), seed, version)
+
+
+def commit_entry(generation: int, seq: int, seed: int = 0) -> bytes:
+    """The COMMIT entry that ends a version-2 device write (40 bytes)."""
+    return encode_entry(KIND_COMMIT, generation, seq, b"", seed)
 
 
 def peek_entry(buf: bytes, seed: int = 0) -> Entry | None:
-    """The valid entry at the start of ``buf``, if any (to find a log's generation)."""
+    """The valid entry of a readable version at the start of ``buf``, if any (to find
+    a log's generation and version)."""
     if len(buf) < _ENTRY.size:
         return None
-    gen = _ENTRY.unpack_from(buf, 0)[3]
-    status, entry, _ = parse_entry(memoryview(buf), 0, gen, None, seed)
+    _, ver, _, gen, _, _, _ = _ENTRY.unpack_from(buf, 0)
+    if ver not in ENTRY_VERSIONS:
+        return None
+    status, entry, _ = parse_entry(memoryview(buf), 0, gen, None, seed, ver)
     return entry if status == PARSE_OK else None
 
 

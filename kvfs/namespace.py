@@ -142,13 +142,20 @@ class Namespace:
         self.next_ino = ROOT_INO + 1
 
     # ------------------------------------------------------------------ replay
-    def apply(self, op: Op) -> None:
-        """Replay one journal operation (recovery); tolerant of re-applied state."""
+    def apply(self, op: Op) -> bool:
+        """Replay one journal operation (recovery); False when it was skipped because
+        it names an inode that is not there. Tolerant by design: a checkpoint is
+        fuzzy (each piece taken at another moment) and every transaction since it
+        began is replayed over it, so an operation may meet the state after a later
+        one (a name in a directory that is already dropped: that Drop follows in
+        the replay). Operations set absolute state, so replaying them over any such
+        snapshot ends in the live state (``docs/design.md``, "Checkpoints")."""
         if isinstance(op, InodeRecord):
             self._apply_record(op)
         elif isinstance(op, Dentry):
-            parent = self.inodes[op.parent]
-            assert parent.entries is not None, "dentry in a non-directory"
+            parent = self.inodes.get(op.parent)
+            if parent is None or parent.entries is None:
+                return False
             child = self.inodes.get(op.ino)
             if child is None:
                 parent.entries[op.name] = op.ino
@@ -157,15 +164,19 @@ class Namespace:
                 parent.entries[op.name] = child.ino
                 child.parent, child.name = parent.ino, op.name
         elif isinstance(op, Undentry):
-            entries = self.inodes[op.parent].entries
-            assert entries is not None
-            entries.pop(op.name, None)
+            parent = self.inodes.get(op.parent)
+            if parent is None or parent.entries is None:
+                return False
+            parent.entries.pop(op.name, None)
         elif isinstance(op, Drop):
             self.inodes.pop(op.ino, None)
         elif isinstance(op, Xattr):
+            if op.ino not in self.inodes:
+                return False
             self._apply_xattr(op)
         else:
             self.blobs[op.name] = op.data
+        return True
 
     def _apply_record(self, rec: InodeRecord) -> None:
         inode = self.inodes.get(rec.ino)
@@ -205,16 +216,34 @@ class Namespace:
         inode.xattrs[op.name] = op.value
 
     def snapshot(self) -> Iterator[Op]:
-        """Every operation needed to rebuild the current state (checkpoints)."""
-        for inode in self.inodes.values():
+        """Every operation needed to rebuild the state (checkpoints), produced lazily
+        and safe to interleave with mutations: the inode numbers are taken once (a
+        C-speed copy), each inode, directory and blob is read when its turn comes,
+        whatever it holds then (fuzzy: the journal replays every transaction since
+        the first call over it). Inodes with their xattrs, then names, then blobs."""
+        inos = list(self.inodes)
+        inodes = self.inodes
+        for ino in inos:
+            inode = inodes.get(ino)
+            if inode is None:
+                continue
             yield inode.record()
-            for name, value in (inode.xattrs or {}).items():
-                yield Xattr(inode.ino, name, value)
-        for inode in self.inodes.values():
-            for name, child in (inode.entries or {}).items():
-                yield Dentry(inode.ino, name, child)
-        for blob_name, data in self.blobs.items():
-            yield Blob(blob_name, data)
+            if inode.xattrs:
+                for name, value in list(inode.xattrs.items()):
+                    yield Xattr(ino, name, value)
+        for ino in inos:
+            inode = inodes.get(ino)
+            if inode is None or not inode.entries:
+                continue
+            entries = inode.entries
+            for name in list(entries):
+                child = entries.get(name)
+                if child is not None:
+                    yield Dentry(ino, name, child)
+        for blob_name in list(self.blobs):
+            data = self.blobs.get(blob_name)
+            if data is not None:
+                yield Blob(blob_name, data)
 
     # ------------------------------------------------------------------ queries
     def get(self, ino: int) -> Inode:

@@ -45,7 +45,7 @@ from kvfs.errors import (
     QuotaExceeded,
 )
 from kvfs.evict import QUOTA_XATTR, Evictor
-from kvfs.journal import Journal, Recovered, recover
+from kvfs.journal import ApplySink, Journal, Recovered, checkpoint_pieces, recover
 from kvfs.layout import (
     DEV_SHIFT,
     FLAG_GONE,
@@ -268,11 +268,18 @@ class Store:
     def _log(self, ops: list[Op]) -> None:
         self.journal.append(ops)
 
-    def _snapshot(self) -> Iterator[Op]:
-        """What a checkpoint holds: the namespace plus the evictor's learned state."""
+    def _snapshot(self) -> Iterator[bytes]:
+        """What a checkpoint holds: the namespace plus the evictor's learned state, as
+        CKPT_DATA payloads made lazily (fuzzy; the journal replays the window)."""
         self.evictor.save()
         self._ckpt_inodes = len(self.ns.inodes)
-        return self.ns.snapshot()
+        return checkpoint_pieces(self.ns.snapshot())
+
+    def _reset_index(self) -> None:
+        """Forget what recovery fed so far (its newest half was incomplete)."""
+        self.ns.inodes.clear()
+        self.ns.blobs.clear()
+        self.ns.next_ino = ROOT_INO + 1
 
     def load(self, drop_unreadable: bool = False) -> RecoveryReport:
         """Rebuild the index from the metadata log (blocking; before serving).
@@ -284,13 +291,13 @@ class Store:
     def _load(self, drop_unreadable: bool) -> RecoveryReport:
         t0 = time.monotonic()
         meta, start, size = self.pool.meta
-        found = recover(meta, start, size, self.pool.seed)
+        sink = ApplySink(self.ns.apply, self._reset_index)
+        found = recover(meta, start, size, self.pool.seed, sink)
         doomed: set[int] = set()
         if found.damage:
-            doomed = self._salvage(found)
-        else:
-            for op in found.ops:
-                self.ns.apply(op)
+            doomed = self._salvage(found, sink.skipped)
+        elif sink.skipped:  # a fuzzy checkpoint's replay: names of what was dropped
+            log.info("recovery: %d replayed operation(s) named dropped inodes", sink.skipped)
         if ROOT_INO not in self.ns.inodes:
             raise Corruption("metadata has no root directory")
         incomplete, unlinked, dropped = self._drop_unfinished(doomed, drop_unreadable)
@@ -322,20 +329,15 @@ class Store:
         log.info("recovered %s", report)
         return report
 
-    def _salvage(self, found: Recovered) -> set[int]:
+    def _salvage(self, found: Recovered, skipped: int) -> set[int]:
         """Rebuild the index from a log damaged in the middle: the transactions after
         the damage are applied too (each is whole and checksummed), what no longer
         fits together is dropped (names of missing inodes, unreachable inodes, units
         claimed twice: fsck's checks), link counts are fixed. Loud, and the mount
-        then checkpoints the salvaged index. Returns the inodes to drop."""
+        then checkpoints the salvaged index. Returns the inodes to drop. ``skipped``:
+        operations recovery's sink could not apply (they named what is gone)."""
         for damage in found.damage:
             log.error("metadata log %s; salvaging", damage)
-        skipped = 0
-        for op in found.ops:
-            try:
-                self.ns.apply(op)
-            except (KeyError, AssertionError):  # it depended on a lost transaction
-                skipped += 1
         report = Report()
         check_index(self.ns, self._checkable_pool(), report)
         for fix in report.fixes:

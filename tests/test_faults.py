@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from conftest import read_or_errno
 from conftest import write_file as write
@@ -359,6 +359,53 @@ def test_hanging_metadata_device_fails_commits_within_the_deadline(tmp_path: Pat
             assert read_or_errno(mnt / "f1") == files["f1"]
 
 
+def test_a_stat_is_answered_while_a_checkpoint_is_in_progress(tmp_path: Path) -> None:
+    """A checkpoint started (user.kvfs.checkpoint) while the metadata device's writes
+    hang cannot finish; meanwhile the mount answers stats, lookups and its statistics,
+    which show the checkpoint in progress. Once the device answers it completes."""
+    from conftest import errno_of, require_fuse, wait_for
+
+    from kvfs import harness
+
+    require_fuse()
+    with faultfs(tmp_path, {"d0.img": 128 * MiB}) as ffs:
+        devs = [ffs.path / "d0.img"]
+        mnt, log = tmp_path / "mnt", tmp_path / "kvfs.log"
+        with harness.mounted(
+            mnt, devs, "--format", "--meta-size", "8M", "--io-timeout", "30", log_file=log
+        ) as proc:
+            files = populate(mnt, 3, 100_000)
+
+            def journal() -> dict[str, Any]:
+                stats = json.loads(os.getxattr(mnt, "user.kvfs.stats"))
+                out: dict[str, Any] = stats["journal"]
+                return out
+
+            before = journal()
+            ffs.set(**{"d0.img": {"write": "hang"}})
+            os.setxattr(mnt, "user.kvfs.checkpoint", b"1")  # returns at once
+            wait_for(lambda: journal()["checkpointing"], what="the checkpoint to start")
+            # its write hangs, so it is still in progress while these are answered
+            assert os.stat(mnt / "f1").st_size == 100_000
+            assert errno_of(os.stat, mnt / "not-there") == errno.ENOENT
+            assert sorted(os.listdir(mnt)) == ["f0", "f1", "f2"]
+            now = journal()
+            assert now["checkpointing"] and now["checkpoints"] == before["checkpoints"]
+            assert now["generation"] == before["generation"]
+            ffs.set()
+            wait_for(
+                lambda: (
+                    not journal()["checkpointing"]
+                    and journal()["checkpoints"] == before["checkpoints"] + 1
+                ),
+                what="the checkpoint to complete",
+            )
+            assert journal()["generation"] == before["generation"] + 1
+            for name, content in files.items():
+                assert read_or_errno(mnt / name) == content
+            assert proc.poll() is None
+
+
 def test_missing_device_refused_unless_degraded(tmp_path: Path) -> None:
     from conftest import require_fuse
 
@@ -489,8 +536,8 @@ async def test_journal_is_fail_stop_after_a_failed_write() -> None:
 
     from kvfs.device import FaultyDevice, MemoryDevice
     from kvfs.errors import DeviceError
-    from kvfs.journal import recover
-    from kvfs.layout import Blob
+    from kvfs.journal import ApplySink, recover
+    from kvfs.layout import Blob, Op
 
     dev = FaultyDevice(MemoryDevice(4096 + 256 * 1024 + 4096))
     journal = _journal(dev)
@@ -510,8 +557,14 @@ async def test_journal_is_fail_stop_after_a_failed_write() -> None:
         except DeviceError:
             acked = False
         nursery.cancel_scope.cancel()
-    found = recover(dev, 4096, 256 * 1024, 7)
-    persisted = any(isinstance(op, Blob) and op.name == "b" for op in found.ops)
+    ops: list[Op] = []
+
+    def keep(op: Op) -> bool:
+        ops.append(op)
+        return True
+
+    recover(dev, 4096, 256 * 1024, 7, ApplySink(keep, ops.clear))
+    persisted = any(isinstance(op, Blob) and op.name == "b" for op in ops)
     assert persisted or not acked, "a transaction was acknowledged durable but is not"
 
 

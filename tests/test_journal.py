@@ -4,16 +4,49 @@ of the committed transactions, never garbage."""
 
 from __future__ import annotations
 
+import errno
+import gzip
+import importlib.util
+import itertools
+import queue
 import random
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
 
-from kvfs.device import ALIGN, FaultyDevice, MemoryDevice
+import kvfs.journal as journal_mod
+from kvfs.device import ALIGN, Device, FaultyDevice, MemoryDevice
 from kvfs.errors import Corruption, DeviceError
-from kvfs.journal import Journal, Recovered, encode_checkpoint, half_bounds, recover
-from kvfs.layout import KIND_CKPT_END, PARSE_OK, Blob, Op, encode_entry, parse_entry
+from kvfs.journal import (
+    ApplySink,
+    Journal,
+    Recovered,
+    checkpoint_pieces,
+    encode_checkpoint,
+    half_bounds,
+    recover,
+    scan,
+)
+from kvfs.layout import (
+    ENTRY_OVERHEAD,
+    KIND_CKPT_END,
+    KIND_TXN,
+    PARSE_OK,
+    Blob,
+    Op,
+    Superblock,
+    decode_ops,
+    encode_entry,
+    encode_ops,
+    parse_entry,
+)
+from kvfs.namespace import ROOT_INO, Namespace
+from kvfs.pool import Pool
 
 SEED = 0xC0FFEE_1234
 META_START = 2 * ALIGN
@@ -35,18 +68,57 @@ class RecordingDevice(MemoryDevice):
         return super()._pwrite(offset, bufs)
 
 
-def state_of(found: Recovered) -> State:
-    state: State = {}
-    for op in found.ops:
-        assert isinstance(op, Blob)
-        state[op.name] = op.data
-    return state
+class BlobSink:
+    """Recovery's payloads as a blob dictionary; records the order it was fed in."""
+
+    def __init__(self) -> None:
+        self.state: State = {}
+        self.calls: list[str] = []
+
+    def reset(self) -> None:
+        self.state.clear()
+        self.calls.append("reset")
+
+    def checkpoint(self, payload: bytes) -> None:
+        self.calls.append("checkpoint")
+        self._apply(payload)
+
+    def transaction(self, payload: bytes) -> None:
+        self.calls.append("transaction")
+        self._apply(payload)
+
+    def _apply(self, payload: bytes) -> None:
+        for op in decode_ops(payload):
+            assert isinstance(op, Blob)
+            self.state[op.name] = op.data
 
 
-def recover_image(image: bytes | bytearray, seed: int = SEED) -> Recovered:
+@dataclass
+class Found:
+    """What recovery found, with the state it fed."""
+
+    rec: Recovered
+    state: State
+    calls: list[str]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.rec, name)
+
+
+def recover_dev(dev: Device, seed: int = SEED) -> Found:
+    sink = BlobSink()
+    rec = recover(dev, META_START, META_SIZE, seed, sink)
+    return Found(rec, sink.state, sink.calls)
+
+
+def state_of(found: Found) -> State:
+    return found.state
+
+
+def recover_image(image: bytes | bytearray, seed: int = SEED) -> Found:
     dev = MemoryDevice(len(image))
     dev.data[:] = image
-    return recover(dev, META_START, META_SIZE, seed)
+    return recover_dev(dev, seed)
 
 
 class Workload:
@@ -58,8 +130,16 @@ class Workload:
         self.states: list[State] = []  # states[i] = after i transactions (0 = checkpoint)
         self.marks: list[tuple[int, int]] = []  # (writes so far, transactions durable)
 
-    def snapshot(self) -> list[Op]:
-        return [Blob(k, v) for k, v in self.model.items()]
+    def snapshot(self) -> Iterator[bytes]:
+        """Fuzzy, like the namespace's: the keys now, each value when its piece is
+        made (transactions may have changed it since)."""
+        keys = list(self.model)
+
+        def ops() -> Iterator[Op]:
+            for key in keys:
+                yield Blob(key, self.model[key])
+
+        return checkpoint_pieces(ops(), per_piece=2)
 
     def txn(self, i: int) -> list[Op]:
         ops: list[Op] = [Blob("n", b"%d" % i)]
@@ -113,36 +193,36 @@ async def test_append_flush_recover_round_trip() -> None:
     dev = RecordingDevice(DEV_SIZE)
     work = Workload(1)
     journal = await run_workload(dev, work, 40, checkpoint_bytes=1 << 20)
-    found = recover(dev, META_START, META_SIZE, SEED)
+    found = recover_dev(dev)
     assert work.index_of(state_of(found)) == 40
     assert found.transactions == 40
     assert (found.generation, found.half) == (journal.generation, journal.half) == (1, 1)
     stats = journal.statistics()
     assert stats.checkpoints == 1 and stats.flushes >= 1
-    assert found.seq == stats.durable_seq == journal.last_seq
+    assert stats.durable_seq == journal.last_seq == 40
 
 
 async def test_resume_checkpoints_first_then_switches_halves() -> None:
     dev = RecordingDevice(DEV_SIZE)
     work = Workload(2)
     await run_workload(dev, work, 10, checkpoint_bytes=1 << 20)
-    found = recover(dev, META_START, META_SIZE, SEED)
+    found = recover_dev(dev)
     assert (found.generation, found.half) == (1, 1)
     journal = Journal(dev, META_START, META_SIZE, [dev], work.snapshot, seed=SEED)
-    journal.resume(found, in_place=False)
+    journal.resume(found.rec, in_place=False)
     async with trio.open_nursery() as nursery:
         await nursery.start(journal.run)
         for i in range(11, 16):
             # the first flush after resume must not overwrite the recovered log
             await journal.wait_durable(journal.append(work.txn(i)))
-            again = recover(dev, META_START, META_SIZE, SEED)
+            again = recover_dev(dev)
             assert (again.generation, again.half) == (2, 0)
             assert work.index_of(state_of(again)) == i
         await journal.checkpoint()
         assert (journal.generation, journal.half) == (3, 1)
         await journal.wait_durable(journal.append(work.txn(16)))
         nursery.cancel_scope.cancel()
-    last = recover(dev, META_START, META_SIZE, SEED)
+    last = recover_dev(dev)
     assert (last.generation, last.half, last.transactions) == (3, 1, 1)
     assert work.index_of(state_of(last)) == 16
 
@@ -152,15 +232,15 @@ async def test_resume_in_place_after_a_clean_checkpoint_appends_behind_it() -> N
     work = Workload(3)
     await run_workload(dev, work, 6, checkpoint_bytes=1 << 20)
     first = Journal(dev, META_START, META_SIZE, [dev], work.snapshot, seed=SEED)
-    first.resume(recover(dev, META_START, META_SIZE, SEED), in_place=False)
+    first.resume(recover_dev(dev).rec, in_place=False)
     async with trio.open_nursery() as nursery:
         await nursery.start(first.run)
         await first.start()  # a checkpoint: the "clean unmount" state
         nursery.cancel_scope.cancel()
-    clean = recover(dev, META_START, META_SIZE, SEED)
+    clean = recover_dev(dev)
     assert clean.transactions == 0 and not clean.fell_back
     journal = Journal(dev, META_START, META_SIZE, [dev], work.snapshot, seed=SEED)
-    journal.resume(clean, in_place=True)
+    journal.resume(clean.rec, in_place=True)
     async with trio.open_nursery() as nursery:
         await nursery.start(journal.run)
         await journal.start()  # nothing to do: no checkpoint is written
@@ -168,17 +248,28 @@ async def test_resume_in_place_after_a_clean_checkpoint_appends_behind_it() -> N
             await journal.wait_durable(journal.append(work.txn(i)))
         nursery.cancel_scope.cancel()
     assert journal.statistics().checkpoints == 0
-    after = recover(dev, META_START, META_SIZE, SEED)
+    after = recover_dev(dev)
     assert (after.generation, after.half) == (clean.generation, clean.half)
     assert after.transactions == 3
     assert work.index_of(state_of(after)) == 9
 
 
-async def test_crash_at_every_write_and_inside_every_write_recovers_a_prefix() -> None:
+@pytest.mark.parametrize("ckpt_write", [journal_mod.CKPT_WRITE, 1])
+async def test_crash_at_every_write_and_inside_every_write_recovers_a_prefix(
+    ckpt_write: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ckpt_write 1: every checkpoint piece is a device write of its own, with group
+    commits into the old half between them (a checkpoint in progress)."""
+    monkeypatch.setattr(journal_mod, "CKPT_WRITE", ckpt_write)
     dev = RecordingDevice(DEV_SIZE)
     work = Workload(3)
     journal = await run_workload(dev, work, 150, checkpoint_bytes=12 * 1024)
     assert journal.statistics().checkpoints >= 4, "the workload should switch halves often"
+    base1, _ = half_bounds(META_START, META_SIZE, 1)
+    halves = [offset >= base1 for offset, _ in dev.writes]
+    switches = sum(a != b for a, b in itertools.pairwise(halves))
+    if ckpt_write == 1:  # some commits went into the old half between the new one's pieces
+        assert switches > journal.statistics().checkpoints + 1, switches
     image = bytearray(DEV_SIZE)
     previous = 0
     for n, (offset, data) in enumerate(dev.writes):
@@ -297,3 +388,289 @@ async def test_failing_meta_device_fails_waiters_instead_of_hanging() -> None:
         with trio.fail_after(5), pytest.raises(DeviceError):
             await journal.wait_durable(seq)
         nursery.cancel_scope.cancel()
+
+
+# ----------------------------------------------------------------------------- checkpoints
+class GatedDevice(RecordingDevice):
+    """Writes into ``region`` wait for a permit (in the writer's thread, as a slow
+    device would): the test decides when each checkpoint write completes, and may
+    make one fail."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.region: tuple[int, int] | None = None
+        self.entered: queue.Queue[int] = queue.Queue()
+        self.permits = threading.Semaphore(0)
+        self.fail_next = False
+
+    def _pwrite(self, offset: int, bufs: Sequence[memoryview]) -> int:
+        region = self.region
+        if region is not None and region[0] <= offset < region[1]:
+            self.entered.put(offset)
+            assert self.permits.acquire(timeout=10), "the test never let this write go"
+            if self.fail_next:
+                self.fail_next = False
+                raise OSError(errno.EIO, "injected")
+        return super()._pwrite(offset, bufs)
+
+    async def next_gated_write(self) -> int:
+        return await trio.to_thread.run_sync(self.entered.get, True, 5)
+
+    def open_gate(self) -> None:
+        self.region = None
+        self.permits.release(1000)
+
+
+def gated_journal(dev: GatedDevice, work: Workload, **kw: Any) -> Journal:
+    return Journal(
+        dev, META_START, META_SIZE, [dev], work.snapshot, seed=SEED, commit_interval=0.001, **kw
+    )
+
+
+async def started_checkpoint(dev: GatedDevice, journal: Journal, work: Workload) -> None:
+    """Checkpoint once (generation 1, half 1), fill the model, then start generation
+    2's checkpoint into half 0 and return while its first piece write is held."""
+    await journal.checkpoint()
+    for i in range(1, 9):
+        await journal.wait_durable(journal.append(work.txn(i)))
+    base0, size = half_bounds(META_START, META_SIZE, 0)
+    dev.region = (base0, base0 + size)
+    journal.request_checkpoint()
+    await dev.next_gated_write()
+    assert journal.checkpointing and journal.generation == 1
+
+
+async def test_commits_go_on_while_a_checkpoint_is_written(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While the new half's pieces are written one by one, transactions are made
+    durable in the old half between them, and all of them (those durable in the old
+    half and those still pending) end up in the new generation behind CKPT_END."""
+    monkeypatch.setattr(journal_mod, "CKPT_WRITE", 1)
+    dev = GatedDevice(DEV_SIZE)
+    work = Workload(11)
+    work.states.append({})
+    journal = gated_journal(dev, work)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(journal.run)
+        await started_checkpoint(dev, journal, work)
+        durable_in_old: list[int] = []
+        for i in range(9, 12):
+            seq = journal.append(work.txn(i))
+            dev.permits.release()  # one piece written; the commit goes in before the next
+            with trio.fail_after(5):
+                await journal.wait_durable(seq)
+            await dev.next_gated_write()  # the checkpoint is not done: another piece
+            assert journal.checkpointing and journal.generation == 1
+            durable_in_old.append(i)
+            # a crash now: the old half has everything durable
+            assert work.index_of(recover_dev(dev).state) == i
+        assert durable_in_old == [9, 10, 11]
+        journal.append(work.txn(12))  # pending when the checkpoint ends
+        dev.open_gate()
+        with trio.fail_after(5):
+            await journal.wait_durable()
+            while journal.checkpointing:  # noqa: ASYNC110 - no event to wait on
+                await trio.sleep(0.001)
+        assert (journal.generation, journal.half) == (2, 0)
+        nursery.cancel_scope.cancel()
+    found = recover_dev(dev)
+    assert (found.generation, found.half) == (2, 0)
+    assert found.transactions >= 4  # 9..12 replayed behind the fuzzy checkpoint
+    assert work.index_of(found.state) == 12
+    first_txn = found.calls.index("transaction")
+    assert "checkpoint" not in found.calls[first_txn:], "transactions come after the pieces"
+
+
+async def test_a_checkpoint_requested_while_one_runs_starts_after_it() -> None:
+    dev = GatedDevice(DEV_SIZE)
+    work = Workload(12)
+    work.states.append({})
+    journal = gated_journal(dev, work)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(journal.run)
+        await started_checkpoint(dev, journal, work)
+        before = journal.statistics().checkpoints
+        done = trio.Event()
+
+        async def wait_for_a_fresh_one() -> None:
+            await journal.checkpoint()
+            done.set()
+
+        nursery.start_soon(wait_for_a_fresh_one)
+        await trio.sleep(0.01)
+        assert not done.is_set() and journal.checkpointing
+        dev.open_gate()  # the running checkpoint completes, then the requested one runs
+        with trio.fail_after(5):
+            await done.wait()
+        # it waited for a second checkpoint, one that started after the call
+        assert journal.statistics().checkpoints == before + 2
+        assert (journal.generation, journal.half) == (3, 1)
+        nursery.cancel_scope.cancel()
+    assert work.index_of(recover_dev(dev).state) == 8
+
+
+async def test_a_full_half_during_a_checkpoint_holds_commits_back_never_loses_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The old half fills while a checkpoint is being written: commits that no longer
+    fit wait (pieces go on, nothing is written into the old half) and become durable
+    in the new half when it is current."""
+    monkeypatch.setattr(journal_mod, "CKPT_WRITE", 1)
+    dev = GatedDevice(DEV_SIZE)
+    work = Workload(13)
+    work.states.append({})
+    idle, done = False, False
+
+    def snapshot() -> Iterator[bytes]:
+        """The model's pieces, then (the gated checkpoint) empty ones until the test
+        says so, each one a gated write: the test decides how long it takes."""
+        yield from work.snapshot()
+        while idle and not done:
+            yield b""
+
+    _, half_size = half_bounds(META_START, META_SIZE, 0)
+    journal = Journal(
+        dev, META_START, META_SIZE, [dev], snapshot, seed=SEED, checkpoint_bytes=1 << 20
+    )
+    async with trio.open_nursery() as nursery:
+        await nursery.start(journal.run)
+        await journal.checkpoint()
+        i = 0
+        while journal.statistics().used_bytes < half_size // 2 - ALIGN:  # no checkpoint yet
+            i += 1
+            await journal.wait_durable(journal.append(work.txn(i)))
+        base0, _ = half_bounds(META_START, META_SIZE, 0)
+        dev.region = (base0, base0 + half_size)
+        idle = True
+        journal.request_checkpoint()
+        await dev.next_gated_write()
+        while journal.statistics().used_bytes + ALIGN + 8192 < half_size:
+            i += 1
+            seq = journal.append(work.txn(i))
+            dev.permits.release()
+            with trio.fail_after(5):
+                await journal.wait_durable(seq)  # into the old half, between two pieces
+            await dev.next_gated_write()
+            assert journal.checkpointing and journal.generation == 1
+        held = [journal.append(work.txn(j)) for j in range(i + 1, i + 16)]
+        for _ in range(3):  # pieces go on, the commit is due, but it does not fit
+            dev.permits.release()
+            await dev.next_gated_write()
+        assert journal.statistics().durable_seq < held[0]
+        assert journal.checkpointing and journal.generation == 1
+        done = True
+        dev.open_gate()
+        with trio.fail_after(5):
+            await journal.wait_durable(held[-1])
+        assert (journal.generation, journal.half) == (2, 0)
+        nursery.cancel_scope.cancel()
+    found = recover_dev(dev)
+    assert (found.generation, found.half) == (2, 0)
+    assert work.index_of(found.state) == i + 15
+
+
+async def test_a_device_error_mid_checkpoint_is_fail_stop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(journal_mod, "CKPT_WRITE", 1)
+    dev = GatedDevice(DEV_SIZE)
+    work = Workload(14)
+    work.states.append({})
+    journal = gated_journal(dev, work)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(journal.run)
+        await started_checkpoint(dev, journal, work)
+        seq = journal.append(work.txn(9))
+        dev.fail_next = True
+        dev.permits.release()
+        with trio.fail_after(5), pytest.raises(DeviceError):
+            await journal.wait_durable(seq)
+        with pytest.raises(DeviceError):
+            await journal.checkpoint()
+        nursery.cancel_scope.cancel()
+    found = recover_dev(dev)  # the old half, with what was durable (8), never 9 half-done
+    assert found.generation == 1 and work.index_of(found.state) == 8
+
+
+async def test_a_durable_close_costs_its_entry_not_a_block() -> None:
+    """Sequential small commits: the log grows by each TXN plus a 40-byte COMMIT."""
+    dev = RecordingDevice(DEV_SIZE)
+    work = Workload(15)
+    journal = Journal(dev, META_START, META_SIZE, [dev], work.snapshot, seed=SEED)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(journal.run)
+        await journal.checkpoint()
+        start = journal.statistics().used_bytes
+        payload_bytes = 0
+        for i in range(50):
+            ops: list[Op] = [Blob("k", b"%d" % i)]
+            payload_bytes += len(encode_entry(1, 1, 1, encode_ops(ops)))
+            await journal.wait_durable(journal.append(ops))
+        grown = journal.statistics().used_bytes - start
+        nursery.cancel_scope.cancel()
+    assert grown == payload_bytes + 50 * ENTRY_OVERHEAD, grown
+    assert journal.statistics().journal_bytes == grown
+    found = recover_dev(dev)
+    assert found.transactions == 50 and found.state == {"k": b"49"}
+
+
+# ----------------------------------------------------------------------------- old logs
+V1_IMAGES = Path(__file__).parent / "data"
+
+
+def v1_maker() -> Any:
+    """The script that made the images (its file lists and contents)."""
+    spec = importlib.util.spec_from_file_location("make_v1_images", V1_IMAGES / "make_v1_images.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def v1_device(kind: str) -> MemoryDevice:
+    raw = gzip.decompress((V1_IMAGES / f"v1-{kind}.img.gz").read_bytes())
+    dev = MemoryDevice(len(raw))
+    dev.data[:] = raw
+    return dev
+
+
+@pytest.mark.parametrize("kind", ["clean", "dirty"])
+def test_a_version_1_log_still_recovers(kind: str) -> None:
+    """Logs written by kvfs 0.2.0 (PAD-aligned flushes, entry version 1)."""
+    maker = v1_maker()
+    dev = v1_device(kind)
+    pool = Pool([dev], [Superblock.decode(bytes(dev.data[:4096]))])
+    meta, start, size = pool.meta
+    ns = Namespace(lambda ops: None)
+    found = recover(meta, start, size, pool.seed, ApplySink(ns.apply, ns.inodes.clear))
+    assert found.version == 1 and not found.damage and not found.fell_back
+    assert (found.transactions == 0) == (kind == "clean")
+    FILES, LATER = maker.FILES, maker.LATER
+    names = set(ns.inodes[ROOT_INO].entries or {})
+    assert names == {b"dir", *FILES, *LATER}
+    assert ns.inodes[ROOT_INO].xattrs == {b"user.x": b"value"}
+    for name, size_ in {**FILES, **LATER}.items():
+        assert ns.lookup(ROOT_INO, name).size == size_
+
+
+@pytest.mark.parametrize("where", ["header", "payload"])
+async def test_mid_log_damage_is_found_without_block_aligned_flushes(where: str) -> None:
+    """A durable transaction in the middle of the log is damaged (its magic, or a
+    payload byte): a later write (COMMIT then a valid entry) proves it was durable,
+    so it is reported as damage and every later transaction is still replayed."""
+    dev = RecordingDevice(DEV_SIZE)
+    work = Workload(16)
+    await run_workload(dev, work, 60, checkpoint_bytes=1 << 20)
+    found = recover_dev(dev)
+    base, size = half_bounds(META_START, META_SIZE, found.half)
+    entries = list(scan(dev, base, size, found.generation, SEED))
+    txns = [(end, e) for end, e in entries if e.kind == KIND_TXN]
+    end, victim = txns[len(txns) // 3]
+    start = end - len(encode_entry(KIND_TXN, 0, 0, victim.payload))
+    bad = bytearray(dev.data)
+    bad[base + start + (0 if where == "header" else 40)] ^= 0x5A
+    damaged = recover_image(bad)
+    assert len(damaged.damage) == 1 and damaged.damage[0].offset == start
+    assert damaged.transactions == found.transactions - 1
+    assert damaged.state["n"] == b"60", "the transactions after the damage are kept"

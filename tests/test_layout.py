@@ -228,7 +228,7 @@ def test_pad_entry_lands_on_block_boundaries(block: int) -> None:
         assert (at + len(pad)) % block == 0, at
         assert ENTRY_OVERHEAD <= len(pad) <= block + ENTRY_OVERHEAD
         view = memoryview(bytes(at) + pad)
-        status, entry, nxt = parse_entry(view, at, 9, 11, SEED)
+        status, entry, nxt = parse_entry(view, at, 9, 11, SEED, version=1)
         assert status == PARSE_OK and entry is not None and entry.kind == KIND_PAD
         assert nxt == at + len(pad)
 
