@@ -480,7 +480,7 @@ class Journal:
     @property
     def checkpoint_bytes(self) -> int:
         """Bytes of the last checkpoint written (or found at mount); 0 before one."""
-        return self._ckpt_end
+        return self._ckpt_size
 
     def statistics(self) -> JournalStatistics:
         return JournalStatistics(
