@@ -86,7 +86,7 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
         a.st_rdev = 0
         a.st_size = inode.size
         a.st_blksize = self.store.unit
-        a.st_blocks = self.store.allocated_units(inode) * (self.store.unit // 512)
+        a.st_blocks = -(-self.store.allocated_bytes(inode) // 512)
         a.st_atime_ns, a.st_mtime_ns, a.st_ctime_ns = inode.atime_ns, inode.mtime_ns, inode.ctime_ns
         return a
 
