@@ -423,8 +423,9 @@ def fragment_field(host: int, start: int, count: int) -> int:
 
 
 def is_fragment(field: int) -> bool:
-    """Whether a unit field (or a packed address) names fragments, not a whole unit."""
-    return bool(field & FRAG_FLAG)
+    """Whether a unit field (or a packed address) names fragments, not a whole unit
+    (never ``NO_UNIT``, which has every bit set)."""
+    return field >= 0 and bool(field & FRAG_FLAG)
 
 
 def split_fragment(field: int) -> tuple[int, int, int]:

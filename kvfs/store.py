@@ -1134,7 +1134,7 @@ class Store:
             inode.ino,
             u,
             path,
-            p & UNIT_MASK,
+            extent(p, self.unit)[0],  # a fragment tail: its host unit
         )
         inode.flags |= FLAG_QUARANTINED
         self.ns.commit(inode)
