@@ -169,25 +169,24 @@ class Allocator:
 
     # ------------------------------------------------------------------ fragments
     def allocate_fragments(self, count: int, device: int) -> tuple[int, int]:
-        """``count`` consecutive fragments as (device, fragment field): in a host with
-        room (``device`` first), else in a fresh unit of ``device`` (then of another
-        device), else anywhere. NoSpace if none of that exists."""
+        """``count`` consecutive fragments as (device, fragment field) on ``device``
+        (so a tail stays on its stripe's device, as a whole unit would): in one of
+        its hosts that gained room last, else in a fresh unit that becomes a host,
+        else in any of its hosts; only then on another device. NoSpace if no device
+        has room."""
         assert 1 <= count < self.fragments_per_unit
         order = [d for d in (device, *range(len(self._maps))) if d not in self.offline]
-        order = list(dict.fromkeys(order))
-        for dev in order:
+        for dev in dict.fromkeys(order):
             field = self._fit(dev, count, FRAGMENT_SCAN)
-            if field >= 0:
-                return dev, field
-        for dev in order:
-            host = self._find(dev, 1, -1)
-            if 0 <= host <= HOST_MASK:
-                self._take(dev, host, 1)
-                self._hosts[dev][host] = bytearray(self.fragments_per_unit)
-                self._roomy[dev][host] = self.fragments_per_unit
-                return dev, self._take_fragments(dev, host, 0, count)
-        for dev in order:
-            field = self._fit(dev, count, None)
+            if field < 0:
+                host = self._find(dev, 1, -1)
+                if 0 <= host <= HOST_MASK:
+                    self._take(dev, host, 1)
+                    self._hosts[dev][host] = bytearray(self.fragments_per_unit)
+                    self._roomy[dev][host] = self.fragments_per_unit
+                    field = self._take_fragments(dev, host, 0, count)
+                else:
+                    field = self._fit(dev, count, None)
             if field >= 0:
                 return dev, field
         raise NoSpace(f"need {count} fragments, no unit or host has room")

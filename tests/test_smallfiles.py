@@ -121,6 +121,9 @@ async def test_files_of_every_size_round_trip_take_only_their_fragments() -> Non
         assert len(tails) == 3 * 6  # every size but UNIT - 1 (rounded up) and UNIT
         hosts = {(p >> DEV_SHIFT, split_fragment(p)[0]) for p in tails}
         assert len(hosts) < len(tails)  # tails share units
+        for inode in store.ns.inodes.values():  # a tail stays on its stripe's device
+            if 0 < inode.size <= store.cfg.stripe_units * UNIT:
+                assert len({p >> DEV_SHIFT for p in inode.units if p != NO_UNIT}) == 1
         store.cache = store.reader.cache = type(store.cache)(256 * MiB)  # cold, and big
         reads = sum(d.statistics().bytes_read for d in pool.devices)
         await check_all(store, data)
