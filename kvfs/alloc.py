@@ -7,6 +7,14 @@ millions of units — and freeing is a slice assignment. A next-fit cursor per d
 spreads writes over the device and keeps freshly freed runs coalesced: neighbours
 are merged for free because the map *is* the coalesced state.
 
+Small files and tails: a unit may be split into fragments (``layout.fragment_size``,
+4 KiB at 1 MiB units). A *host* unit is used in the unit map and has a byte per
+fragment of its own; a file's last, partial unit takes a run of fragments in a host
+with room (the first few hosts with enough free fragments are tried, then a fresh unit
+becomes a host), and a host whose last fragment is freed goes back to the unit map.
+Addresses are unit fields (``layout``): a field with ``FRAG_FLAG`` names fragments, and
+``free``/``mark_used`` take either form.
+
 Nothing here is persisted: at mount the map is rebuilt from the index (every unit an
 inode maps is used), so the index and the allocator cannot disagree.
 """
@@ -14,8 +22,15 @@ inode maps is used), so the index and the allocator cannot disagree.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import islice
 
 from kvfs.errors import NoSpace
+from kvfs.layout import FRAG_FLAG, HOST_MASK, fragment_field, split_fragment
+
+FRAGMENT_SCAN = 8
+"""Hosts with free fragments tried (those that gained room last first) before a fresh
+unit becomes a host: a fragment allocation stays O(1) however many hosts there are;
+a nearly full host is soon passed over, not searched again and again."""
 
 
 @dataclass(frozen=True)
@@ -24,17 +39,36 @@ class AllocatorStatistics:
     free_units: int
     free_runs: int
     largest_free_run: int
+    fragment_hosts: int = 0
+    """Units split into fragments (counted as used units above)."""
+    fragments_used: int = 0
+    fragments_per_unit: int = 0
 
 
 class Allocator:
     """Hands out runs of units on several devices."""
 
-    def __init__(self, units_per_device: list[int]) -> None:
+    def __init__(self, units_per_device: list[int], fragments_per_unit: int = 0) -> None:
         self._maps = [bytearray(n) for n in units_per_device]
         self._free = list(units_per_device)
         self._cursor = [0] * len(units_per_device)
         self.total_units = sum(units_per_device)
         self.offline: set[int] = set()
+        self.fragments_per_unit = fragments_per_unit
+        """0 or 1: no fragments (every allocation is whole units)."""
+        n = len(units_per_device)
+        self._hosts: list[dict[int, bytearray]] = [{} for _ in range(n)]  # host -> fragment map
+        self._roomy: list[dict[int, int]] = [{} for _ in range(n)]  # host -> free fragments
+        self.fragments_used = 0
+
+    @property
+    def fragment_hosts(self) -> int:
+        return sum(len(h) for h in self._hosts)
+
+    @property
+    def free_fragments(self) -> int:
+        """Free fragments inside hosts on devices that still take writes."""
+        return sum(sum(r.values()) for d, r in enumerate(self._roomy) if d not in self.offline)
 
     @property
     def free_units(self) -> int:
@@ -54,7 +88,12 @@ class Allocator:
         return self._free[dev]
 
     def mark_used(self, dev: int, start: int, count: int = 1) -> None:
-        """Claim units known to be in use (index rebuild); they must be free."""
+        """Claim units known to be in use (index rebuild); they must be free.
+        ``start`` may be a fragment field (``count`` consecutive fields, then)."""
+        if start & FRAG_FLAG:
+            for i in range(count):
+                self._mark_fragments(dev, start + i)
+            return
         m = self._maps[dev]
         if any(m[start : start + count]):
             raise ValueError(f"unit {dev}:{start}+{count} is claimed twice")
@@ -62,6 +101,11 @@ class Allocator:
         self._free[dev] -= count
 
     def free(self, dev: int, start: int, count: int = 1) -> None:
+        """Free units, or ``count`` consecutive fragment fields from ``start``."""
+        if start & FRAG_FLAG:
+            for i in range(count):
+                self._free_fragments(dev, start + i)
+            return
         m = self._maps[dev]
         if m[start : start + count] != b"\x01" * count:
             raise ValueError(f"freeing units {dev}:{start}+{count} that are not all in use")
@@ -123,6 +167,77 @@ class Allocator:
         assert count == 0, "free count and map disagree"
         return runs
 
+    # ------------------------------------------------------------------ fragments
+    def allocate_fragments(self, count: int, device: int) -> tuple[int, int]:
+        """``count`` consecutive fragments as (device, fragment field) on ``device``
+        (so a tail stays on its stripe's device, as a whole unit would): in one of
+        its hosts that gained room last, else in a fresh unit that becomes a host,
+        else in any of its hosts; only then on another device. NoSpace if no device
+        has room."""
+        assert 1 <= count < self.fragments_per_unit
+        order = [d for d in (device, *range(len(self._maps))) if d not in self.offline]
+        for dev in dict.fromkeys(order):
+            field = self._fit(dev, count, FRAGMENT_SCAN)
+            if field < 0:
+                host = self._find(dev, 1, -1)
+                if 0 <= host <= HOST_MASK:
+                    self._take(dev, host, 1)
+                    self._hosts[dev][host] = bytearray(self.fragments_per_unit)
+                    self._roomy[dev][host] = self.fragments_per_unit
+                    field = self._take_fragments(dev, host, 0, count)
+                else:
+                    field = self._fit(dev, count, None)
+            if field >= 0:
+                return dev, field
+        raise NoSpace(f"need {count} fragments, no unit or host has room")
+
+    def _fit(self, dev: int, count: int, scan: int | None) -> int:
+        """A run in one of the ``scan`` hosts that gained room last (all: None)."""
+        pattern = bytes(count)
+        roomy = self._roomy[dev]
+        for host, free in islice(reversed(roomy.items()), scan):
+            if free >= count:
+                start = self._hosts[dev][host].find(pattern)
+                if start >= 0:
+                    return self._take_fragments(dev, host, start, count)
+        return -1
+
+    def _take_fragments(self, dev: int, host: int, start: int, count: int) -> int:
+        self._hosts[dev][host][start : start + count] = b"\x01" * count
+        left = self._roomy[dev][host] - count
+        if left:
+            self._roomy[dev][host] = left
+        else:
+            del self._roomy[dev][host]
+        self.fragments_used += count
+        return fragment_field(host, start, count)
+
+    def _mark_fragments(self, dev: int, field: int) -> None:
+        host, start, count = split_fragment(field)
+        if host not in self._hosts[dev]:
+            self.mark_used(dev, host)  # a unit held whole cannot also be a host
+            self._hosts[dev][host] = bytearray(self.fragments_per_unit)
+            self._roomy[dev][host] = self.fragments_per_unit
+        m = self._hosts[dev][host]
+        if start + count > len(m) or any(m[start : start + count]):
+            raise ValueError(f"fragments {dev}:{host}:{start}+{count} are claimed twice")
+        self._take_fragments(dev, host, start, count)
+
+    def _free_fragments(self, dev: int, field: int) -> None:
+        host, start, count = split_fragment(field)
+        m = self._hosts[dev].get(host)
+        if m is None or m[start : start + count] != b"\x01" * count:
+            raise ValueError(f"freeing fragments {dev}:{host}:{start}+{count} not in use")
+        m[start : start + count] = bytes(count)
+        self.fragments_used -= count
+        # re-inserted, so the host is among the first tried (``_fit`` scans newest first)
+        left = self._roomy[dev].pop(host, 0) + count
+        if left < self.fragments_per_unit:
+            self._roomy[dev][host] = left
+            return
+        del self._hosts[dev][host]
+        self.free(dev, host)  # the whole unit is free again
+
     def is_used(self, dev: int, unit: int) -> bool:
         return bool(self._maps[dev][unit])
 
@@ -133,4 +248,12 @@ class Allocator:
                 if run:
                     runs += 1
                     largest = max(largest, len(run))
-        return AllocatorStatistics(self.total_units, self.free_units, runs, largest)
+        return AllocatorStatistics(
+            self.total_units,
+            self.free_units,
+            runs,
+            largest,
+            self.fragment_hosts,
+            self.fragments_used,
+            self.fragments_per_unit,
+        )

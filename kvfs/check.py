@@ -10,7 +10,15 @@ import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvfs.layout import DEV_SHIFT, FLAG_QUARANTINED, FLAG_WRITING, NO_UNIT, UNIT_MASK
+from kvfs.layout import (
+    DEV_SHIFT,
+    FLAG_QUARANTINED,
+    FLAG_WRITING,
+    NO_UNIT,
+    extent,
+    fragment_size,
+    is_fragment,
+)
 from kvfs.namespace import ROOT_INO, Inode, Namespace
 from kvfs.pool import Pool
 
@@ -99,19 +107,45 @@ def _check_inode(inode: Inode, links: int, pool: Pool, report: Report) -> None:
 
 
 def _check_claims(ns: Namespace, pool: Pool, report: Report) -> None:
-    claimed: dict[int, int] = {}
+    """Every mapped unit lies in the pool and has one owner; a fragment tail claims
+    its fragments (several files share a host unit, none may hold it whole)."""
+    whole: dict[tuple[int, int], int] = {}  # (device, unit) -> the inode holding it whole
+    hosts: dict[tuple[int, int], int] = {}  # (device, unit) -> an inode with fragments there
+    fragments: dict[tuple[int, int, int], int] = {}
+    u_size = pool.unit_size
+    frag = fragment_size(u_size)
     for inode in ns.inodes.values():
         for p in inode.units:
             if p == NO_UNIT:
                 continue
-            dev, unit = p >> DEV_SHIFT, p & UNIT_MASK
+            dev = p >> DEV_SHIFT
+            unit, skip, length = extent(p, u_size)
             what = f"inode {inode.ino}: unit {dev}:{unit}"
-            if dev >= len(pool.devices) or unit >= pool.superblocks[dev].data_units:
+            if is_fragment(p):
+                what += f" fragments {skip // frag}+{length // frag}"
+            if (
+                dev >= len(pool.devices)
+                or unit >= pool.superblocks[dev].data_units
+                or skip + length > u_size
+            ):
                 report.problem(f"{what} lies outside the pool", doom=inode.ino)
                 break
-            other = claimed.setdefault(p, inode.ino)
-            if other != inode.ino and inode.ino not in report.doomed:
-                report.problem(f"{what} is also used by inode {other}", doom=inode.ino)
+            key = (dev, unit)
+            if is_fragment(p):
+                others = [whole.get(key)]
+                hosts.setdefault(key, inode.ino)
+                others += [
+                    fragments.setdefault((dev, unit, f), inode.ino)
+                    for f in range(skip // frag, (skip + length) // frag)
+                ]
+            else:
+                others = [whole.setdefault(key, inode.ino), hosts.get(key)]
+                if others[1] == inode.ino:  # its own tail's host cannot be held whole
+                    others[1] = -1
+            other = next((o for o in others if o is not None and o != inode.ino), None)
+            if other is not None and inode.ino not in report.doomed:
+                by = "its own fragments" if other < 0 else f"inode {other}"
+                report.problem(f"{what} is also used by {by}", doom=inode.ino)
                 break
 
 

@@ -89,7 +89,7 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
         a.st_rdev = 0
         a.st_size = inode.size
         a.st_blksize = self.store.unit
-        a.st_blocks = self.store.allocated_units(inode) * (self.store.unit // 512)
+        a.st_blocks = -(-self.store.allocated_bytes(inode) // 512)
         a.st_atime_ns, a.st_mtime_ns, a.st_ctime_ns = inode.atime_ns, inode.mtime_ns, inode.ctime_ns
         return a
 
@@ -224,7 +224,19 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
 
     @_errors
     async def flush(self, fh: int) -> None:
+        inode = self.ns.inodes.get(self.store.handle(fh).ino)
+        before = self.store.allocated_bytes(inode) if inode is not None else 0
         await self.store.flush(fh)
+        if inode is not None and self.store.allocated_bytes(inode) != before:
+            # the commit turned claimed whole units into what is held (a tail's
+            # fragments): the st_blocks the kernel cached while writing is stale
+            self._invalidate_attr(inode.ino)
+
+    def _invalidate_attr(self, ino: int) -> None:
+        try:  # attributes only: no page-cache work, so it cannot block (no writeback cache)
+            pyfuse3.invalidate_inode(ino, attr_only=True)
+        except Exception as e:  # no session (tests calling handlers directly)
+            log.debug("invalidate attributes of %d: %s", ino, e)
 
     @_errors
     async def release(self, fh: int) -> None:

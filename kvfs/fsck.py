@@ -25,7 +25,7 @@ from kvfs.check import Report, check_index, fix_dir_links
 from kvfs.device import ALIGN, aligned_buffer
 from kvfs.errors import Corruption, DeviceError, UserError
 from kvfs.journal import ApplySink, encode_checkpoint, half_bounds, recover
-from kvfs.layout import DEV_SHIFT, FORMAT_VERSION, NO_UNIT, UNIT_MASK, Superblock
+from kvfs.layout import DEV_SHIFT, FORMAT_VERSION, NO_UNIT, UNIT_MASK, Superblock, extent
 from kvfs.namespace import Namespace
 from kvfs.pool import (
     Pool,
@@ -174,13 +174,14 @@ def _identity(ns: Namespace, pool: Pool, index: int) -> tuple[bool, str]:
     view = memoryview(buf)
     checked = 0
     try:
-        for dev, unit, csum in _units_on(ns, pool, index):
+        for dev, field, csum in _units_on(ns, pool, index):
             checked += 1
             try:
-                pool.devices[dev].read_into(pool.unit_offset(dev, unit), view)
+                _read_unit(pool, dev, field, view)
             except DeviceError:
                 continue
             if any(view) and xxhash.xxh3_64_intdigest(view) == csum:
+                unit = extent(field, pool.unit_size)[0]
                 return True, f"data unit {unit} there matches its checksum in the index"
             if checked >= PROOF_UNITS:
                 break
@@ -192,12 +193,21 @@ def _identity(ns: Namespace, pool: Pool, index: int) -> tuple[bool, str]:
     return False, f"none of {checked} data unit(s) there holds the bytes the index expects"
 
 
+def _read_unit(pool: Pool, dev: int, field: int, view: memoryview) -> None:
+    """Unit field ``field`` of device ``dev`` into the unit-sized ``view``: the whole
+    unit, or a fragment run followed by zeros (what its checksum covers)."""
+    unit, skip, length = extent(field, pool.unit_size)
+    if length < len(view):
+        view[length:] = bytes(len(view) - length)
+    pool.devices[dev].read_into(pool.unit_offset(dev, unit) + skip, view[:length])
+
+
 def _units_on(ns: Namespace, pool: Pool, index: int) -> Iterator[tuple[int, int, int]]:
-    """(device, unit, checksum) of the mapped units on device ``index``."""
-    limit = pool.superblocks[index].data_units
+    """(device, unit field, checksum) of the mapped units on device ``index``."""
+    limit, u_size = pool.superblocks[index].data_units, pool.unit_size
     for inode in ns.inodes.values():
         for u, p in enumerate(inode.units):
-            if p != NO_UNIT and p >> DEV_SHIFT == index and p & UNIT_MASK < limit:
+            if p != NO_UNIT and p >> DEV_SHIFT == index and extent(p, u_size)[0] < limit:
                 yield index, p & UNIT_MASK, inode.csums[u]
 
 
@@ -211,12 +221,12 @@ def _check_data(ns: Namespace, pool: Pool, report: Report) -> None:
         for u, p in enumerate(inode.units):
             if p == NO_UNIT:
                 continue
-            dev, unit = p >> DEV_SHIFT, p & UNIT_MASK
+            dev, unit = p >> DEV_SHIFT, extent(p, u_size)[0]
             if dev >= len(pool.devices) or unit >= pool.superblocks[dev].data_units:
                 break
             report.units_checked += 1
             try:
-                pool.devices[dev].read_into(pool.unit_offset(dev, unit), view)
+                _read_unit(pool, dev, p & UNIT_MASK, view)
             except DeviceError as e:
                 report.problem(f"inode {inode.ino} unit {u}: device error: {e}", doom=inode.ino)
                 break
@@ -298,7 +308,7 @@ def _files_in_the_way(pool: Pool, new: list[Superblock]) -> list[str]:
     hits = []
     for inode in ns.inodes.values():
         for p in inode.units:
-            dev, unit = p >> DEV_SHIFT, p & UNIT_MASK
+            dev, unit = p >> DEV_SHIFT, extent(p, pool.unit_size)[0]
             if p != NO_UNIT and dev < len(new) and unit >= new[dev].data_units:
                 name = inode.name.decode(errors="replace") or "?"
                 hits.append(f"device {dev + 1} unit {unit}: file {name!r} (inode {inode.ino})")

@@ -423,6 +423,68 @@ def phys(dev: int, unit: int) -> int:
     return (dev << DEV_SHIFT) | unit
 
 
+# A unit-map entry may name a run of *fragments* inside a unit instead of a whole unit
+# (a file's last, partial unit: docs/format.md "Fragment tails"). The 48-bit unit field
+# then reads: bit 47 set, bits 39..46 the first fragment, bits 31..38 the fragment
+# count - 1, bits 0..30 the host unit. Whole-unit addresses never have bit 47 set.
+FRAG_FLAG = 1 << 47
+_FRAG_START_SHIFT = 39
+_FRAG_COUNT_SHIFT = 31
+HOST_MASK = (1 << _FRAG_COUNT_SHIFT) - 1
+"""Host units of fragments are below 2**31 (2 PiB per device at 1 MiB units)."""
+MAX_FRAGMENTS = 256
+"""Fragments per unit at most (8 bits of start, 8 of count - 1)."""
+MIN_FRAGMENT = 4096
+
+
+def fragment_size(unit_size: int) -> int:
+    """Bytes per fragment: 4 KiB (the O_DIRECT granule), or unit / 256 for units over
+    1 MiB (so a fragment run always fits the 8-bit fields)."""
+    return max(MIN_FRAGMENT, unit_size // MAX_FRAGMENTS)
+
+
+def allocated_size(size: int, unit_size: int) -> int:
+    """Device bytes a file of ``size`` bytes (no holes) holds once written back: whole
+    units, and its partial last unit as fragments (a whole unit if no fragment would
+    be saved)."""
+    whole, tail = divmod(size, unit_size)
+    frag = fragment_size(unit_size)
+    tail = -(-tail // frag) * frag
+    return whole * unit_size + (unit_size if tail > unit_size - frag else tail)
+
+
+def fragment_field(host: int, start: int, count: int) -> int:
+    """The unit field of fragments ``start``..``start + count - 1`` of unit ``host``."""
+    assert 0 <= host <= HOST_MASK and start >= 0 and count >= 1
+    assert start + count <= MAX_FRAGMENTS
+    return FRAG_FLAG | start << _FRAG_START_SHIFT | (count - 1) << _FRAG_COUNT_SHIFT | host
+
+
+def is_fragment(field: int) -> bool:
+    """Whether a unit field (or a packed address) names fragments, not a whole unit
+    (never ``NO_UNIT``, which has every bit set)."""
+    return field >= 0 and bool(field & FRAG_FLAG)
+
+
+def split_fragment(field: int) -> tuple[int, int, int]:
+    """(host unit, first fragment, count) of a fragment unit field."""
+    field &= UNIT_MASK
+    start = (field >> _FRAG_START_SHIFT) & 0xFF
+    return field & HOST_MASK, start, ((field >> _FRAG_COUNT_SHIFT) & 0xFF) + 1
+
+
+def extent(field: int, unit_size: int) -> tuple[int, int, int]:
+    """(unit, byte offset in it, bytes) that a unit field occupies on its device: the
+    whole unit, or the fragment run inside its host unit. The unit's content is those
+    bytes followed by zeros up to ``unit_size`` (its checksum covers the whole unit)."""
+    field &= UNIT_MASK
+    if not field & FRAG_FLAG:
+        return field, 0, unit_size
+    host, start, count = split_fragment(field)
+    frag = fragment_size(unit_size)
+    return host, start * frag, count * frag
+
+
 @dataclass(slots=True)
 class InodeRecord:
     """The persistent state of one inode (directory entries are separate ops)."""

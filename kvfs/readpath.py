@@ -24,7 +24,7 @@ import xxhash
 from kvfs.cache import UnitCache
 from kvfs.device import BufferPool
 from kvfs.errors import KvfsError
-from kvfs.layout import DEV_SHIFT, NO_UNIT, UNIT_MASK
+from kvfs.layout import DEV_SHIFT, NO_UNIT, extent, is_fragment
 from kvfs.namespace import Inode
 from kvfs.pool import Pool
 
@@ -73,7 +73,8 @@ class Reader:
         self.unit = pool.unit_size
         self._io, self._buffers, self._quarantine, self._spawn = io, buffers, quarantine, spawn
         self.readahead_units, self.read_piece_units = readahead_units, read_piece_units
-        self._zero = memoryview(bytes(self.unit))
+        self.zero = memoryview(bytes(self.unit)).toreadonly()
+        """A unit of zeros (holes; the rest of a unit after its fragment tail)."""
         self._fetching: dict[tuple[int, int], trio.Event] = {}
 
     def resident(self, inode: Inode, st: FileState | None, u: int) -> memoryview | None:
@@ -83,7 +84,7 @@ class Reader:
             if buf is not None:
                 return memoryview(buf)
         if u >= len(inode.units) or inode.units[u] == NO_UNIT:
-            return self._zero
+            return self.zero
         return self.cache.get((inode.ino, u))
 
     async def unit_view(self, inode: Inode, u: int) -> memoryview:
@@ -160,7 +161,8 @@ class Reader:
         return results
 
     def _runs(self, inode: Inode, units: list[int]) -> list[list[tuple[int, int, int]]]:
-        """Group units into (logical, physical, checksum) runs contiguous on one device."""
+        """Group units into (logical, physical, checksum) runs contiguous on one device;
+        a fragment tail is a run of its own."""
         runs: list[list[tuple[int, int, int]]] = []
         for u in sorted(units):
             # a readahead scheduled before a truncate may ask for units now gone
@@ -170,6 +172,7 @@ class Reader:
             run = runs[-1] if runs else None
             if (
                 run
+                and not is_fragment(p)
                 and run[-1][1] + 1 == p
                 and run[-1][0] + 1 == u
                 and len(run) < self.read_piece_units
@@ -182,14 +185,16 @@ class Reader:
     async def _read_run(
         self, inode: Inode, run: list[tuple[int, int, int]], results: dict[int, memoryview]
     ) -> None:
-        dev, start = run[0][1] >> DEV_SHIFT, run[0][1] & UNIT_MASK
-        device, u_size = self.pool.devices[dev], self.unit
-        buf = self._buffers(u_size * len(run)).take(zeroed=False)  # filled or dropped
-        offset = self.pool.unit_offset(dev, start)
+        dev, u_size = run[0][1] >> DEV_SHIFT, self.unit
+        # a fragment tail reads only its fragments, into a zeroed unit buffer
+        start, skip, length = extent(run[0][1], u_size)
+        device, whole_units = self.pool.devices[dev], not is_fragment(run[0][1])
+        buf = self._buffers(u_size * len(run)).take(zeroed=not whole_units)  # or all read
+        offset = self.pool.unit_offset(dev, start) + skip
 
         def work() -> list[int]:
             view = memoryview(buf)
-            device.read_into(offset, view)
+            device.read_into(offset, view if whole_units else view[:length])
             return [
                 xxhash.xxh3_64_intdigest(view[i * u_size : (i + 1) * u_size])
                 for i in range(len(run))

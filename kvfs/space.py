@@ -31,7 +31,7 @@ from kvfs.alloc import Allocator
 from kvfs.errors import DeviceError, KvfsError, NoSpace, QuotaExceeded
 from kvfs.evict import KVFS_MANAGED, Evictor
 from kvfs.journal import META_FULL, Journal
-from kvfs.layout import DEV_SHIFT, UNIT_MASK, encode_op
+from kvfs.layout import DEV_SHIFT, UNIT_MASK, encode_op, extent, is_fragment
 from kvfs.namespace import ROOT_INO, Inode, Namespace
 from kvfs.pool import CHECKPOINT_FILE_BYTES, CHECKPOINT_UNIT_BYTES, Pool
 
@@ -60,11 +60,17 @@ ghost key (56), the owner (24); see ``pool.CHECKPOINT_FILE_BYTES``."""
 
 
 def coalesce(units: list[int]) -> list[tuple[int, int, int]]:
-    """Sorted packed unit addresses -> (device, start, count) runs."""
+    """Sorted packed unit addresses -> (device, start, count) runs; a fragment run
+    (its unit field as ``start``) stays a run of its own."""
     runs: list[tuple[int, int, int]] = []
     for p in units:
         dev, unit = p >> DEV_SHIFT, p & UNIT_MASK
-        if runs and runs[-1][0] == dev and runs[-1][1] + runs[-1][2] == unit:
+        if (
+            runs
+            and not is_fragment(unit)
+            and runs[-1][0] == dev
+            and runs[-1][1] + runs[-1][2] == unit
+        ):
             runs[-1] = (dev, runs[-1][1], runs[-1][2] + 1)
         else:
             runs.append((dev, unit, 1))
@@ -176,7 +182,8 @@ class Space:
         freed.set()
 
     async def trim_loop(self) -> None:
-        """Discard freed units in large coalesced runs before they are reused."""
+        """Discard freed units in large coalesced runs before they are reused (a
+        fragment run: only its fragments)."""
         while True:
             await self._trim_wake.wait()
             self._trim_wake = trio.Event()
@@ -184,7 +191,8 @@ class Space:
             self._trimming = len(batch)
             for dev, start, count in coalesce(batch):
                 device = self.pool.devices[dev]
-                offset, length = self.pool.unit_offset(dev, start), count * self.unit
+                unit, skip, length = extent(start, self.unit)
+                offset, length = self.pool.unit_offset(dev, unit) + skip, count * length
                 try:
                     await self._io(dev, functools.partial(device.discard, offset, length))
                 except DeviceError as e:

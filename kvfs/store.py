@@ -54,6 +54,9 @@ from kvfs.layout import (
     NO_UNIT,
     UNIT_MASK,
     Op,
+    extent,
+    fragment_size,
+    is_fragment,
     phys,
 )
 from kvfs.namespace import ROOT_INO, Inode, Namespace, building_index
@@ -200,7 +203,10 @@ class Store:
         self.cfg = config or StoreConfig()
         self.unit = pool.unit_size
         self.ns = Namespace(self._log)
-        self.alloc = Allocator([sb.data_units for sb in pool.superblocks])
+        self._fragment = fragment_size(self.unit)
+        self.alloc = Allocator(
+            [sb.data_units for sb in pool.superblocks], self.unit // self._fragment
+        )
         meta, meta_start, meta_size = pool.meta
         self.journal = Journal(
             meta,
@@ -699,15 +705,20 @@ class Store:
         del inode.units[first:]
         del inode.csums[first:]
 
-    def allocated_units(self, inode: Inode) -> int:
-        """Units of device space the file has (``st_blocks``): its mapped units plus
-        the dirty or in-flight units not mapped yet (their space is already claimed,
-        as ext4 counts delayed allocation); holes count nothing."""
-        n = inode.mapped_units
+    def allocated_bytes(self, inode: Inode) -> int:
+        """Bytes of device space the file has (``st_blocks``): its mapped units and
+        fragment tails, plus the dirty or in-flight units not mapped yet (a whole
+        unit each: their space is already claimed, as ext4 counts delayed
+        allocation); holes count nothing."""
+        units = inode.units
+        n = inode.mapped_units * self.unit
+        # a fragment run is a file's tail, or one that was before a truncate grew it
+        n -= sum(self.unit - extent(p, self.unit)[2] for p in units if p > 0 and is_fragment(p))
         st = self._files.get(inode.ino)
         if st is not None and (st.dirty or st.inflight):
-            units = inode.units
-            n += sum(1 for u in {*st.dirty, *st.inflight} if u >= len(units) or units[u] == NO_UNIT)
+            n += self.unit * sum(
+                1 for u in {*st.dirty, *st.inflight} if u >= len(units) or units[u] == NO_UNIT
+            )
         return n
 
     # ------------------------------------------------------------------ write path
@@ -904,13 +915,27 @@ class Store:
         assert self._nursery is not None
         self._nursery.start_soon(self._writeback, inode, st, plan, bufs)
 
+    def _tail_fragments(self, inode: Inode, u: int) -> int:
+        """Fragments that unit ``u`` takes if it is the file's partial last unit (0:
+        it takes a whole unit). Decided at write-back, when the size is known; a file
+        that grows later rewrites this unit as a new dirty unit anyway."""
+        tail = inode.size - u * self.unit
+        if not 0 < tail < self.unit:
+            return 0
+        n = -(-tail // self._fragment)
+        return n if n < self.alloc.fragments_per_unit else 0
+
     def _allocate(self, inode: Inode, units: list[int]) -> list[tuple[int, int, list[int]]]:
         """Place units as (device, first physical unit, logical units) runs: logically
         consecutive units go to one device in stripes of ``stripe_units``, stripes
-        rotate over the devices so one file's I/O spreads across all of them."""
+        rotate over the devices so one file's I/O spreads across all of them. A
+        partial last unit gets a fragment run instead: (device, fragment field, [u])."""
         ndev = len(self.pool.devices)
         groups: list[tuple[int, list[int]]] = []
+        tail = units[-1] if units and self._tail_fragments(inode, units[-1]) else -1
         for u in units:
+            if u == tail:
+                continue
             dev = (inode.ino + u // self.cfg.stripe_units) % ndev
             if groups and groups[-1][0] == dev and groups[-1][1][-1] == u - 1:
                 groups[-1][1].append(u)
@@ -921,12 +946,18 @@ class Store:
             for dev, lus in groups:
                 prev = inode.units[lus[0] - 1] if 0 < lus[0] <= len(inode.units) else NO_UNIT
                 near = (
-                    (prev & UNIT_MASK) + 1 if prev != NO_UNIT and prev >> DEV_SHIFT == dev else -1
+                    (prev & UNIT_MASK) + 1
+                    if prev != NO_UNIT and prev >> DEV_SHIFT == dev and not is_fragment(prev)
+                    else -1
                 )
                 i = 0
                 for d, start, count in self.alloc.allocate(len(lus), dev, near):
                     plan.append((d, start, lus[i : i + count]))
                     i += count
+            if tail >= 0:
+                dev = (inode.ino + tail // self.cfg.stripe_units) % ndev
+                d, field = self.alloc.allocate_fragments(self._tail_fragments(inode, tail), dev)
+                plan.append((d, field, [tail]))
         except KvfsError:
             for d, start, lus in plan:
                 self.alloc.free(d, start, len(lus))
@@ -973,9 +1004,17 @@ class Store:
         self, dev: int, start: int, bufs: list[mmap.mmap], lus: list[int], csums: dict[int, int]
     ) -> None:
         device = self.pool.devices[dev]
-        offset = self.pool.unit_offset(dev, start)
+        unit, skip, length = extent(start, self.unit)
+        offset = self.pool.unit_offset(dev, unit) + skip
+        zeros = self.reader.zero
 
         def work() -> list[int]:
+            if is_fragment(start):  # a tail: its fragments, the rest of the unit is zeros
+                view = memoryview(bufs[0])[:length]
+                digest = xxhash.xxh3_64(view)
+                digest.update(zeros[length:])
+                device.write(offset, [view])
+                return [digest.intdigest()]
             sums = [xxhash.xxh3_64_intdigest(b) for b in bufs]
             device.write(offset, [memoryview(b) for b in bufs])
             return sums
@@ -1108,7 +1147,7 @@ class Store:
             inode.ino,
             u,
             path,
-            p & UNIT_MASK,
+            extent(p, self.unit)[0],  # a fragment tail: its host unit
         )
         inode.flags |= FLAG_QUARANTINED
         self.ns.commit(inode)
@@ -1163,7 +1202,9 @@ class Store:
 
     def statistics(self) -> StoreStatistics:
         files = sum(1 for i in self.ns.inodes.values() if not i.is_dir)
-        free = max(self.space.available(), 0) * self.unit  # claimed units are spoken for
+        # claimed units are spoken for; free fragments in host units are free bytes
+        free = max(self.space.available(), 0) * self.unit
+        free += self.alloc.free_fragments * self._fragment
         cap = self.alloc.total_units * self.unit
         devs = [d.statistics() for d in self.pool.devices]
         return StoreStatistics(

@@ -8,6 +8,7 @@ import pytest
 
 from kvfs.alloc import Allocator
 from kvfs.errors import NoSpace
+from kvfs.layout import fragment_field, split_fragment
 
 Unit = tuple[int, int]
 
@@ -146,3 +147,86 @@ def test_freed_neighbours_coalesce() -> None:
             alloc.free(d, s, n)
     assert alloc.statistics().largest_free_run == 20
     assert len(alloc.allocate(20, 0)) == 1
+
+
+# ------------------------------------------------------------------------ fragments
+def test_fragment_runs_pack_into_host_units_and_a_freed_host_returns() -> None:
+    alloc = Allocator([4, 4], fragments_per_unit=16)
+    a = alloc.allocate_fragments(8, 0)
+    b = alloc.allocate_fragments(8, 0)
+    assert a[0] == b[0] == 0 and alloc.fragment_hosts == 1  # two halves of one unit
+    assert split_fragment(a[1])[0] == split_fragment(b[1])[0]
+    assert alloc.free_units == 7 and alloc.fragments_used == 16 and alloc.free_fragments == 0
+    c = alloc.allocate_fragments(3, 0)  # the host is full: a fresh unit becomes one
+    assert alloc.fragment_hosts == 2 and alloc.free_units == 6
+    for dev, field in (a, b):
+        alloc.free(dev, field)
+    assert alloc.fragment_hosts == 1 and alloc.free_units == 7  # the unit is whole again
+    alloc.free(*c)
+    assert alloc.free_units == 8 and alloc.fragments_used == 0
+    assert len(alloc.allocate(4, 0)) == 1 and len(alloc.allocate(4, 1)) == 1  # no leftovers
+
+
+def test_fragments_use_room_in_hosts_when_no_unit_is_free() -> None:
+    alloc = Allocator([2], fragments_per_unit=16)
+    alloc.allocate(1, 0)
+    host = alloc.allocate_fragments(2, 0)
+    many = [alloc.allocate_fragments(1, 0) for _ in range(14)]
+    assert alloc.free_units == 0 and alloc.free_fragments == 0
+    with pytest.raises(NoSpace):
+        alloc.allocate_fragments(1, 0)
+    alloc.free(*many[5])
+    assert alloc.allocate_fragments(1, 0) == many[5]  # the freed fragment, found anyway
+    alloc.free(*host)
+    with pytest.raises(ValueError):
+        alloc.free(*host)  # a double free is a bug, never silent
+
+
+def test_rebuild_refuses_fragments_claimed_twice_or_in_a_unit_held_whole() -> None:
+    alloc = Allocator([4], fragments_per_unit=16)
+    alloc.mark_used(0, fragment_field(1, 0, 4))
+    alloc.mark_used(0, fragment_field(1, 4, 4))  # another tail in the same host: fine
+    with pytest.raises(ValueError):
+        alloc.mark_used(0, fragment_field(1, 6, 1))
+    with pytest.raises(ValueError):
+        alloc.mark_used(0, 1)  # the host cannot also be held whole
+    alloc.mark_used(0, 2)
+    with pytest.raises(ValueError):
+        alloc.mark_used(0, fragment_field(2, 0, 1))
+    assert alloc.fragments_used == 8 and alloc.free_units == 2
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_fragment_and_unit_traffic_matches_a_model(seed: int) -> None:
+    rng = random.Random(seed)
+    per = 16
+    alloc = Allocator([40, 25], fragments_per_unit=per)
+    units: list[tuple[int, int, int]] = []
+    frags: list[tuple[int, int]] = []
+    for _ in range(1500):
+        r = rng.random()
+        try:
+            if r < 0.3:
+                frags.append(alloc.allocate_fragments(rng.randrange(1, per), rng.randrange(2)))
+            elif r < 0.45:
+                units.extend(alloc.allocate(rng.randrange(1, 4), rng.randrange(2)))
+            elif r < 0.8 and frags:
+                alloc.free(*frags.pop(rng.randrange(len(frags))))
+            elif units:
+                alloc.free(*units.pop(rng.randrange(len(units))))
+        except NoSpace:
+            pass
+        # model: which fragments of which host, which units whole
+        held: dict[tuple[int, int], set[int]] = {}
+        for dev, field in frags:
+            host, start, count = split_fragment(field)
+            taken = held.setdefault((dev, host), set())
+            assert not taken & set(range(start, start + count)), "fragments handed out twice"
+            taken |= set(range(start, start + count))
+        whole = {(d, s + i) for d, s, n in units for i in range(n)}
+        assert not whole & set(held), "a host unit handed out whole"
+        assert alloc.fragment_hosts == len(held)
+        assert alloc.fragments_used == sum(len(t) for t in held.values())
+        assert alloc.free_fragments == len(held) * per - alloc.fragments_used
+        assert alloc.free_units == 65 - len(whole) - len(held)
+        assert used_in_maps(alloc, [40, 25]) == whole | set(held)

@@ -408,6 +408,7 @@ def test_kill9_torture(tmp_path: Path) -> None:
     from conftest import require_fuse
 
     from kvfs import harness
+    from kvfs.layout import allocated_size
 
     require_fuse()
     seed = int(os.environ.get("KVFS_CRASH_SEED", random.randrange(1 << 30)))
@@ -439,7 +440,7 @@ def test_kill9_torture(tmp_path: Path) -> None:
             stats = json.loads(os.getxattr(mnt, "user.kvfs.stats"))["store"]
             files = {p: s for p, (o, s) in actual.items() if o != DIR}
             unit = stats["unit_size"]
-            want_used = sum(-(-s // unit) * unit for s in files.values())
+            want_used = sum(allocated_size(s, unit) for s in files.values())
             if stats["files"] != len(files) or stats["used_bytes"] != want_used:
                 totals.problems.append(
                     f"loop {loop}: after recovery the index says {stats['files']} files, "

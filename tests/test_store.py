@@ -29,6 +29,9 @@ from kvfs.layout import (
     UNIT_MASK,
     Op,
     Superblock,
+    extent,
+    fragment_size,
+    is_fragment,
 )
 from kvfs.namespace import ROOT_INO
 from kvfs.pool import Pool, format_pool, open_pool
@@ -82,11 +85,36 @@ async def wait_until(cond: Callable[[], bool], limit: float = 5.0) -> None:
 
 
 def referenced_units(store: Store) -> int:
-    return sum(1 for i in store.ns.inodes.values() for p in i.units if p != NO_UNIT)
+    """Units the index holds: whole units, plus each host unit of fragment tails once."""
+    whole: set[int | tuple[int, int]] = set()
+    hosts: set[int | tuple[int, int]] = set()
+    for inode in store.ns.inodes.values():
+        for p in inode.units:
+            if p != NO_UNIT:
+                (hosts if is_fragment(p) else whole).add(
+                    (p >> DEV_SHIFT, extent(p, store.unit)[0]) if is_fragment(p) else p
+                )
+    return len(whole) + len(hosts)
+
+
+def referenced_fragments(store: Store) -> int:
+    frag = fragment_size(store.unit)
+    return sum(
+        extent(p, store.unit)[2] // frag
+        for i in store.ns.inodes.values()
+        for p in i.units
+        if p != NO_UNIT and is_fragment(p)
+    )
 
 
 def no_leaks(store: Store) -> bool:
-    return store.alloc.free_units + referenced_units(store) == store.alloc.total_units
+    """Every unit and fragment is free or referenced by the index, never both."""
+    a = store.alloc
+    return (
+        a.free_units + referenced_units(store) == a.total_units
+        and a.fragments_used == referenced_fragments(store)
+        and a.fragment_hosts * a.fragments_per_unit == a.fragments_used + a.free_fragments
+    )
 
 
 async def create(store: Store, name: bytes, parent: int = ROOT_INO) -> tuple[int, int]:
