@@ -123,11 +123,7 @@ class Evictor:
         saved = self.ns.blobs.get(POLICY_BLOB)
         inodes = self.ns.inodes
         if saved:
-            try:
-                self.policy.recover(saved)
-            except ValueError as e:
-                log.warning("saved eviction state unusable (%s); starting afresh", e)
-                self.policy.reset()
+            self._recover_policy(saved)
         tracked = self.policy.keys()
         absent = tracked - inodes.keys()  # e.g. files dropped since the last checkpoint
         if absent:
@@ -155,6 +151,21 @@ class Evictor:
                     self._owned.setdefault(owner, set()).add(inode.ino)
                     continue
             self.orphans[inode.ino] = None
+
+    def _recover_policy(self, saved: bytes) -> None:
+        """Resume from the saved image; from another policy's image (the pool was
+        last mounted with another ``--eviction``) keep what this policy can use;
+        else start afresh. Never fails the mount."""
+        try:
+            self.policy.recover(saved)
+            return
+        except ValueError as e:
+            reason = str(e)
+        if self.policy.recover_foreign(saved):
+            log.info("eviction state of another policy adopted (%s)", reason)
+            return
+        log.warning("saved eviction state unusable (%s); starting afresh", reason)
+        self.policy.reset()
 
     def _saved_owners(self) -> dict[int, tuple[int, int]]:
         raw = self.ns.blobs.get(OWNERS_BLOB, b"")

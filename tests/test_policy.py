@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import random
+import stat
 import tracemalloc
 
 import pytest
 
+from kvfs.evict import POLICY_BLOB, Evictor
+from kvfs.namespace import ROOT_INO, Inode, Namespace
 from kvfs.policy import (
     POLICY_NAMES,
     EvictionPolicy,
@@ -291,3 +294,61 @@ def test_keys_and_remove_many_match_victims_order(name: str) -> None:
         run_ops(ref, random.Random(seed), 200)
         run_ops(fast, random.Random(seed), 200)
         assert fast.persist() == ref.persist()
+
+
+# A KvfsPolicy image written by kvfs 0.2.0 (the single-module kvfs/policy.py): chain
+# 5 -> 6 -> 7 read twice by stream "s", 20 and 21 written by "t", then 6 removed (7
+# became a dead tail). Pools of that release carry such an image in their checkpoint.
+RELEASE_0_2_IMAGE = bytes.fromhex(
+    "4b5645500102030008000000000000000000000000000000010000000000000007000000000000000010"
+    "000000000000060000000000000006000000000000000700000000000000020000000000000015000000"
+    "000000001400000000000000002000000000000000200000000000001400000000000000ffffffffffff"
+    "ffff08000000000000000700000000000000000000000000000000000000000000000100000000000000"
+    "050000000000000000100000000000000700000000000000040000000000000006000000000000000100"
+    "00000000000006000000000000000500000000000000227a6607"
+)
+
+
+def test_image_of_the_previous_release_is_recovered_unchanged() -> None:
+    policy = KvfsPolicy()
+    policy.recover(RELEASE_0_2_IMAGE)
+    assert order(policy) == [7, 5, 21, 20]  # what 0.2.0 itself recovers from it
+    stats = policy.statistics()
+    assert (stats.keys, stats.dead_keys, stats.bytes) == (4, 1, 2 * 4096 + 2 * 8192)
+    assert policy.persist() == RELEASE_0_2_IMAGE
+
+
+def _namespace_with_files(sizes: dict[int, int]) -> Namespace:
+    ns = Namespace(lambda ops: None)
+    ns.inodes[ROOT_INO] = Inode(ROOT_INO, stat.S_IFDIR | 0o755, 0, 0, 2, entries={})
+    for ino, size in sizes.items():
+        ns.inodes[ino] = Inode(ino, stat.S_IFREG | 0o644, 0, 0, 1, size=size, mtime_ns=ino)
+    return ns
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_evictor_resumes_from_a_release_image_or_starts_fresh(name: str) -> None:
+    """The mount's evictor recovers the saved image when it is its own policy's, keeps
+    the residents of another policy's image, and starts afresh (never fails) on a
+    damaged one; every file is tracked either way."""
+    files = {5: 4096, 6: 4096, 7: 4096, 20: 8192, 21: 8192, 30: 100}
+    for image, kept in ((RELEASE_0_2_IMAGE, True), (RELEASE_0_2_IMAGE[:-1] + b"\0", False)):
+        ns = _namespace_with_files(files)
+        ns.blobs[POLICY_BLOB] = image
+        evictor = Evictor(ns, policy=name, alive=lambda pid: None)
+        evictor.adopt_all()
+        assert evictor.policy.keys() == set(files)
+        victims = order(evictor.policy)
+        if kept and name == "kvfs":  # the learned chain 5 -> 6 -> 7 survived
+            assert evictor.policy.statistics().chain_links == 1
+            assert victims.index(21) < victims.index(5)
+        elif kept:  # adopted in the image's order, then the files it lacked
+            assert victims == [7, 21, 20, 5, 6, 30]
+        else:  # fresh: every file in mtime order
+            assert sorted(victims) == sorted(files)
+        evictor.save()
+        again = make_policy(name)
+        again.recover(ns.blobs[POLICY_BLOB])
+        assert again.keys() == set(files)
+        if name != "kvfs":  # kvfs restarts its adaptive share, which reorders probation
+            assert order(again) == victims
