@@ -144,7 +144,7 @@ def test_main_json_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     argv = ["--workload", "qa", "--scale", "0.25", "--capacities", "0.3", "--json"]
     assert kt.main(argv) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert {row["policy"] for row in rows} == {"kvfs", "lru", "fifo", "belady"}
+    assert {row["policy"] for row in rows} == {*POLICY_NAMES, "belady"}
     assert kt.main(["--policies", "clock"]) == 2
     assert "unknown policy" in capsys.readouterr().err
     assert kt.main(["--workload", "qa", "--scale", "0.25", "--replay", str(tmp_path)]) == 0

@@ -18,9 +18,10 @@ Every call is O(1) amortized (``victims()`` is O(1) per yielded key) and none aw
 so under trio a sequence of calls is atomic.
 
 One policy per module: :mod:`~kvfs.policy.lru`, :mod:`~kvfs.policy.fifo`,
-:mod:`~kvfs.policy.prefix` (``"kvfs"``, the prefix-aware segmented policy); the
-slot table they share is :mod:`~kvfs.policy.slots` and the image codec
-:mod:`~kvfs.policy.image`.  Design and
+:mod:`~kvfs.policy.prefix` (``"kvfs"``, the prefix-aware segmented policy),
+:mod:`~kvfs.policy.prefix_lru` (``"prefix-lru"``) and :mod:`~kvfs.policy.adaptive`
+(``"adaptive"``, which follows the better of the last two); the slot table they
+share is :mod:`~kvfs.policy.slots` and the image codec :mod:`~kvfs.policy.image`.  Design and
 measurements: ``docs/eviction.md``.
 """
 
@@ -33,11 +34,13 @@ from typing import Protocol, runtime_checkable
 __all__ = [
     "DEFAULT_POLICY",
     "POLICY_NAMES",
+    "AdaptivePolicy",
     "EvictionPolicy",
     "FIFOPolicy",
     "KvfsPolicy",
     "LRUPolicy",
     "PolicyStatistics",
+    "PrefixLRUPolicy",
     "make_policy",
 ]
 
@@ -111,14 +114,18 @@ class EvictionPolicy(Protocol):
 
 
 # The policies import the names above from this package: import them last.
+from kvfs.policy.adaptive import AdaptivePolicy  # noqa: E402
 from kvfs.policy.fifo import FIFOPolicy  # noqa: E402
 from kvfs.policy.lru import LRUPolicy  # noqa: E402
 from kvfs.policy.prefix import KvfsPolicy  # noqa: E402
+from kvfs.policy.prefix_lru import PrefixLRUPolicy  # noqa: E402
 
 _FACTORIES: dict[str, type[EvictionPolicy]] = {
     "kvfs": KvfsPolicy,
     "lru": LRUPolicy,
     "fifo": FIFOPolicy,
+    "prefix-lru": PrefixLRUPolicy,
+    "adaptive": AdaptivePolicy,
 }
 POLICY_NAMES = tuple(_FACTORIES)
 DEFAULT_POLICY = "kvfs"

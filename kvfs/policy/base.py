@@ -55,6 +55,16 @@ class LinkedPolicy:
         resident = map(self._lists.__contains__, table.owner[lists:])
         return set(compress(table.key[lists:], resident))
 
+    def size_of(self, key: int) -> int:
+        """Return the size of resident ``key`` (0 if it is not resident)."""
+        slot = self._slot(key)
+        return 0 if slot is None else self._size[slot]
+
+    def keys_in_image_order(self) -> list[int]:
+        """Return the resident keys list by list, oldest first (as ``persist`` does)."""
+        table = self._slots
+        return [table.key[slot] for lst in self._lists for slot in table.slot_list(lst)]
+
     def remove_many(self, keys: Collection[int]) -> None:
         """``remove()`` each of ``keys`` in the order a fresh ``victims()`` lists them."""
         for key in [k for k in self.victims() if k in keys]:  # type: ignore[attr-defined]

@@ -40,6 +40,7 @@ KIND_LRU = 0
 KIND_FIFO = 1
 KIND_KVFS = 2
 KIND_ADAPTIVE = 3
+KIND_PREFIX_LRU = 4
 
 if TYPE_CHECKING:
     Columns = tuple[array[int], array[int], array[int], array[int], array[int]]
@@ -84,9 +85,11 @@ class _Reader:
         return int(value)
 
 
-def decode(data: bytes, kind: int, lists: int) -> Image:
+def decode(data: bytes, kind: int, lists: int, orders: int = 0) -> Image:
     """Validate and decode an image of policy ``kind`` with ``lists`` lists; raise
-    ValueError on any defect (nothing is returned for a damaged image)."""
+    ValueError on any defect (nothing is returned for a damaged image).  The last
+    ``orders`` lists are other orders of the same keys (each holds every key of the
+    others exactly once); keys are distinct across all other lists."""
     if len(data) < HEADER.size + CRC.size:
         raise ValueError("policy image too short")
     body, (crc,) = data[: -CRC.size], CRC.unpack(data[-CRC.size :])
@@ -105,7 +108,12 @@ def decode(data: bytes, kind: int, lists: int) -> Image:
     decoded = Image(clock, horizon, columns, reader.column(count), reader.column(count))
     if reader.offset != len(body):
         raise ValueError("trailing bytes in policy image")
-    _check_keys(decoded)
+    _check_keys(decoded.lists[: lists - orders], decoded.ghost_keys)
+    resident = sorted(key for kept in decoded.lists[: lists - orders] for key in kept[0])
+    for order in decoded.lists[lists - orders :]:
+        if sorted(order[0]) != resident:
+            raise ValueError("policy image: an order does not hold the resident keys")
+        _check_keys([order], array("q"))
     return decoded
 
 
@@ -115,22 +123,22 @@ def _decode_list(reader: _Reader) -> Columns:
     return keys, sizes, preds, lasts, flags
 
 
-def _check_keys(decoded: Image) -> None:
+def _check_keys(lists: Sequence[Columns], ghost_keys: array[int]) -> None:
     # C-level checks (min, a set) first; the row loop only to name the bad key
     seen: set[int] = set()
     total = 0
-    for keys, sizes, preds, _last, _flags in decoded.lists:
+    for keys, sizes, preds, _last, _flags in lists:
         if keys and (min(keys) < 0 or min(sizes) < 0 or min(preds) < NO_KEY):
             break
         seen.update(keys)
         total += len(keys)
     else:
         if len(seen) == total:
-            if decoded.ghost_keys and min(decoded.ghost_keys) < 0:
+            if ghost_keys and min(ghost_keys) < 0:
                 raise ValueError("bad ghost key in policy image")
             return
     seen.clear()
-    for keys, sizes, preds, _last, _flags in decoded.lists:
+    for keys, sizes, preds, _last, _flags in lists:
         for key, size, pred in zip(keys, sizes, preds, strict=True):
             if key < 0 or size < 0 or pred < NO_KEY or key in seen:
                 raise ValueError(f"bad or duplicate key {key} in policy image")

@@ -36,6 +36,8 @@ _SHARE_MAX = 0.95
 _SOON = 4  # a probation ghost hit counts if its gap is under horizon / _SOON
 _PEAK_DECAY = 16  # the byte high-water mark forgets 1/65536 per new key
 _GHOST_MIN = 1024  # evicted keys remembered at least, whatever the resident count
+RULES = frozenset({"dead-first", "cold-main", "chain-order", "lirs-admit", "adapt"})
+"""Rules an ablation may switch off (``KvfsPolicy(without=...)``, docs/eviction.md)."""
 
 
 class KvfsPolicy(LinkedPolicy):
@@ -93,11 +95,23 @@ class KvfsPolicy(LinkedPolicy):
     _columns = ("q", "q", "q", "q", "q")  # size, predecessor, successor, last use, gap<<1|flags
 
     def __init__(
-        self, main_share: float = 0.93, cold_factor: float = 2.0, admit_factor: float = 1.5
+        self,
+        main_share: float = 0.93,
+        cold_factor: float = 2.0,
+        admit_factor: float = 1.5,
+        without: frozenset[str] = frozenset(),
     ) -> None:
         if not 0.0 <= main_share <= 1.0 or cold_factor <= 0.0 or admit_factor <= 0.0:
             raise ValueError("main_share must be in [0, 1], the factors > 0")
+        if not without <= RULES:
+            raise ValueError(f"unknown rules {sorted(without - RULES)}; rules are {sorted(RULES)}")
         super().__init__()
+        self.without = without
+        self._dead_first = "dead-first" not in without
+        self._cold_first = "cold-main" not in without
+        self._chain_order = "chain-order" not in without
+        self._lirs = "lirs-admit" not in without
+        self._adapt = "adapt" not in without
         self.main_share = main_share
         self.cold_factor = cold_factor
         self.admit_factor = admit_factor
@@ -115,7 +129,9 @@ class KvfsPolicy(LinkedPolicy):
 
     def reset(self) -> None:
         """Forget every key, chain and counter (keeps the tuning parameters)."""
-        self.__init__(self.main_share, self.cold_factor, self.admit_factor)  # type: ignore[misc]
+        self.__init__(  # type: ignore[misc]
+            self.main_share, self.cold_factor, self.admit_factor, self.without
+        )
 
     def _init_slot(self, slot: int) -> None:
         self._pred[slot] = NO_KEY
@@ -187,14 +203,24 @@ class KvfsPolicy(LinkedPolicy):
         """
         seen: set[int] = set()
         walk = self._slots.walk
-        phases = (walk(_DEAD), self._cold_main(), self._probation_excess())
-        for phase in (*phases, walk(_MAIN), walk(_PROBATION)):
+        first = (walk(_DEAD),) if self._dead_first else ()
+        cold = (self._cold_main(),) if self._cold_first else ()
+        last = () if self._dead_first else (walk(_DEAD),)
+        for phase in (
+            *first,
+            *cold,
+            self._probation_excess(),
+            walk(_MAIN),
+            walk(_PROBATION),
+            *last,
+        ):
             for key in phase:
                 if key in seen or key not in self:
                     continue
                 seen.add(key)
                 yield key
-                yield from self._new_dead(seen)
+                if self._dead_first:
+                    yield from self._new_dead(seen)
 
     def remove_many(self, keys: Collection[int]) -> None:
         """``remove()`` each of ``keys`` in the order a fresh ``victims()`` lists them.
@@ -205,6 +231,9 @@ class KvfsPolicy(LinkedPolicy):
         without the per-key cost of ``victims()`` (O(1) per resident key: after a
         crash, recovery removes the files dropped since the last checkpoint).
         """
+        if self.without:  # an ablation: the generic (slower) walk of victims()
+            super().remove_many(keys)
+            return
         table = self._slots
         key_of = table.key
         dead = [key_of[slot] for slot in table.slot_list(_DEAD) if key_of[slot] in keys]
@@ -308,7 +337,7 @@ class KvfsPolicy(LinkedPolicy):
     def _place(self, slot: int, prev: int | None, lst: int) -> None:
         """Link ``slot`` as newest of ``lst``, but just before ``prev`` if it is there."""
         self._seg_bytes[lst] += self._size[slot]
-        if prev is not None and self._slots.owner[prev] == lst:
+        if prev is not None and self._chain_order and self._slots.owner[prev] == lst:
             self._slots.insert_before(prev, slot, lst)
         else:
             self._slots.append(lst, slot)
@@ -329,7 +358,7 @@ class KvfsPolicy(LinkedPolicy):
         if self._within_share(self._seg_bytes[_MAIN] + size, size):
             return True
         oldest = self._slots.first(_MAIN)
-        if oldest is None:
+        if oldest is None or not self._lirs:
             return False
         age = self._clock - self._last[oldest]
         return self._is_cold(oldest) or (gap > 0 and age > self.admit_factor * gap)
@@ -345,7 +374,7 @@ class KvfsPolicy(LinkedPolicy):
 
     def _ghost_hit(self, record: int, size: int, gap: int) -> None:
         """Learn from an evicted key written again (``record`` from ``remove()``)."""
-        if self._evictions - (record >> 2) > self._resident or not self._bytes:
+        if not self._adapt or self._evictions - (record >> 2) > self._resident or not self._bytes:
             return  # not a near miss: a cache twice as large would not have hit it either
         if record & 1:  # evicted as cold, yet back: detect coldness later
             self._cold = min(_COLD_MAX, self._cold + _COLD_UP)
