@@ -108,6 +108,7 @@ class Evictor:
         self._reaped = 0.0
         self._owner: dict[int, tuple[int, int]] = {}  # ino -> (pid, start time)
         self._owned: dict[tuple[int, int], set[int]] = {}
+        self._interned: dict[tuple[int, int], tuple[int, int]] = {}  # owner -> itself
         self.orphans: dict[int, None] = {}  # insertion-ordered set
         self._starts: dict[int, int] = {}
         self.grace = grace
@@ -147,6 +148,7 @@ class Evictor:
                 if pid not in starts:
                     starts[pid] = self._alive(pid)
                 if starts[pid] == owner[1]:
+                    owner = self._interned.setdefault(owner, owner)
                     self._owner[inode.ino] = owner  # its engine outlived the remount
                     self._owned.setdefault(owner, set()).add(inode.ino)
                     continue
@@ -226,6 +228,7 @@ class Evictor:
                 owned.discard(ino)
                 if not owned:
                     del self._owned[owner]
+                    self._interned.pop(owner, None)
 
     def _start_of(self, pid: int) -> int | None:
         """A process's start time, cached for the lifetime of the process entry:
@@ -263,6 +266,7 @@ class Evictor:
         if self._owner.get(ino) == key:
             return key
         self.forget_owner(ino)
+        key = self._interned.setdefault(key, key)  # one tuple per process, not per file
         self._owner[ino] = key
         self._owned.setdefault(key, set()).add(ino)
         return key
@@ -273,6 +277,7 @@ class Evictor:
             self._owned[owner].discard(ino)
             if not self._owned[owner]:
                 del self._owned[owner]
+                self._interned.pop(owner, None)
 
     def reap(self) -> int:
         """Turn the files of processes that exited into orphans; returns how many.
@@ -286,6 +291,7 @@ class Evictor:
         for pid, _ in dead:
             self._starts.pop(pid, None)
         for key in dead:
+            self._interned.pop(key, None)
             for ino in self._owned.pop(key):
                 self._owner.pop(ino, None)
                 if ino in self.ns.inodes:

@@ -429,3 +429,24 @@ def test_adaptive_image_holds_both_experts_and_rejects_mismatched_orders() -> No
     with pytest.raises(ValueError, match="order"):
         copy.recover(forged)
     assert order(copy.recency) == order(policy.recency)
+
+
+def test_evictor_shares_one_owner_tuple_per_process_and_reaps_it() -> None:
+    """Ownership costs no tuple per file (memory per file, docs/eviction.md), and a
+    process that exits still turns all of its files into orphans."""
+    files = {ino: 100 for ino in range(2, 12)}
+    ns = _namespace_with_files(files)
+    alive = {1000: 7, 1001: 8}
+    evictor = Evictor(ns, policy="adaptive", alive=alive.get, thread_group=lambda tid: tid)
+    for ino in files:
+        evictor.created(ns.inodes[ino], 1000 if ino % 2 else 1001)
+        evictor.committed(ns.inodes[ino], 1000 if ino % 2 else 1001)
+    owners = {id(evictor._owner[ino]) for ino in files}
+    assert len(owners) == 2
+    assert evictor.opened(ns.inodes[3], 1001) == (1001, 8)  # changes owner
+    assert evictor._owner[3] is evictor._owner[2]
+    del alive[1001]
+    evictor._reaped = 0.0
+    assert evictor.reap() == 6  # 2, 4, ..., 10 and 3
+    assert set(evictor.orphans) == {2, 3, 4, 6, 8, 10}
+    assert list(evictor._interned) == [(1000, 7)]
