@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 
 from kvfs.errors import KvfsError, UserError
+from kvfs.policy import DEFAULT_POLICY, POLICY_NAMES
 
 log = logging.getLogger("kvfs")
 
@@ -58,9 +59,9 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--log-file", help="log here (default: stderr; syslog-less daemons)")
     m.add_argument(
         "--eviction",
-        choices=("kvfs", "lru", "fifo"),
-        default="kvfs",
-        help="eviction order inside kvfs-managed directories (kvfs)",
+        choices=POLICY_NAMES,
+        default=DEFAULT_POLICY,
+        help=f"eviction order inside kvfs-managed directories ({DEFAULT_POLICY})",
     )
     m.add_argument(
         "--default-policy",

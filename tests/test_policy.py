@@ -450,3 +450,26 @@ def test_evictor_shares_one_owner_tuple_per_process_and_reaps_it() -> None:
     assert evictor.reap() == 6  # 2, 4, ..., 10 and 3
     assert set(evictor.orphans) == {2, 3, 4, 6, 8, 10}
     assert list(evictor._interned) == [(1000, 7)]
+
+
+@pytest.mark.parametrize("source", POLICY_NAMES)
+def test_every_policy_adopts_every_other_policys_image(source: str) -> None:
+    """A pool remounted with another ``--eviction`` keeps its residents (and the kvfs
+    policy's learned state when one side is kvfs and the other adaptive)."""
+    writer = make_policy(source)
+    run_ops(writer, random.Random(11), 400)
+    image = writer.persist()
+    for name in POLICY_NAMES:
+        reader = make_policy(name)
+        if name == source:
+            reader.recover(image)
+        else:
+            with pytest.raises(ValueError):
+                reader.recover(image)
+            assert reader.recover_foreign(image)
+        assert reader.keys() == writer.keys()
+        assert reader.statistics().bytes == writer.statistics().bytes
+    kvfs = KvfsPolicy()
+    if source == "adaptive":
+        assert kvfs.recover_foreign(image)
+        assert kvfs.persist() == writer.loop.persist()  # type: ignore[attr-defined]

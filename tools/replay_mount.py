@@ -27,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import kvtrace
+import traces
 
 from kvfs.harness import make_image, mounted
 
@@ -37,7 +38,10 @@ META = 16 << 20
 def run_one(
     workload: str, fraction: float, policy: str, scale: float, seed: int
 ) -> dict[str, object]:
-    trace = kvtrace.make_trace(workload, scale=scale, seed=seed)
+    if workload in kvtrace.WORKLOADS:
+        trace = kvtrace.make_trace(workload, scale=scale, seed=seed)
+    else:  # a trace of the suite (tools/traces.py), at its own size
+        trace = traces.SUITE[workload][2]()
     chunks = kvtrace.footprint_chunks(trace)
     units = max(int(chunks * fraction), 8)
     # data area = `units` units; 1 MiB head + metadata before it
@@ -79,7 +83,9 @@ def run_one(
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workloads", default="qa,agentic")
+    ap.add_argument(
+        "--workloads", default="qa,agentic", help="kvtrace workloads or tools/traces.py names"
+    )
     ap.add_argument("--capacities", default="0.3")
     ap.add_argument("--policies", default="kvfs,lru")
     ap.add_argument("--scale", type=float, default=0.5)

@@ -170,8 +170,9 @@ class AdaptivePolicy:
         self.recency._restore(Image(0, 0, decoded.lists[_LOOP_LISTS:], empty, empty))
 
     def recover_foreign(self, data: bytes) -> bool:
-        """A ``kvfs`` image (the 0.2 default) restores the loop expert whole, the
-        recency expert takes its residents in image order; other kinds: residents."""
+        """A ``kvfs`` image (the 0.2 default) restores the loop expert whole and a
+        ``prefix-lru`` one the recency expert, the other expert taking the residents
+        in that order; other kinds: both take the residents."""
         if img.kind_of(data) == img.KIND_KVFS:
             try:
                 self.loop.recover(data)
@@ -182,7 +183,13 @@ class AdaptivePolicy:
             for key in self.loop.keys_in_image_order():
                 self.recency.track(key, self.loop.size_of(key), None)
             return True
-        if not self.recency.recover_foreign(data):
+        if img.kind_of(data) == img.KIND_PREFIX_LRU:
+            try:
+                self.recency.recover(data)
+            except ValueError:
+                self.reset()
+                return False
+        elif not self.recency.recover_foreign(data):
             return False
         self.loop.reset()
         for key in self.recency.victims():

@@ -177,15 +177,11 @@ class LinkedPolicy:
     def recover_foreign(self, data: bytes) -> bool:
         """Adopt the resident keys of another policy's valid image, in its victim
         order (its lists oldest first, in image order), as newly written keys."""
-        kind = img.kind_of(data)
-        if kind is None or kind == self._kind:
-            return False
-        try:
-            decoded = img.decode(data, kind, int.from_bytes(data[6:8], "little"))
-        except ValueError:
+        found = img.decode_any(data)
+        if found is None or found[0] == self._kind:
             return False
         self.reset()
-        for keys, sizes, *_ in decoded.lists:
+        for keys, sizes, *_ in found[1].lists:
             for key, size in zip(keys, sizes, strict=True):
                 self.track(key, size, None)  # type: ignore[attr-defined]
         return True

@@ -41,6 +41,8 @@ KIND_FIFO = 1
 KIND_KVFS = 2
 KIND_ADAPTIVE = 3
 KIND_PREFIX_LRU = 4
+ORDERS = {KIND_ADAPTIVE: 1}
+"""Kinds whose last lists are other orders of the same keys (see ``decode``)."""
 
 if TYPE_CHECKING:
     Columns = tuple[array[int], array[int], array[int], array[int], array[int]]
@@ -144,6 +146,22 @@ def _check_keys(lists: Sequence[Columns], ghost_keys: array[int]) -> None:
                 raise ValueError(f"bad or duplicate key {key} in policy image")
             seen.add(key)
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def decode_any(data: bytes) -> tuple[int, Image] | None:
+    """Decode an image of any kind (its header names kind and list count); return
+    (kind, image with only the lists that hold distinct keys), None if invalid."""
+    kind = kind_of(data)
+    if kind is None:
+        return None
+    lists = int.from_bytes(data[6:8], "little")
+    orders = ORDERS.get(kind, 0)
+    try:
+        decoded = decode(data, kind, lists, orders)
+    except ValueError:
+        return None
+    kept = decoded.lists[: lists - orders]
+    return kind, Image(decoded.clock, decoded.horizon, kept, decoded.ghost_keys, decoded.ghost_last)
 
 
 def kind_of(data: bytes) -> int | None:

@@ -133,6 +133,16 @@ class KvfsPolicy(LinkedPolicy):
             self.main_share, self.cold_factor, self.admit_factor, self.without
         )
 
+    def recover_foreign(self, data: bytes) -> bool:
+        """An ``adaptive`` image holds a whole kvfs image (its loop expert's lists and
+        ghosts): restore it; other kinds: adopt their resident keys."""
+        found = img.decode_any(data)
+        if found is not None and found[0] == img.KIND_ADAPTIVE:
+            self.reset()
+            self._restore(found[1])
+            return True
+        return super().recover_foreign(data)
+
     def _init_slot(self, slot: int) -> None:
         self._pred[slot] = NO_KEY
         self._succ[slot] = NO_KEY
