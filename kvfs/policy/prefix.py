@@ -84,7 +84,8 @@ class KvfsPolicy(LinkedPolicy):
     dead list; re-writing the key brings the successor back.
 
     Time is a logical clock of track/touch calls.  State is kept in parallel arrays
-    (see :class:`_Slots`): about 140 B per key in CPython, the same per ghost key.
+    (see :class:`~kvfs.policy.slots.SlotTable`): about 130 B per key in CPython, the same
+    per ghost key.
     The adaptive thresholds are not persisted; ``recover()`` restarts them.
     """
 
