@@ -54,6 +54,10 @@ resort, before ENOSPC: the moment between a writer's close and its first use of 
 file (vLLM's ``os.replace`` of its tmp file) must not lose it (``docs/eviction.md``)."""
 
 
+GONE_MIN = 1024
+"""Names of gone files remembered at least (as many as files are tracked, else)."""
+
+
 def parse_quota(value: bytes) -> int:
     """'100G', '5368709120', '0' (no quota) -> bytes; InvalidArgument otherwise."""
     text = value.decode(errors="replace").strip().upper().removesuffix("B").removesuffix("I")
@@ -113,6 +117,7 @@ class Evictor:
         self._starts: dict[int, int] = {}
         self.grace = grace
         self._fresh: dict[int, float] = {}  # ino -> end of its grace, in commit order
+        self._gone: dict[int, int] = {}  # hash((parent, name)) -> ino of a gone file
         self.evictions = self.orphan_evictions = 0
 
     # ------------------------------------------------------------------ events
@@ -196,7 +201,13 @@ class Evictor:
         return owner
 
     def committed(self, inode: Inode, pid: int) -> None:
-        """A file was closed with new data: track it, and give it its grace."""
+        """A file was closed with new data: track it, and give it its grace. A new
+        file with the name of one that went (an evicted chunk written again)
+        inherits what the policy remembers of it (``EvictionPolicy.rekey``)."""
+        if inode.ino not in self.policy and self._gone:
+            old = self._gone.pop(hash((inode.parent, inode.name)), None)
+            if old is not None:
+                self.policy.rekey(old, inode.ino)
         self.policy.track(inode.ino, inode.size, (pid, inode.parent))
         self._fresh.pop(inode.ino, None)
         self._fresh[inode.ino] = time.monotonic() + self.grace
@@ -218,6 +229,12 @@ class Evictor:
         self._set_owner(inode.ino, pid)
 
     def forget(self, ino: int) -> None:
+        inode = self.ns.inodes.get(ino)
+        if inode is not None and ino in self.policy:  # remember its name for rekey()
+            gone = self._gone
+            gone[hash((inode.parent, inode.name))] = ino
+            while len(gone) > max(GONE_MIN, len(self.policy)):
+                del gone[next(iter(gone))]
         self.policy.remove(ino)
         self.orphans.pop(ino, None)
         self._fresh.pop(ino, None)

@@ -473,3 +473,55 @@ def test_every_policy_adopts_every_other_policys_image(source: str) -> None:
     if source == "adaptive":
         assert kvfs.recover_foreign(image)
         assert kvfs.persist() == writer.loop.persist()  # type: ignore[attr-defined]
+
+
+def test_rekey_lets_a_rewritten_file_hit_its_ghost() -> None:
+    """On a mount a chunk written again after its eviction is a new inode: with
+    ``rekey`` the policy still sees the ghost hit (kvfs: admission to main;
+    adaptive: a regret), without it the rewrite looks like a brand-new key."""
+    results = {}
+    for rekey in (False, True):
+        policy = KvfsPolicy()
+        for key in range(2, 12):
+            policy.track(key, SIZE, "s")
+        policy.remove(5)  # evicted
+        if rekey:
+            policy.rekey(5, 105)
+            assert 5 not in policy and policy.statistics().ghost_keys == 1
+        policy.track(105, SIZE, "s")  # the same chunk, a new inode
+        results[rekey] = policy.statistics()
+    assert results[False].main_keys == 0 and results[True].main_keys == 1
+    assert results[True].ghost_keys == 0
+    lru = make_policy("lru")
+    lru.track(2, SIZE, "s")
+    lru.rekey(2, 3)  # resident: nothing changes
+    assert order(lru) == [2]
+    adaptive = AdaptivePolicy()
+    for key in range(2, 12):
+        adaptive.track(key, SIZE, "s")
+    victim = next(adaptive.victims())
+    adaptive.remove(victim)
+    adaptive.rekey(victim, 500)
+    adaptive.track(500, SIZE, "s")
+    assert sum(adaptive.regrets) == 1
+
+
+def test_evictor_rekeys_a_file_written_under_a_gone_files_name() -> None:
+    ns = _namespace_with_files({5: 100, 6: 100})
+    ns.inodes[5].name, ns.inodes[6].name = b"chunk-a", b"chunk-b"
+    evictor = Evictor(ns, policy="adaptive", alive=lambda pid: None, thread_group=lambda t: t)
+    policy = evictor.policy
+    assert isinstance(policy, AdaptivePolicy)
+    for ino in (5, 6):
+        evictor.committed(ns.inodes[ino], 0)
+    victim = next(policy.victims())
+    evictor.forget(victim)  # evicted: its name is remembered
+    again = Inode(9, stat.S_IFREG | 0o644, 0, 0, 1, size=100, name=ns.inodes[victim].name)
+    ns.inodes[9] = again
+    evictor.committed(again, 0)
+    assert sum(policy.regrets) == 1
+    evictor.forget(9)
+    other = Inode(10, stat.S_IFREG | 0o644, 0, 0, 1, size=100, name=b"unrelated")
+    ns.inodes[10] = other
+    evictor.committed(other, 0)
+    assert sum(policy.regrets) == 1  # another name: no regret

@@ -106,6 +106,13 @@ class EvictionPolicy(Protocol):
         """``remove()`` each of ``keys`` in the order a fresh ``victims()`` lists them
         (what collecting them from ``victims()`` and then removing them does)."""
 
+    def rekey(self, old: int, new: int) -> None:
+        """File ``new`` took the place (the name) of the gone file ``old``: what the
+        policy remembers of ``old``'s eviction (ghosts, regrets) now belongs to
+        ``new``. A chunk rewritten after its eviction is a new inode on a mount;
+        without this, no ghost ever hits there. No-op unless ``old`` is remembered
+        and ``new`` is unknown."""
+
     def recover_foreign(self, data: bytes) -> bool:
         """Adopt what it can from another policy's valid image (resident keys, their
         sizes and order); return False, changing nothing, if it cannot.  ``recover``

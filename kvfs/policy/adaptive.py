@@ -87,6 +87,16 @@ class AdaptivePolicy:
         for expert in self._experts:
             expert.remove(key)
 
+    def rekey(self, old: int, new: int) -> None:
+        """A remembered eviction of ``old`` now counts for ``new`` (and the loop
+        expert's ghost moves with it)."""
+        record = self._history.get(old)
+        if record is not None and new not in self._history and old not in self.recency:
+            del self._history[old]
+            self._history[new] = record
+        for expert in self._experts:
+            expert.rekey(old, new)
+
     def victims(self) -> Iterator[int]:
         """The victims of the expert with the larger weight (ties: recency)."""
         self._chosen = LOOP if self.weights[LOOP] > self.weights[RECENCY] else RECENCY

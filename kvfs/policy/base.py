@@ -55,6 +55,17 @@ class LinkedPolicy:
         resident = map(self._lists.__contains__, table.owner[lists:])
         return set(compress(table.key[lists:], resident))
 
+    def rekey(self, old: int, new: int) -> None:
+        """Give the remembered (ghost) key ``old`` the key ``new``; no-op for
+        policies without ghosts, a resident or unknown ``old`` or a known ``new``."""
+        table = self._slots
+        slot = table.index.get(old)
+        if slot is None or table.owner[slot] in self._lists or new in table.index or new < 0:
+            return
+        del table.index[old]
+        table.key[slot] = new
+        table.index[new] = slot
+
     def size_of(self, key: int) -> int:
         """Return the size of resident ``key`` (0 if it is not resident)."""
         slot = self._slot(key)
