@@ -70,6 +70,12 @@ def _parser() -> argparse.ArgumentParser:
         help="policy of directories without a user.kvfs.policy xattr",
     )
     m.add_argument(
+        "--fresh-grace",
+        type=float,
+        default=5.0,
+        help="seconds after a close during which a file is evicted only as a last resort (5)",
+    )
+    m.add_argument(
         "--high-watermark",
         type=float,
         default=0.97,
@@ -309,6 +315,7 @@ def _run_mount(args: argparse.Namespace, ready: Callable[[], None]) -> int:
                 io_timeout=args.io_timeout,
                 eviction_policy=args.eviction,
                 default_policy=args.default_policy,
+                fresh_grace=args.fresh_grace,
                 high_watermark=args.high_watermark,
                 low_watermark=args.low_watermark,
                 discard=not args.no_discard,

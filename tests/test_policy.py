@@ -525,3 +525,12 @@ def test_evictor_rekeys_a_file_written_under_a_gone_files_name() -> None:
     ns.inodes[10] = other
     evictor.committed(other, 0)
     assert sum(policy.regrets) == 1  # another name: no regret
+
+
+def test_store_config_takes_the_grace_and_rejects_a_negative_one() -> None:
+    from kvfs.store import StoreConfig
+
+    assert StoreConfig().fresh_grace == 5.0
+    assert StoreConfig(fresh_grace=0).fresh_grace == 0
+    with pytest.raises(ValueError, match="fresh_grace"):
+        StoreConfig(fresh_grace=-1)

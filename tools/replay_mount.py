@@ -36,7 +36,7 @@ META = 16 << 20
 
 
 def run_one(
-    workload: str, fraction: float, policy: str, scale: float, seed: int
+    workload: str, fraction: float, policy: str, scale: float, seed: int, grace: float = 0.0
 ) -> dict[str, object]:
     if workload in kvtrace.WORKLOADS:
         trace = kvtrace.make_trace(workload, scale=scale, seed=seed)
@@ -59,6 +59,11 @@ def run_one(
             str(META),
             "--eviction",
             policy,
+            # 5 s of this replay's writes exceed the whole (16-64 MiB) pool, so the
+            # default grace would leave only fresh files, evicted oldest closed first
+            # (FIFO), whatever the policy; a real pool holds hours of writes
+            "--fresh-grace",
+            str(grace),
             log_file=Path(tmp) / "kvfs.log",
         ):
             root = mnt / "kv"
@@ -91,12 +96,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scale", type=float, default=0.5)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--fresh-grace", type=float, default=0.0, help="the mount's (default 0)")
     args = ap.parse_args(argv)
     rows = []
     for workload in args.workloads.split(","):
         for fraction in map(float, args.capacities.split(",")):
             for policy in args.policies.split(","):
-                row = run_one(workload, fraction, policy, args.scale, args.seed)
+                row = run_one(workload, fraction, policy, args.scale, args.seed, args.fresh_grace)
                 rows.append(row)
                 if not args.json:
                     print(
