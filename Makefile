@@ -41,8 +41,12 @@ bench: install
 	$(VENV)/bin/pip install -q -e '.[bench]'
 	$(PY) tools/bench.py --out docs/bench
 
+# The eviction trace suite (docs/eviction.md): table on stdout, JSON + SVG in docs/bench.
+# MOONCAKE_DIR=.../Mooncake/FAST25-release/traces adds Mooncake's real traces (held out).
+MOONCAKE_DIR ?=
 trace: install
 	$(PY) tools/kvtrace.py
+	$(PY) tools/trace_suite.py --out docs/bench $(if $(MOONCAKE_DIR),--mooncake $(MOONCAKE_DIR))
 
 clean:
 	rm -rf $(VENV) .venv-engines build *.egg-info .pytest_cache .mypy_cache .ruff_cache

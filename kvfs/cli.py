@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 
 from kvfs.errors import KvfsError, UserError
+from kvfs.policy import DEFAULT_POLICY, POLICY_NAMES
 
 log = logging.getLogger("kvfs")
 
@@ -58,15 +59,21 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--log-file", help="log here (default: stderr; syslog-less daemons)")
     m.add_argument(
         "--eviction",
-        choices=("kvfs", "lru", "fifo"),
-        default="kvfs",
-        help="eviction order inside kvfs-managed directories (kvfs)",
+        choices=POLICY_NAMES,
+        default=DEFAULT_POLICY,
+        help=f"eviction order inside kvfs-managed directories ({DEFAULT_POLICY})",
     )
     m.add_argument(
         "--default-policy",
         choices=("kvfs-managed", "engine-managed"),
         default="kvfs-managed",
         help="policy of directories without a user.kvfs.policy xattr",
+    )
+    m.add_argument(
+        "--fresh-grace",
+        type=float,
+        default=5.0,
+        help="seconds after a close during which a file is evicted only as a last resort (5)",
     )
     m.add_argument(
         "--high-watermark",
@@ -320,6 +327,7 @@ def _run_mount(args: argparse.Namespace, ready: Callable[[], None]) -> int:
                 io_timeout=args.io_timeout,
                 eviction_policy=args.eviction,
                 default_policy=args.default_policy,
+                fresh_grace=args.fresh_grace,
                 high_watermark=args.high_watermark,
                 low_watermark=args.low_watermark,
                 discard=not args.no_discard,

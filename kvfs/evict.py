@@ -54,6 +54,10 @@ resort, before ENOSPC: the moment between a writer's close and its first use of 
 file (vLLM's ``os.replace`` of its tmp file) must not lose it (``docs/eviction.md``)."""
 
 
+GONE_MIN = 1024
+"""Names of gone files remembered at least (as many as files are tracked, else)."""
+
+
 def parse_quota(value: bytes) -> int:
     """'100G', '5368709120', '0' (no quota) -> bytes; InvalidArgument otherwise."""
     text = value.decode(errors="replace").strip().upper().removesuffix("B").removesuffix("I")
@@ -108,10 +112,12 @@ class Evictor:
         self._reaped = 0.0
         self._owner: dict[int, tuple[int, int]] = {}  # ino -> (pid, start time)
         self._owned: dict[tuple[int, int], set[int]] = {}
+        self._interned: dict[tuple[int, int], tuple[int, int]] = {}  # owner -> itself
         self.orphans: dict[int, None] = {}  # insertion-ordered set
         self._starts: dict[int, int] = {}
         self.grace = grace
         self._fresh: dict[int, float] = {}  # ino -> end of its grace, in commit order
+        self._gone: dict[int, int] = {}  # hash((parent, name)) -> ino of a gone file
         self.evictions = self.orphan_evictions = 0
 
     # ------------------------------------------------------------------ events
@@ -123,11 +129,7 @@ class Evictor:
         saved = self.ns.blobs.get(POLICY_BLOB)
         inodes = self.ns.inodes
         if saved:
-            try:
-                self.policy.recover(saved)
-            except ValueError as e:
-                log.warning("saved eviction state unusable (%s); starting afresh", e)
-                self.policy.reset()
+            self._recover_policy(saved)
         tracked = self.policy.keys()
         absent = tracked - inodes.keys()  # e.g. files dropped since the last checkpoint
         if absent:
@@ -151,10 +153,26 @@ class Evictor:
                 if pid not in starts:
                     starts[pid] = self._alive(pid)
                 if starts[pid] == owner[1]:
+                    owner = self._interned.setdefault(owner, owner)
                     self._owner[inode.ino] = owner  # its engine outlived the remount
                     self._owned.setdefault(owner, set()).add(inode.ino)
                     continue
             self.orphans[inode.ino] = None
+
+    def _recover_policy(self, saved: bytes) -> None:
+        """Resume from the saved image; from another policy's image (the pool was
+        last mounted with another ``--eviction``) keep what this policy can use;
+        else start afresh. Never fails the mount."""
+        try:
+            self.policy.recover(saved)
+            return
+        except ValueError as e:
+            reason = str(e)
+        if self.policy.recover_foreign(saved):
+            log.info("eviction state of another policy adopted (%s)", reason)
+            return
+        log.warning("saved eviction state unusable (%s); starting afresh", reason)
+        self.policy.reset()
 
     def _saved_owners(self) -> dict[int, tuple[int, int]]:
         raw = self.ns.blobs.get(OWNERS_BLOB, b"")
@@ -183,7 +201,13 @@ class Evictor:
         return owner
 
     def committed(self, inode: Inode, pid: int) -> None:
-        """A file was closed with new data: track it, and give it its grace."""
+        """A file was closed with new data: track it, and give it its grace. A new
+        file with the name of one that went (an evicted chunk written again)
+        inherits what the policy remembers of it (``EvictionPolicy.rekey``)."""
+        if inode.ino not in self.policy and self._gone:
+            old = self._gone.pop(hash((inode.parent, inode.name)), None)
+            if old is not None:
+                self.policy.rekey(old, inode.ino)
         self.policy.track(inode.ino, inode.size, (pid, inode.parent))
         self._fresh.pop(inode.ino, None)
         self._fresh[inode.ino] = time.monotonic() + self.grace
@@ -205,6 +229,12 @@ class Evictor:
         self._set_owner(inode.ino, pid)
 
     def forget(self, ino: int) -> None:
+        inode = self.ns.inodes.get(ino)
+        if inode is not None and ino in self.policy:  # remember its name for rekey()
+            gone = self._gone
+            gone[hash((inode.parent, inode.name))] = ino
+            while len(gone) > max(GONE_MIN, len(self.policy)):
+                del gone[next(iter(gone))]
         self.policy.remove(ino)
         self.orphans.pop(ino, None)
         self._fresh.pop(ino, None)
@@ -215,6 +245,7 @@ class Evictor:
                 owned.discard(ino)
                 if not owned:
                     del self._owned[owner]
+                    self._interned.pop(owner, None)
 
     def _start_of(self, pid: int) -> int | None:
         """A process's start time, cached for the lifetime of the process entry:
@@ -252,6 +283,7 @@ class Evictor:
         if self._owner.get(ino) == key:
             return key
         self.forget_owner(ino)
+        key = self._interned.setdefault(key, key)  # one tuple per process, not per file
         self._owner[ino] = key
         self._owned.setdefault(key, set()).add(ino)
         return key
@@ -262,6 +294,7 @@ class Evictor:
             self._owned[owner].discard(ino)
             if not self._owned[owner]:
                 del self._owned[owner]
+                self._interned.pop(owner, None)
 
     def reap(self) -> int:
         """Turn the files of processes that exited into orphans; returns how many.
@@ -275,6 +308,7 @@ class Evictor:
         for pid, _ in dead:
             self._starts.pop(pid, None)
         for key in dead:
+            self._interned.pop(key, None)
             for ino in self._owned.pop(key):
                 self._owner.pop(ino, None)
                 if ino in self.ns.inodes:

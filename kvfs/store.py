@@ -44,7 +44,7 @@ from kvfs.errors import (
     NoSpace,
     QuotaExceeded,
 )
-from kvfs.evict import QUOTA_XATTR, Evictor
+from kvfs.evict import FRESH_GRACE, QUOTA_XATTR, Evictor
 from kvfs.journal import ApplySink, Journal, Recovered, checkpoint_pieces, recover
 from kvfs.layout import (
     DEV_SHIFT,
@@ -99,6 +99,8 @@ class StoreConfig:
     buffer_pool_bytes: int = 64 << 20
     eviction_policy: str = "kvfs"
     default_policy: str = "kvfs-managed"
+    fresh_grace: float = FRESH_GRACE
+    """Seconds after its close during which a file is evicted only as a last resort."""
     high_watermark: float = 0.97
     low_watermark: float = 0.94
     discard: bool = True
@@ -109,6 +111,8 @@ class StoreConfig:
         for name in ("readahead_units", "writeback_units", "stripe_units", "read_piece_units"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.fresh_grace < 0:
+            raise ValueError("fresh_grace must be >= 0")
         if self.io_timeout <= 0 or self.queue_depth < 1 or self.cache_bytes < 0:
             raise ValueError("io_timeout, queue_depth and cache_bytes must be positive")
         if not 0 <= self.reserve < 0.5:
@@ -233,7 +237,9 @@ class Store:
         self._bad_units: set[tuple[int, int]] = set()  # (inode, unit) found corrupt
         self._quarantined = self._incomplete = 0
         self.on_vanish: Callable[[int, bytes, int], None] = lambda parent, name, ino: None
-        self.evictor = Evictor(self.ns, self.cfg.eviction_policy, self.cfg.default_policy)
+        self.evictor = Evictor(
+            self.ns, self.cfg.eviction_policy, self.cfg.default_policy, grace=self.cfg.fresh_grace
+        )
         self._missing = frozenset(pool.missing)  # members absent from a degraded mount
         for dev in self._missing:
             self.alloc.set_offline(dev)  # it has no units in the allocator either

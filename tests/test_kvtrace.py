@@ -144,7 +144,7 @@ def test_main_json_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     argv = ["--workload", "qa", "--scale", "0.25", "--capacities", "0.3", "--json"]
     assert kt.main(argv) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert {row["policy"] for row in rows} == {"kvfs", "lru", "fifo", "belady"}
+    assert {row["policy"] for row in rows} == {*POLICY_NAMES, "belady"}
     assert kt.main(["--policies", "clock"]) == 2
     assert "unknown policy" in capsys.readouterr().err
     assert kt.main(["--workload", "qa", "--scale", "0.25", "--replay", str(tmp_path)]) == 0
@@ -228,3 +228,70 @@ def test_qa_steady_mode_keeps_concurrency_constant() -> None:
             open_users.discard(user)
     assert peak <= 6
     assert len(kt.make_trace("qa-steady", scale=0.25)) == 16 * 10
+
+
+def _load_traces() -> ModuleType:
+    path = Path(__file__).resolve().parent.parent / "tools" / "traces.py"
+    spec = importlib.util.spec_from_file_location("traces", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["traces"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+tr = _load_traces()
+SMALL_SUITE = {  # one small trace per generator (the full ones: tools/trace_suite.py)
+    "vllm-qa": lambda: tr.vllm_qa(users=12, concurrent=4, rounds=4, history=2000),
+    "sharegpt": lambda: tr.sharegpt(sessions=60),
+    "agent-fanout": lambda: tr.agent_fanout(agents=8, turns=(2, 6)),
+    "docqa-mix": lambda: tr.docqa_mix(documents=12, visits=30, chats=30, doc_tokens=(2000, 6000)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SMALL_SUITE))
+def test_suite_generators_share_prefixes_and_are_seeded(name: str) -> None:
+    trace = SMALL_SUITE[name]()
+    assert trace == SMALL_SUITE[name]()
+    assert len(trace) > 20
+    keys = [key for request in trace for key in request.keys]
+    assert kt.footprint_chunks(trace) < len(keys)  # chunks are re-used
+    first = {request.keys[0] for request in trace if request.keys}
+    assert len(first) < len(trace)  # prompts share their first chunk (a system prompt)
+
+
+@pytest.mark.parametrize("name", sorted(SMALL_SUITE))
+def test_prefix_policies_against_lru_and_belady(name: str) -> None:
+    """On a small trace of each generator: prefix-lru never below LRU (within 0.5
+    point), adaptive within 2.5 points of LRU (its measured worst case on these
+    small traces: docs/eviction.md), every policy under Belady."""
+    trace = SMALL_SUITE[name]()
+    for fraction in (0.1, 0.3, 0.5):
+        capacity = int(kt.footprint_chunks(trace) * fraction) * CHUNK
+        best = kt.simulate_belady(trace, capacity, CHUNK).hit_rate
+        rate = {
+            policy: kt.simulate(trace, make_policy(policy), capacity, CHUNK).hit_rate
+            for policy in ("lru", "prefix-lru", "adaptive")
+        }
+        assert max(rate.values()) <= best + 0.005, (fraction, rate, best)
+        assert rate["prefix-lru"] >= rate["lru"] - 0.005, (fraction, rate)
+        assert rate["adaptive"] >= rate["lru"] - 0.025, (fraction, rate)
+
+
+def test_mooncake_loader_reads_block_hashes_and_partial_blocks(tmp_path: Path) -> None:
+    rows = [
+        {"timestamp": 0, "input_length": 700, "output_length": 5, "hash_ids": [0, 1]},
+        {"timestamp": 9, "input_length": 1100, "output_length": 5, "hash_ids": [0, 1, 2]},
+        {"timestamp": 9, "input_length": 300, "output_length": 5, "hash_ids": [3]},
+    ]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows) + "\n")
+    trace = tr.load_mooncake(path)
+    assert [request.keys for request in trace] == [(0, 1), (0, 1, 2), (3,)]
+    assert {request.chunk_tokens for request in trace} == {512}
+    result = kt.simulate(trace, make_policy("lru"), 10 * CHUNK, CHUNK)
+    # request 2 hits blocks 0 and 1 (1024 tokens); a partial block counts its own tokens
+    assert result.hit_tokens == 1024 and result.prompt_tokens == 2100
+    assert trace[0].hit_tokens(2) == 700
+    suite = tr.suite(tmp_path, ["mooncake-conversation"])
+    assert suite == []  # the file names of the release are required

@@ -239,3 +239,39 @@ def test_policy_and_quota_persist_across_remount(tmp_path: Path) -> None:
         with pytest.raises(OSError) as e:
             os.setxattr(mnt / "x", "user.kvfs.policy", b"whatever")
         assert e.value.errno == errno.EINVAL
+
+
+@pytest.mark.parametrize("policy", ["adaptive", "prefix-lru"])
+def test_new_policies_evict_whole_files_and_hand_over_to_another_policy(
+    tmp_path: Path, policy: str
+) -> None:
+    """``--eviction adaptive|prefix-lru`` on a real mount: past capacity, every file
+    that survives is exact and every evicted one a clean miss; remounted with the
+    default policy, the saved image (another kind) is adopted, the mount logs no
+    error, and eviction keeps serving exact bytes."""
+    img = make_image(tmp_path / "dev.img", 136 * MiB)
+    mnt, log = tmp_path / "mnt", tmp_path / "kvfs.log"
+    with mounted(mnt, [img], "--format", "--meta-size", "8M", "--eviction", policy, log_file=log):
+        d = mnt / "kv"
+        d.mkdir()
+        for p in [run_writer(d, f"w{k}", 20, 4 * MiB) for k in range(2)]:
+            finish(p)  # 160 MiB into ~120: the writers exit, their files are orphans
+        for i in range(20):  # this live process's files, evicted by the policy's order
+            write_file(d / f"live-{i:02d}", 4 * MiB)
+            if i % 3 == 0:
+                check_file(d / f"live-{i:02d}", 4 * MiB)  # a read: touch()
+        assert stats(mnt)["evictions"] > stats(mnt)["orphan_evictions"] > 0
+        first = sorted(os.listdir(d))
+        for name in first:
+            check_file(d / name, 4 * MiB, may_vanish=True)
+    with mounted(mnt, [img], log_file=log):
+        d = mnt / "kv"
+        assert set(os.listdir(d)) <= set(first)
+        for i in range(20):
+            write_file(d / f"again-{i:02d}", 4 * MiB)
+        for name in os.listdir(d):
+            check_file(d / name, 4 * MiB, may_vanish=True)
+        assert stats(mnt)["evictions"] > 0
+    errors = [line for line in log.read_text().splitlines() if " ERROR " in line]
+    assert not errors, errors
+    assert "starting afresh" not in log.read_text()

@@ -52,11 +52,18 @@ Piece = tuple[str, int]  # (segment name, token count): a run of tokens unique t
 
 @dataclass(frozen=True)
 class Request:
-    """One engine request: its full-chunk keys, its prompt length and its stream."""
+    """One engine request: its chunk keys, its prompt length, its stream and the
+    tokens per chunk (a final partial chunk, as in Mooncake's traces, counts only
+    its own tokens)."""
 
     keys: tuple[int, ...]
     tokens: int
     stream: int
+    chunk_tokens: int = CHUNK_TOKENS
+
+    def hit_tokens(self, hits: int) -> int:
+        """Tokens served by the first ``hits`` chunks."""
+        return min(hits * self.chunk_tokens, self.tokens)
 
 
 @dataclass(frozen=True)
@@ -119,7 +126,8 @@ def chunk_keys(pieces: Sequence[Piece], chunk_tokens: int = CHUNK_TOKENS) -> tup
     return tuple(keys)
 
 
-def _make_request(pieces: Sequence[Piece], stream: int) -> Request:
+def make_request(pieces: Sequence[Piece], stream: int) -> Request:
+    """Return the request whose prompt is ``pieces``, sent by ``stream``."""
     return Request(chunk_keys(pieces), sum(count for _, count in pieces), stream)
 
 
@@ -158,7 +166,7 @@ def _qa_request(config: QAConfig, user: int, round_: int) -> Request:
         pieces += [(f"q{user}.{past}", config.question_tokens)]
         pieces += [(f"a{user}.{past}", config.answer_tokens)]
     pieces.append((f"q{user}.{round_}", config.question_tokens))
-    return _make_request(pieces, user % config.engines)
+    return make_request(pieces, user % config.engines)
 
 
 def agentic(config: AgenticConfig = AgenticConfig()) -> list[Request]:
@@ -197,7 +205,7 @@ def _agentic_request(
         pieces += [(f"tool{agent}.{past}", tools[agent, past])]
         pieces += [(f"act{agent}.{past}", config.action_tokens)]
     pieces.append((f"ask{agent}.{turn}.{branch}", rng.randint(*config.suffix_tokens)))
-    return _make_request(pieces, (agent + branch) % config.engines)
+    return make_request(pieces, (agent + branch) % config.engines)
 
 
 def make_trace(workload: str, scale: float = 1.0, seed: int = 1) -> list[Request]:
@@ -232,6 +240,7 @@ class SimResult:
     capacity_bytes: int
     prompt_tokens: int = 0
     hit_tokens: int = 0
+    hit_chunks: int = 0
     bytes_written: int = 0
     evictions: int = 0
     errors: int = 0
@@ -269,7 +278,8 @@ def simulate(
     for request in trace:
         hits = prefix_hits(request.keys, policy)
         result.prompt_tokens += request.tokens
-        result.hit_tokens += hits * CHUNK_TOKENS
+        result.hit_tokens += request.hit_tokens(hits)
+        result.hit_chunks += hits
         for key in request.keys[:hits]:
             policy.touch(key, request.stream)
         for key in request.keys[hits:]:
@@ -365,7 +375,8 @@ def simulate_belady(
     for request, upcoming in zip(trace, next_uses(trace), strict=True):
         hits = prefix_hits(request.keys, cache)
         result.prompt_tokens += request.tokens
-        result.hit_tokens += hits * CHUNK_TOKENS
+        result.hit_tokens += request.hit_tokens(hits)
+        result.hit_chunks += hits
         for depth, (key, next_use) in enumerate(zip(request.keys, upcoming, strict=True)):
             if key not in cache:
                 used += chunk_bytes
@@ -445,7 +456,8 @@ def replay(trace: Sequence[Request], directory: Path, chunk_bytes: int = 64 * 10
             if not verdict:
                 break
             hits += 1
-        result.hit_tokens += hits * CHUNK_TOKENS
+        result.hit_tokens += request.hit_tokens(hits)
+        result.hit_chunks += hits
         _store_missing(request.keys[hits:], directory, chunk_bytes, result)
     result.seconds = time.perf_counter() - started
     return result

@@ -27,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import kvtrace
+import traces
 
 from kvfs.harness import make_image, mounted
 
@@ -35,9 +36,12 @@ META = 16 << 20
 
 
 def run_one(
-    workload: str, fraction: float, policy: str, scale: float, seed: int
+    workload: str, fraction: float, policy: str, scale: float, seed: int, grace: float = 0.0
 ) -> dict[str, object]:
-    trace = kvtrace.make_trace(workload, scale=scale, seed=seed)
+    if workload in kvtrace.WORKLOADS:
+        trace = kvtrace.make_trace(workload, scale=scale, seed=seed)
+    else:  # a trace of the suite (tools/traces.py), at its own size
+        trace = traces.SUITE[workload][2]()
     chunks = kvtrace.footprint_chunks(trace)
     units = max(int(chunks * fraction), 8)
     # data area = `units` units; 1 MiB head + metadata before it
@@ -55,6 +59,11 @@ def run_one(
             str(META),
             "--eviction",
             policy,
+            # 5 s of this replay's writes exceed the whole (16-64 MiB) pool, so the
+            # default grace would leave only fresh files, evicted oldest closed first
+            # (FIFO), whatever the policy; a real pool holds hours of writes
+            "--fresh-grace",
+            str(grace),
             log_file=Path(tmp) / "kvfs.log",
         ):
             root = mnt / "kv"
@@ -79,18 +88,21 @@ def run_one(
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workloads", default="qa,agentic")
+    ap.add_argument(
+        "--workloads", default="qa,agentic", help="kvtrace workloads or tools/traces.py names"
+    )
     ap.add_argument("--capacities", default="0.3")
     ap.add_argument("--policies", default="kvfs,lru")
     ap.add_argument("--scale", type=float, default=0.5)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--fresh-grace", type=float, default=0.0, help="the mount's (default 0)")
     args = ap.parse_args(argv)
     rows = []
     for workload in args.workloads.split(","):
         for fraction in map(float, args.capacities.split(",")):
             for policy in args.policies.split(","):
-                row = run_one(workload, fraction, policy, args.scale, args.seed)
+                row = run_one(workload, fraction, policy, args.scale, args.seed, args.fresh_grace)
                 rows.append(row)
                 if not args.json:
                     print(

@@ -1,0 +1,147 @@
+"""Eviction policies: pure, synchronous bookkeeping of which files to evict first.
+
+A policy never does I/O and never evicts anything itself.  The interface follows
+CacheLib Navy's ``EvictionPolicy`` (track / touch / evict / reset / persist /
+recover); the store reports events and asks for an order:
+
+- ``track(key, size, stream)``: a file was written (created, or its size changed);
+- ``touch(key, stream)``: a file was opened or read;
+- ``remove(key)``: a file is gone (unlinked, evicted or forgotten);
+- ``victims()``: keys in eviction order, best victim first (Navy's ``evict``, as an
+  iterator, because the store may skip a victim that is open);
+- ``reset()``, ``persist()``, ``recover(image)``: forget everything; encode the whole
+  state; replace it by an encoded one (``docs/format.md``, "Eviction policy image").
+
+Keys are non-negative ints (inode numbers), sizes are bytes and ``stream`` is any
+hashable naming the accessing process and directory, e.g. ``(pid, dir_ino)``.
+Every call is O(1) amortized (``victims()`` is O(1) per yielded key) and none awaits,
+so under trio a sequence of calls is atomic.
+
+One policy per module: :mod:`~kvfs.policy.lru`, :mod:`~kvfs.policy.fifo`,
+:mod:`~kvfs.policy.prefix` (``"kvfs"``, the prefix-aware segmented policy),
+:mod:`~kvfs.policy.prefix_lru` (``"prefix-lru"``) and :mod:`~kvfs.policy.adaptive`
+(``"adaptive"``, which follows the better of the last two); the slot table they
+share is :mod:`~kvfs.policy.slots` and the image codec :mod:`~kvfs.policy.image`.  Design and
+measurements: ``docs/eviction.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Hashable, Iterator
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+__all__ = [
+    "DEFAULT_POLICY",
+    "POLICY_NAMES",
+    "AdaptivePolicy",
+    "EvictionPolicy",
+    "FIFOPolicy",
+    "KvfsPolicy",
+    "LRUPolicy",
+    "PolicyStatistics",
+    "PrefixLRUPolicy",
+    "make_policy",
+]
+
+
+@dataclass(frozen=True)
+class PolicyStatistics:
+    """Counters of one policy; segment fields are 0 for policies without segments."""
+
+    name: str
+    keys: int
+    bytes: int
+    probation_keys: int
+    main_keys: int
+    main_bytes: int
+    dead_keys: int
+    ghost_keys: int
+    tracks: int
+    touches: int
+    removes: int
+    promotions: int
+    chain_links: int
+    horizon: int
+
+
+@runtime_checkable
+class EvictionPolicy(Protocol):
+    """The uniform verbs every eviction policy implements (see module docstring)."""
+
+    name: str
+
+    def track(self, key: int, size: int, stream: Hashable) -> None:
+        """Record that ``key`` was written with ``size`` bytes by ``stream``."""
+
+    def touch(self, key: int, stream: Hashable) -> None:
+        """Record a read of ``key`` by ``stream``; unknown keys are ignored."""
+
+    def remove(self, key: int) -> None:
+        """Forget ``key``; unknown keys are ignored.  O(1)."""
+
+    def victims(self) -> Iterator[int]:
+        """Yield tracked keys best victim first; ``remove()`` of the yielded key is allowed."""
+
+    def __contains__(self, key: object) -> bool: ...
+
+    def __len__(self) -> int: ...
+
+    def statistics(self) -> PolicyStatistics:
+        """Return a snapshot of the counters."""
+
+    def reset(self) -> None:
+        """Forget every key and counter."""
+
+    def persist(self) -> bytes:
+        """Encode the whole state (order, sizes, learned chains) as bytes."""
+
+    def recover(self, data: bytes) -> None:
+        """Replace the state by one from ``persist()``; raise ValueError on bad data."""
+
+    def keys(self) -> set[int]:
+        """Return the tracked keys (a new set, in no particular order)."""
+
+    def remove_many(self, keys: Collection[int]) -> None:
+        """``remove()`` each of ``keys`` in the order a fresh ``victims()`` lists them
+        (what collecting them from ``victims()`` and then removing them does)."""
+
+    def rekey(self, old: int, new: int) -> None:
+        """File ``new`` took the place (the name) of the gone file ``old``: what the
+        policy remembers of ``old``'s eviction (ghosts, regrets) now belongs to
+        ``new``. A chunk rewritten after its eviction is a new inode on a mount;
+        without this, no ghost ever hits there. No-op unless ``old`` is remembered
+        and ``new`` is unknown."""
+
+    def recover_foreign(self, data: bytes) -> bool:
+        """Adopt what it can from another policy's valid image (resident keys, their
+        sizes and order); return False, changing nothing, if it cannot.  ``recover``
+        is tried first: this is for an image of another kind (e.g. a pool written
+        when another policy was the default)."""
+
+
+# The policies import the names above from this package: import them last.
+from kvfs.policy.adaptive import AdaptivePolicy  # noqa: E402
+from kvfs.policy.fifo import FIFOPolicy  # noqa: E402
+from kvfs.policy.lru import LRUPolicy  # noqa: E402
+from kvfs.policy.prefix import KvfsPolicy  # noqa: E402
+from kvfs.policy.prefix_lru import PrefixLRUPolicy  # noqa: E402
+
+_FACTORIES: dict[str, type[EvictionPolicy]] = {
+    "kvfs": KvfsPolicy,
+    "lru": LRUPolicy,
+    "fifo": FIFOPolicy,
+    "prefix-lru": PrefixLRUPolicy,
+    "adaptive": AdaptivePolicy,
+}
+POLICY_NAMES = tuple(_FACTORIES)
+DEFAULT_POLICY = "kvfs"
+"""The policy of a mount that names none (``kvfs mount --eviction``)."""
+
+
+def make_policy(name: str) -> EvictionPolicy:
+    """Return a new policy by name (one of ``POLICY_NAMES``); ValueError otherwise."""
+    factory = _FACTORIES.get(name)
+    if factory is None:
+        raise ValueError(f"unknown eviction policy {name!r}; choose one of {POLICY_NAMES}")
+    return factory()

@@ -1,0 +1,156 @@
+"""Measure the eviction state's memory per tracked file (tracemalloc), per component.
+
+    .venv/bin/python tools/policy_memory.py [--files 1000000] [--policies kvfs,lru,...]
+
+- policy: bytes per key of each policy after ``track`` of N dense inode-like keys
+  (the keys themselves belong to the caller and are allocated before measuring);
+  then with a full ghost list (N more keys tracked while evicting down to N/2);
+- evictor: bytes per file of ``kvfs.evict.Evictor``'s own per-file state (owners,
+  the files of each owner, the grace list) after ``created`` + ``committed`` of N
+  files by 64 live processes, minus the policy's share; and of the orphan list
+  after a remount (``adopt_all``: every file starts as an orphan).
+
+``--speed`` times a track + evict pair per policy instead (5 000 resident keys).
+
+Set ``KVFS_SRC`` to another checkout to measure its code (the "before" numbers in
+docs/eviction.md come from the parent commit run this way). Prints JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import stat
+import sys
+import time
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, os.environ.get("KVFS_SRC", str(Path(__file__).resolve().parent.parent)))
+
+from kvfs.evict import Evictor
+from kvfs.namespace import ROOT_INO, Inode, Namespace
+from kvfs.policy import make_policy
+
+
+def _measure(action: Any) -> int:
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    keep = action()
+    gc.collect()
+    used = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    del keep
+    return used
+
+
+def policy_bytes(name: str, keys: list[int], churn: bool = True) -> dict[str, float]:
+    n = len(keys)
+
+    def fill() -> Any:
+        policy = make_policy(name)
+        for index, key in enumerate(keys):
+            policy.track(key, 1 << 21, index & 63)
+        return policy
+
+    resident = _measure(fill) / n
+    if not churn:
+        return {"per_key": round(resident, 1)}
+    extra = list(range(keys[-1] + 1, keys[-1] + 1 + n))
+
+    def churn() -> Any:
+        policy = make_policy(name)
+        for index, key in enumerate(keys + extra):
+            policy.track(key, 1 << 21, index & 63)
+            while len(policy) > n // 2:
+                policy.remove(next(policy.victims()))
+        return policy
+
+    return {
+        "per_key": round(resident, 1),
+        "per_resident_key_with_ghosts": round(_measure(churn) / (n // 2), 1),
+    }
+
+
+def evictor_bytes(n: int) -> dict[str, float]:
+    ns = Namespace(lambda ops: None)
+    ns.inodes[ROOT_INO] = Inode(ROOT_INO, stat.S_IFDIR | 0o755, 0, 0, 2, entries={})
+    inodes = [Inode(ino, stat.S_IFREG | 0o644, 0, 0, 1, size=1 << 21) for ino in range(2, n + 2)]
+    for inode in inodes:
+        ns.inodes[inode.ino] = inode
+    pids = list(range(1000, 1064))
+
+    def fill(policy: str) -> Any:
+        evictor = Evictor(
+            ns, policy=policy, alive=lambda pid: 7, thread_group=lambda tid: tid, grace=1e9
+        )
+        for index, inode in enumerate(inodes):
+            evictor.created(inode, pids[index & 63])
+            evictor.committed(inode, pids[index & 63])
+        return evictor
+
+    with_policy = _measure(lambda: fill("fifo"))
+    policy_only = _measure(lambda: _fifo(inodes))
+
+    def remount() -> Any:
+        evictor = Evictor(ns, policy="fifo", alive=lambda pid: None)
+        evictor.adopt_all()
+        return evictor
+
+    orphans = _measure(remount) - policy_only
+    return {
+        "owners_and_grace_per_file": round((with_policy - policy_only) / n, 1),
+        "orphans_per_file_after_mount": round(orphans / n, 1),
+    }
+
+
+def _fifo(inodes: list[Inode]) -> Any:
+    policy = make_policy("fifo")
+    for inode in inodes:
+        policy.track(inode.ino, inode.size, None)
+    return policy
+
+
+def speed(name: str, keys: int = 20_000, resident: int = 5_000) -> float:
+    """Median of 3 runs: microseconds per track + evict pair at ``resident`` keys."""
+    runs = []
+    for _ in range(3):
+        policy = make_policy(name)
+        started = time.perf_counter()
+        for key in range(keys):
+            policy.track(key, 100, key % 8)
+            while len(policy) > resident:
+                policy.remove(next(policy.victims()))
+        runs.append((time.perf_counter() - started) / keys * 1e6)
+    return round(sorted(runs)[1], 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--files", type=int, default=1_000_000)
+    ap.add_argument("--policies", default="lru,fifo,kvfs,prefix-lru,adaptive")
+    ap.add_argument("--no-churn", action="store_true", help="skip the ghost-list measurement")
+    ap.add_argument("--speed", action="store_true", help="time track + evict instead")
+    args = ap.parse_args(argv)
+    if args.speed:
+        rates = {name: speed(name) for name in args.policies.split(",")}
+        print(json.dumps({"us_per_track_and_evict": rates}, indent=1))
+        return 0
+    keys = list(range(2, args.files + 2))
+    out: dict[str, Any] = {"files": args.files, "policy": {}}
+    for name in args.policies.split(","):
+        try:
+            out["policy"][name] = policy_bytes(name, keys, not args.no_churn)
+        except ValueError as error:  # a policy this checkout does not have
+            out["policy"][name] = str(error)
+    out["evictor"] = evictor_bytes(args.files)
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
