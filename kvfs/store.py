@@ -56,7 +56,7 @@ from kvfs.layout import (
     Op,
     phys,
 )
-from kvfs.namespace import ROOT_INO, Inode, Namespace, building_index
+from kvfs.namespace import ROOT_INO, Inode, Namespace
 from kvfs.pool import Pool
 from kvfs.posix import ROOT, Caller
 from kvfs.readpath import Reader, domain_nursery
@@ -277,8 +277,7 @@ class Store:
         """Rebuild the index from the metadata log (blocking; before serving).
         ``drop_unreadable``: drop files with data on a missing member (degraded
         mount) instead of keeping them unreadable until it returns."""
-        with building_index():  # no GC scans while millions of objects are made
-            return self._load(drop_unreadable)
+        return self._load(drop_unreadable)
 
     def _load(self, drop_unreadable: bool) -> RecoveryReport:
         t0 = time.monotonic()
@@ -290,6 +289,7 @@ class Store:
         else:
             for op in found.ops:
                 self.ns.apply(op)
+        self.ns.finish_load()
         if ROOT_INO not in self.ns.inodes:
             raise Corruption("metadata has no root directory")
         incomplete, unlinked, dropped = self._drop_unfinished(doomed, drop_unreadable)
@@ -378,14 +378,8 @@ class Store:
             doomed |= unreadable
         else:
             self.unreadable = unreadable
-        for inode in self.ns.inodes.values():
-            if inode.entries:
-                for name in [
-                    n for n, i in inode.entries.items() if i in doomed or i not in self.ns.inodes
-                ]:
-                    del inode.entries[name]
         for ino in doomed:
-            del self.ns.inodes[ino]
+            self.ns.discard(ino)  # its names too
         return incomplete, unlinked, len(unreadable) if drop_unreadable else 0
 
     def _on_missing_members(self, doomed: set[int], drop: bool) -> set[int]:
@@ -650,9 +644,11 @@ class Store:
 
     def forget(self, ino: int, count: int) -> None:
         inode = self.ns.inodes.get(ino)
-        if inode is not None:
-            inode.lookups = max(0, inode.lookups - count)
-            self.maybe_drop(inode)
+        if inode is None:
+            self.ns.kernel_forget(ino, count)  # a dropped inode's number is reusable now
+            return
+        inode.lookups = max(0, inode.lookups - count)
+        self.maybe_drop(inode)
 
     def maybe_drop(self, inode: Inode) -> None:
         """Free an inode once it has no names, no open handles and no kernel refs; one
@@ -673,8 +669,9 @@ class Store:
 
     def _free_units(self, inode: Inode, first: int) -> None:
         freed = 0
-        for u in range(first, len(inode.units)):
-            p = inode.units[u]
+        units, csums = self.ns.edit_map(inode)
+        for u in range(first, len(units)):
+            p = units[u]
             if p != NO_UNIT:
                 # a unit on a missing member is not in the allocator: unmapped, it is
                 # released implicitly (free when the member returns, as no file maps it)
@@ -683,8 +680,8 @@ class Store:
                 freed += 1
             self.cache.discard((inode.ino, u))
         self.space.charge(inode, -freed)
-        del inode.units[first:]
-        del inode.csums[first:]
+        del units[first:]
+        del csums[first:]
 
     def allocated_units(self, inode: Inode) -> int:
         """Units of device space the file has (``st_blocks``): its mapped units plus
@@ -706,10 +703,11 @@ class Store:
             self.ns.commit(inode)
 
     def _grow_map(self, inode: Inode, size: int) -> None:
-        need = -(-size // self.unit) - len(inode.units)
+        need = -(-size // self.unit) - inode.nunits
         if need > 0:
-            inode.units.extend([NO_UNIT] * need)
-            inode.csums.extend([0] * need)
+            units, csums = self.ns.edit_map(inode)
+            units.extend([NO_UNIT] * need)
+            csums.extend([0] * need)
 
     async def write(self, fh: int, off: int, data: bytes) -> int:
         """Accept ``data`` at ``off``: the space it needs is claimed first, so a full
@@ -851,12 +849,12 @@ class Store:
         """Zero bytes from ``size`` to the end of its unit (before the file grows
         past them, so bytes that were never written read as zeros)."""
         u, uo = divmod(size, self.unit)
-        if uo == 0 or u >= len(inode.units):
+        if uo == 0 or u >= inode.nunits:
             return
         buf = st.dirty.get(u)
         if buf is None:
             # a unit still being written back holds the old tail too: copy it dirty
-            if inode.units[u] == NO_UNIT and u not in st.inflight:
+            if inode.unit(u) == NO_UNIT and u not in st.inflight:
                 return
             buf = await self._dirty_unit(inode, st, u, load=True, claims=claims)
         self._begin_data_change(inode)
@@ -906,7 +904,7 @@ class Store:
         plan: list[tuple[int, int, list[int]]] = []
         try:
             for dev, lus in groups:
-                prev = inode.units[lus[0] - 1] if 0 < lus[0] <= len(inode.units) else NO_UNIT
+                prev = inode.unit(lus[0] - 1) if lus[0] > 0 else NO_UNIT
                 near = (
                     (prev & UNIT_MASK) + 1 if prev != NO_UNIT and prev >> DEV_SHIFT == dev else -1
                 )
@@ -984,17 +982,18 @@ class Store:
         for dev, start, lus in plan:
             for i, u in enumerate(lus):
                 p = phys(dev, start + i)
-                if not alive or st.inflight.get(u) is not bufs[u] or u >= len(inode.units):
+                if not alive or st.inflight.get(u) is not bufs[u] or u >= inode.nunits:
                     self.alloc.free(dev, start + i)  # superseded or truncated meanwhile
                     continue
                 del st.inflight[u]
                 self._begin_data_change(inode)  # the map changes: uncommitted until commit
-                old = inode.units[u]
+                old = inode.unit(u)
                 if old != NO_UNIT:
                     self.space.defer_free(old)
                 else:
                     self.space.charge(inode, 1)
-                inode.units[u], inode.csums[u] = p, csums[u]
+                units, sums = self.ns.edit_map(inode)
+                units[u], sums[u] = p, csums[u]
                 self.cache.discard((inode.ino, u))
 
     async def commit(self, inode: Inode, pid: int = 0) -> None:
