@@ -102,7 +102,7 @@ class Namespace:
         self._parent = Column("I")
         self._name_off = Column("I")
         self._name_len = Column("B")
-        self._unit0 = Column("q")
+        self._unit0 = Column("q")  # a compact map's first unit + 1 (0: none, or a side map)
         self._csum0 = Column("Q")
         self._xattr = Column("I")
         self._lookups = Column("I")  # runtime only: the kernel forgot everything at mount
@@ -240,7 +240,15 @@ class Namespace:
         self._maps.pop(ino, None)
         self._multi.pop(ino, None)
         self._opens.pop(ino, None)
-        for col in (self._mode, self._flags, self._name_len, self._xattr, self._lookups):
+        for col in (
+            self._mode,
+            self._flags,
+            self._nlink,
+            self._name_len,
+            self._xattr,
+            self._lookups,
+            self._unit0,
+        ):
             col[ino] = 0
         self._free.append(ino)
 
@@ -424,9 +432,10 @@ class Namespace:
         units, csums = entry
         kind = compact_kind(units, csums)
         if kind == 3:
+            self._unit0[ino] = 0
             return
         del self._maps[ino]
-        self._unit0[ino] = units[0] if kind else NO_UNIT
+        self._unit0[ino] = units[0] + 1 if kind else 0
         self._csum0[ino] = csums[0] if kind else 0
         if kind == 2:
             self._multi[ino] = csums
@@ -439,6 +448,7 @@ class Namespace:
         if entry is None:
             entry = self._maps[ino] = (self._units(ino), self._csums(ino))
             self._multi.pop(ino, None)
+            self._unit0[ino] = 0
         return entry
 
     def _nunits(self, ino: int) -> int:
@@ -448,17 +458,17 @@ class Namespace:
         multi = self._multi.get(ino)
         if multi is not None:
             return len(multi)
-        return 0 if self._unit0[ino] == NO_UNIT else 1
+        return 0 if self._unit0[ino] == 0 else 1
 
     def _unit(self, ino: int, u: int) -> int:
         entry = self._maps.get(ino)
         if entry is not None:
             return entry[0][u] if 0 <= u < len(entry[0]) else NO_UNIT
         if u == 0:
-            return self._unit0[ino]
+            return self._unit0[ino] - 1  # NO_UNIT for none
         multi = self._multi.get(ino)
         if multi is not None and 0 < u < len(multi):
-            return self._unit0[ino] + u
+            return self._unit0[ino] - 1 + u
         return NO_UNIT
 
     def _csum(self, ino: int, u: int) -> int:
@@ -468,13 +478,13 @@ class Namespace:
         multi = self._multi.get(ino)
         if multi is not None:
             return multi[u] if 0 <= u < len(multi) else 0
-        return self._csum0[ino] if u == 0 and self._unit0[ino] != NO_UNIT else 0
+        return self._csum0[ino] if u == 0 and self._unit0[ino] else 0
 
     def _units(self, ino: int) -> array[int]:
         entry = self._maps.get(ino)
         if entry is not None:
             return entry[0]
-        first = self._unit0[ino]
+        first = self._unit0[ino] - 1
         multi = self._multi.get(ino)
         if multi is not None:
             return array("q", range(first, first + len(multi)))
@@ -487,13 +497,71 @@ class Namespace:
         multi = self._multi.get(ino)
         if multi is not None:
             return multi[:]
-        return array("Q") if self._unit0[ino] == NO_UNIT else array("Q", (self._csum0[ino],))
+        return array("Q", (self._csum0[ino],)) if self._unit0[ino] else array("Q")
 
     def _mapped(self, ino: int) -> int:
         entry = self._maps.get(ino)
         if entry is not None:
             return len(entry[0]) - entry[0].count(NO_UNIT)
         return self._nunits(ino)
+
+    # ------------------------------------------------------------------ bulk reads
+    def scan_inodes(self, flag_mask: int) -> list[int]:
+        """Live inodes (root excluded) with a flag in ``flag_mask`` or no link:
+        recovery's "unfinished" files, found with C-level scans of whole chunks."""
+        clean = bytes(b for b in range(256) if not b & flag_mask & ~F_INTERNAL)
+        found = []
+        end = self.next_ino
+        chunks = zip(self._mode.chunks, self._flags.chunks, self._nlink.chunks, strict=True)
+        for c, (modes, flags, nlinks) in enumerate(chunks):
+            base = c << SHIFT
+            if base >= end:
+                break
+            if not flags.tobytes().translate(None, clean) and nlinks.count(0) == modes.count(0):
+                continue  # (a free row has mode 0 and nlink 0)
+            for i, m in enumerate(modes):
+                ino = base + i
+                live = m and ino != ROOT_INO and not flags[i] & F_DEAD
+                if live and (flags[i] & flag_mask & ~F_INTERNAL or not nlinks[i]):
+                    found.append(ino)
+        return found
+
+    def unit_extents(self) -> Iterator[tuple[int, int]]:
+        """(first physical unit, count) of every mapped extent of every live file:
+        one per compact file (a Python loop over the column, no views)."""
+        multi = self._multi
+        for c, chunk in enumerate(self._unit0.chunks):
+            if chunk.count(0) == len(chunk):
+                continue
+            base = c << SHIFT
+            for i, v in enumerate(chunk):
+                if v:
+                    got = multi.get(base + i)
+                    yield v - 1, 1 if got is None else len(got)
+        for units, _ in self._maps.values():
+            for p in units:
+                if p != NO_UNIT:
+                    yield p, 1
+
+    def file_rows(self) -> list[tuple[int, int, int]]:
+        """(inode, size, mtime_ns) of every live file, without views."""
+        out = []
+        end = self.next_ino
+        cols = zip(
+            self._mode.chunks,
+            self._flags.chunks,
+            self._size.chunks,
+            self._mtime.chunks,
+            strict=True,
+        )
+        for c, (modes, flags, sizes, mtimes) in enumerate(cols):
+            base = c << SHIFT
+            if base >= end:
+                break
+            for i, m in enumerate(modes):
+                if m and stat.S_ISREG(m) and not flags[i] & F_DEAD:
+                    out.append((base + i, sizes[i], mtimes[i]))
+        return out
 
     # ------------------------------------------------------------------ replay
     def apply(self, op: Op) -> None:
@@ -708,7 +776,7 @@ class Namespace:
         ]
         for col, value in constant:
             col.fill(first, array(col.code, [value]) * n)
-        self._unit0.fill(first, units)
+        self._unit0.fill(first, array("q", [u + 1 for u in units]))
         self._csum0.fill(first, csums)
         self._name_len.fill(first, array("B", map(len, names)))
         put, insert = self._arena.put, self._index.insert

@@ -304,12 +304,11 @@ class Store:
             or dropped
         )
         self.journal.resume(found, in_place=clean)
-        files = sum(1 for i in self.ns.inodes.values() if not i.is_dir)
         report = RecoveryReport(
             found.generation,
             found.transactions,
-            files,
-            len(self.ns.inodes) - files,
+            self.ns.file_count,
+            self.ns.dir_count,
             incomplete,
             unlinked,
             time.monotonic() - t0,
@@ -365,12 +364,8 @@ class Store:
         (a salvage), and names that point nowhere. Files with data on a missing member
         (degraded mount) are kept as :attr:`unreadable`, or dropped too with
         ``drop_unreadable``. Returns (incomplete, unlinked, unreadable dropped)."""
-        doomed = (doomed & self.ns.inodes.keys()) | {
-            ino
-            for ino, inode in self.ns.inodes.items()
-            if ino != ROOT_INO
-            and (inode.flags & (FLAG_WRITING | FLAG_QUARANTINED) or inode.nlink == 0)
-        }
+        doomed = {i for i in doomed if i in self.ns.inodes}
+        doomed.update(self.ns.scan_inodes(FLAG_WRITING | FLAG_QUARANTINED))
         unreadable = self._on_missing_members(doomed, drop_unreadable)
         incomplete = sum(1 for i in doomed if self.ns.inodes[i].nlink)
         unlinked = len(doomed) - incomplete
@@ -412,21 +407,13 @@ class Store:
 
     def _rebuild_allocator(self) -> None:
         """Claim every mapped unit; a file in one contiguous extent (the common case)
-        is claimed in one step, found with C-speed min/max instead of a unit loop.
+        is claimed in one step, read from the namespace's columns (no views).
         Units on a missing member are skipped: the allocator has none there."""
         missing = self._missing
-        for inode in self.ns.inodes.values():
-            units = inode.units
-            if not units:
-                continue
-            lo, hi = min(units), max(units)
-            if lo >= 0 and hi - lo == len(units) - 1 and lo >> DEV_SHIFT == hi >> DEV_SHIFT:
-                if lo >> DEV_SHIFT not in missing:
-                    self.alloc.mark_used(lo >> DEV_SHIFT, lo & UNIT_MASK, len(units))
-                continue
-            for p in units:
-                if p != NO_UNIT and p >> DEV_SHIFT not in missing:
-                    self.alloc.mark_used(p >> DEV_SHIFT, p & UNIT_MASK)
+        mark = self.alloc.mark_used
+        for first, count in self.ns.unit_extents():
+            if first >> DEV_SHIFT not in missing:
+                mark(first >> DEV_SHIFT, first & UNIT_MASK, count)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve: start the background tasks, checkpoint the recovered state unless
@@ -1148,13 +1135,12 @@ class Store:
         ]
 
     def statistics(self) -> StoreStatistics:
-        files = sum(1 for i in self.ns.inodes.values() if not i.is_dir)
         free = max(self.space.available(), 0) * self.unit  # claimed units are spoken for
         cap = self.alloc.total_units * self.unit
         devs = [d.statistics() for d in self.pool.devices]
         return StoreStatistics(
-            files=files,
-            directories=len(self.ns.inodes) - files,
+            files=self.ns.file_count,
+            directories=self.ns.dir_count,
             unit_size=self.unit,
             capacity_bytes=cap,
             used_bytes=cap - free,
