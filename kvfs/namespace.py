@@ -61,8 +61,9 @@ RENAME_EXCHANGE = 2
 
 BIG_XATTRS = 0xFFFFFFFF
 """``xattr`` column value: this inode's xattrs are in the big-xattr side table."""
-_XHEAD = struct.Struct("<HI")  # xattr name id, value length
-_LEN = struct.Struct("<I")
+_XHEAD = struct.Struct("<HH")  # xattr name id, value length (arena sets are < 4 KiB)
+_BIG_XHEAD = struct.Struct("<HI")  # the same in the big-xattr side table
+_LEN = struct.Struct("<H")
 
 
 def check_name(name: bytes) -> None:
@@ -196,7 +197,7 @@ class Namespace:
             rec.mtime_ns,
             rec.ctime_ns,
         )
-        self._parent[ino] = 0
+        self._parent[ino] = ROOT_INO if ino == ROOT_INO else 0  # the root's '..' is itself
         self._name_len[ino] = 0
         self._xattr[ino] = 0
         self._lookups[ino] = 0
@@ -240,15 +241,9 @@ class Namespace:
         self._maps.pop(ino, None)
         self._multi.pop(ino, None)
         self._opens.pop(ino, None)
-        for col in (
-            self._mode,
-            self._flags,
-            self._nlink,
-            self._name_len,
-            self._xattr,
-            self._lookups,
-            self._unit0,
-        ):
+        # every column zeroed: chunks of free rows are left out of checkpoints, so
+        # removals shrink the image (a full metadata area gets room back)
+        for col in (*self.persisted_columns, self._lookups):
             col[ino] = 0
         self._free.append(ino)
 
@@ -375,15 +370,15 @@ class Namespace:
         if not ref:
             return None
         if ref == BIG_XATTRS:
-            raw = self._big_xattrs[ino]
+            raw, head = self._big_xattrs[ino], _BIG_XHEAD
         else:
-            (n,) = _LEN.unpack(self._arena.get(ref - 1, 4))
-            raw = self._arena.get(ref - 1, 4 + n)[4:]
+            (n,) = _LEN.unpack(self._arena.get(ref - 1, _LEN.size))
+            raw, head = self._arena.get(ref - 1, _LEN.size + n)[_LEN.size :], _XHEAD
         out: dict[bytes, bytes] = {}
         pos = 0
         while pos < len(raw):
-            nid, vlen = _XHEAD.unpack_from(raw, pos)
-            pos += _XHEAD.size + vlen
+            nid, vlen = head.unpack_from(raw, pos)
+            pos += head.size + vlen
             out[self._xnames[nid]] = raw[pos - vlen : pos]
         return out
 
@@ -400,13 +395,13 @@ class Namespace:
         self._drop_xattrs(ino)
         if not xattrs:
             return
-        raw = b"".join(
-            _XHEAD.pack(self._xname_id(k), len(v)) + v for k, v in sorted(xattrs.items())
-        )
-        if len(raw) + 4 > ARENA_MAX_ENTRY:
-            self._big_xattrs[ino] = raw
+        items = sorted((self._xname_id(k), v) for k, v in xattrs.items())
+        size = sum(_XHEAD.size + len(v) for _, v in items)
+        if size + _LEN.size > ARENA_MAX_ENTRY:
+            self._big_xattrs[ino] = b"".join(_BIG_XHEAD.pack(k, len(v)) + v for k, v in items)
             self._xattr[ino] = BIG_XATTRS
         else:
+            raw = b"".join(_XHEAD.pack(k, len(v)) + v for k, v in items)
             self._xattr[ino] = self._arena.put(_LEN.pack(len(raw)) + raw) + 1
 
     def _drop_xattrs(self, ino: int) -> None:
@@ -414,8 +409,8 @@ class Namespace:
         if ref == BIG_XATTRS:
             del self._big_xattrs[ino]
         elif ref:
-            (n,) = _LEN.unpack(self._arena.get(ref - 1, 4))
-            self._arena.release(ref - 1, 4 + n)
+            (n,) = _LEN.unpack(self._arena.get(ref - 1, _LEN.size))
+            self._arena.release(ref - 1, _LEN.size + n)
         self._xattr[ino] = 0
 
     # ------------------------------------------------------------------ unit maps
