@@ -122,6 +122,7 @@ class Namespace:
         self._views: weakref.WeakValueDictionary[int, Inode] = weakref.WeakValueDictionary()
         self._zombies: weakref.WeakValueDictionary[int, Inode] = weakref.WeakValueDictionary()
         self._deferred: list[int] = []
+        self._reclaim_at = 32
         self._ghosts: set[int] = set()
         self._free = array("I")
         self._live = 0
@@ -229,6 +230,7 @@ class Namespace:
             else:
                 self._free_row(ino)
         self._deferred = keep
+        self._reclaim_at = 2 * len(keep) + 32  # amortized O(1) per drop
 
     def _free_row(self, ino: int) -> None:
         """Return a dropped row for reuse (nothing can name it any more)."""
@@ -258,6 +260,8 @@ class Namespace:
         if view is not None:
             self._zombies[ino] = view
             self._deferred.append(ino)
+            if len(self._deferred) >= self._reclaim_at:
+                self._reclaim()
         elif self._lookups[ino]:
             self._ghosts.add(ino)
         else:
@@ -651,6 +655,7 @@ class Namespace:
         namespace may change while they are consumed."""
         from kvfs.nsimage import image_payloads
 
+        self._reclaim()  # rows dropped since: zeroed, so left out of the image
         return image_payloads(self)
 
     def snapshot(self) -> Iterator[Op]:
