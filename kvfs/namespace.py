@@ -45,12 +45,14 @@ from kvfs.layout import (
     Blob,
     Dentry,
     Drop,
+    Image,
     InodeRecord,
     Op,
     Undentry,
     Xattr,
     decode_ops,
 )
+from kvfs.nsimage import TAG, image_payloads, load_part
 
 ROOT_INO = 1
 NAME_MAX = 255
@@ -587,10 +589,8 @@ class Namespace:
             self._apply_xattr(op)
         elif isinstance(op, Blob):
             self.blobs[op.name] = op.data
-        else:
-            from kvfs.nsimage import load_image_op
-
-            load_image_op(self, op)
+        else:  # TEMPORARY GLUE: an image part inside today's checkpoint op stream
+            load_part(self, op.payload)
 
     def _apply_record(self, rec: InodeRecord) -> None:
         ino = rec.ino
@@ -630,8 +630,6 @@ class Namespace:
     def load_payload(self, payload: bytes) -> None:
         """One checkpoint payload: a columnar image part (kvfs.nsimage) or, from a
         pool written by an older release, ``encode_ops`` output."""
-        from kvfs.nsimage import TAG, load_part
-
         if payload[:1] == bytes((TAG,)):
             load_part(self, payload)
             return
@@ -653,16 +651,12 @@ class Namespace:
     def snapshot_payloads(self) -> Iterator[bytes]:
         """Freeze the state now (O(chunks)) and yield checkpoint payloads of it; the
         namespace may change while they are consumed."""
-        from kvfs.nsimage import image_payloads
-
         self._reclaim()  # rows dropped since: zeroed, so left out of the image
         return image_payloads(self)
 
     def snapshot(self) -> Iterator[Op]:
         """Checkpoint contents as operations for today's ``encode_checkpoint``.
         TEMPORARY GLUE (replaced when the journal takes ``snapshot_payloads``)."""
-        from kvfs.layout import Image
-
         return (Image(p) for p in self.snapshot_payloads())
 
     def legacy_ops(self) -> Iterator[Op]:

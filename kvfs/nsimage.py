@@ -17,7 +17,6 @@ from kvfs.columns import ARENA_CHUNK, ROWS
 from kvfs.errors import Corruption
 
 if TYPE_CHECKING:
-    from kvfs.layout import Op
     from kvfs.namespace import Namespace
 
 TAG = 0xC5
@@ -143,15 +142,6 @@ def image_payloads(ns: Namespace) -> Iterator[bytes]:
         yield from side
 
     return parts()
-
-
-def load_image_op(ns: Namespace, op: Op) -> None:
-    """TEMPORARY GLUE: apply a ``layout.Image`` op (an image part inside today's
-    checkpoint op stream)."""
-    from kvfs.layout import Image
-
-    assert isinstance(op, Image)
-    load_part(ns, op.payload)
 
 
 def load_part(ns: Namespace, payload: bytes) -> None:

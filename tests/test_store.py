@@ -429,3 +429,55 @@ async def test_store_errors_are_kvfs_errors() -> None:
             await store.open(ROOT_INO, os.O_RDONLY)
         with pytest.raises(NotFound):
             await store.open(12345, os.O_RDONLY)
+
+
+async def test_a_pool_checkpointed_by_the_previous_release_mounts_with_every_byte(
+    tmp_path: Path,
+) -> None:
+    """Upgrade: a checkpoint of operations (INODE, XATTR, DENTRY, BLOB records, what
+    releases before the columnar index wrote) loads into the columns."""
+    from kvfs.fsck import offline_index
+    from kvfs.journal import encode_checkpoint, half_bounds, recover
+    from kvfs.layout import Image
+
+    paths = sparse_images(tmp_path, 1, 64 << 20)
+    format_pool(paths, unit_size=UNIT, meta_size=8 << 20)
+    rng = random.Random(5)
+    data = {b"f%d" % i: rng.randbytes(rng.randrange(1, 5 * UNIT)) for i in range(30)}
+    pool = open_pool(paths)
+    try:
+        async with serving(pool) as store:
+            for name, content in data.items():
+                await put(store, name, content)
+            sub = await store.make(ROOT_INO, b"sub", stat.S_IFDIR | 0o755)
+            store.ns.set_xattr(sub.ino, b"user.k", b"v")
+            await store.close()
+    finally:
+        pool.close()
+    ns, _ = offline_index(paths)
+    pool = open_pool(paths)
+    try:
+        meta, start, size = pool.meta
+        found = recover(meta, start, size, pool.seed)
+        assert any(isinstance(op, Image) for op in found.ops)
+        generation = found.generation + 1
+        old, _, _ = encode_checkpoint(ns.legacy_ops(), generation, found.seq, pool.seed)
+        base, _ = half_bounds(start, size, 1 - found.half)
+        pool_mod._write(meta, base, old)
+        meta.flush()
+        again = recover(meta, start, size, pool.seed)
+        assert again.generation == generation
+        assert not any(isinstance(op, Image) for op in again.ops)
+    finally:
+        pool.close()
+    pool = open_pool(paths)
+    try:
+        async with serving(pool) as store:
+            assert files(store).keys() == {*data, b"sub"}
+            for name, content in data.items():
+                assert await get(store, store.ns.lookup(ROOT_INO, name).ino) == content
+            assert store.ns.get_xattr(store.ns.lookup(ROOT_INO, b"sub").ino, b"user.k") == b"v"
+            assert no_leaks(store)
+            await store.close()
+    finally:
+        pool.close()
