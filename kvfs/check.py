@@ -56,7 +56,7 @@ def check_index(ns: Namespace, pool: Pool, report: Report) -> None:
             if ino not in ns.inodes:
                 report.problem(
                     f"name {name!r} in directory {d.ino} points to missing inode {ino}",
-                    _remover(d, name),
+                    _remover(ns, d.ino, name),
                 )
             else:
                 names[ino] = names.get(ino, 0) + 1
@@ -65,10 +65,9 @@ def check_index(ns: Namespace, pool: Pool, report: Report) -> None:
     _check_claims(ns, pool, report)
 
 
-def _remover(d: Inode, name: bytes) -> Callable[[], None]:
+def _remover(ns: Namespace, parent: int, name: bytes) -> Callable[[], None]:
     def fix() -> None:
-        assert d.entries is not None
-        d.entries.pop(name, None)
+        ns.detach(parent, name)
 
     return fix
 
@@ -97,9 +96,9 @@ def _check_inode(inode: Inode, links: int, pool: Pool, report: Report) -> None:
             functools.partial(setattr, inode, "nlink", links),
         )
     expected = -(-inode.size // pool.unit_size)
-    if not inode.is_dir and len(inode.units) != expected:
+    if not inode.is_dir and inode.nunits != expected:
         report.problem(
-            f"{what}: unit map has {len(inode.units)} entries for {inode.size} bytes",
+            f"{what}: unit map has {inode.nunits} entries for {inode.size} bytes",
             doom=inode.ino,
         )
     if not (stat.S_ISREG(inode.mode) or stat.S_ISDIR(inode.mode)):

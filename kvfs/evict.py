@@ -25,7 +25,7 @@ import time
 from array import array
 from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
-from operator import attrgetter
+from operator import itemgetter
 
 from kvfs import procs
 from kvfs.errors import InvalidArgument
@@ -135,29 +135,30 @@ class Evictor:
         if absent:
             self.policy.remove_many(absent)  # in victims() order, as one by one would
             tracked -= absent
-        files = sorted(
-            (i for i in inodes.values() if i.entries is None), key=attrgetter("mtime_ns")
-        )
-        for inode in files:
-            if inode.ino not in tracked:
-                self.policy.track(inode.ino, inode.size, None)
+        rows = self.ns.file_rows()  # (ino, size, mtime): no per-file views
+        rows.sort(key=itemgetter(2))
+        for ino, size, _ in rows:
+            if ino not in tracked:
+                self.policy.track(ino, size, None)
+        files = [row[0] for row in rows]
+        del rows
         owners = self._saved_owners()
         if not owners:
-            self.orphans.update(dict.fromkeys(inode.ino for inode in files))
+            self.orphans.update(dict.fromkeys(files))
             return
         starts: dict[int, int | None] = {}  # one /proc read per process, not per file
-        for inode in files:
-            owner = owners.get(inode.ino)
+        for ino in files:
+            owner = owners.get(ino)
             if owner is not None:
                 pid = owner[0]
                 if pid not in starts:
                     starts[pid] = self._alive(pid)
                 if starts[pid] == owner[1]:
                     owner = self._interned.setdefault(owner, owner)
-                    self._owner[inode.ino] = owner  # its engine outlived the remount
-                    self._owned.setdefault(owner, set()).add(inode.ino)
+                    self._owner[ino] = owner  # its engine outlived the remount
+                    self._owned.setdefault(owner, set()).add(ino)
                     continue
-            self.orphans[inode.ino] = None
+            self.orphans[ino] = None
 
     def _recover_policy(self, saved: bytes) -> None:
         """Resume from the saved image; from another policy's image (the pool was

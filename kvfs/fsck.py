@@ -50,6 +50,7 @@ def offline_index(paths: list[str]) -> tuple[Namespace, Pool]:
         meta, start, size = pool.meta
         ns = Namespace(lambda ops: None)
         recover(meta, start, size, pool.seed, _sink(ns))
+        ns.finish_load()
         return ns, pool
     finally:
         pool.close()
@@ -58,11 +59,7 @@ def offline_index(paths: list[str]) -> tuple[Namespace, Pool]:
 def _sink(ns: Namespace) -> ApplySink:
     """Recovery's operations applied to ``ns`` (forgotten again on a fallback)."""
 
-    def reset() -> None:
-        ns.inodes.clear()
-        ns.blobs.clear()
-
-    return ApplySink(ns.apply, reset)
+    return ApplySink(ns.apply, ns.reset, load=ns.load_payload)
 
 
 def fsck(
@@ -121,6 +118,7 @@ def _fsck_pool(pool: Pool, repair: bool, check_data: bool, out: Callable[[str], 
                 f"{sink.skipped - len(sink.first_skipped)} more journal operation(s) "
                 "refer to missing inodes"
             )
+    ns.finish_load()
     for d in pool.damage:
         if d.copy != "both":
             continue
@@ -208,7 +206,7 @@ def _units_on(ns: Namespace, pool: Pool, index: int) -> Iterator[tuple[int, int,
     for inode in ns.inodes.values():
         for u, p in enumerate(inode.units):
             if p != NO_UNIT and p >> DEV_SHIFT == index and extent(p, u_size)[0] < limit:
-                yield index, p & UNIT_MASK, inode.csums[u]
+                yield index, p & UNIT_MASK, inode.csum(u)
 
 
 def _check_data(ns: Namespace, pool: Pool, report: Report) -> None:
@@ -230,7 +228,7 @@ def _check_data(ns: Namespace, pool: Pool, report: Report) -> None:
             except DeviceError as e:
                 report.problem(f"inode {inode.ino} unit {u}: device error: {e}", doom=inode.ino)
                 break
-            if xxhash.xxh3_64_intdigest(view) != inode.csums[u]:
+            if xxhash.xxh3_64_intdigest(view) != inode.csum(u):
                 name = inode.name.decode(errors="replace")
                 report.problem(
                     f"inode {inode.ino} ({name}) unit {u} at device {dev} unit "
@@ -245,12 +243,8 @@ def _repair(
 ) -> None:
     for fix in report.fixes:
         fix()
-    for d in ns.inodes.values():
-        if d.entries:
-            for name in [n for n, i in d.entries.items() if i in report.doomed]:
-                del d.entries[name]
     for ino in report.doomed:
-        ns.inodes.pop(ino, None)
+        ns.discard(ino)  # its names too
     fix_dir_links(ns)
     data, _, _ = encode_checkpoint(ns.snapshot(), generation + 1, seq, pool.seed)
     meta, start, size = pool.meta

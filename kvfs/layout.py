@@ -382,6 +382,9 @@ OP_DROP = 4
 OP_XATTR = 5
 OP_UNXATTR = 6
 OP_BLOB = 7
+OP_IMAGE = 8
+"""TEMPORARY GLUE: a columnar namespace image part carried as one checkpoint op
+until the journal writes ``Namespace.snapshot_payloads()`` as CKPT_DATA payloads."""
 
 FLAG_WRITING = 1
 """Inode flag: data changes are not yet committed; recovery drops such a file."""
@@ -536,7 +539,15 @@ class Blob:
     data: bytes
 
 
-Op = InodeRecord | Dentry | Undentry | Drop | Xattr | Blob
+@dataclass(frozen=True, slots=True)
+class Image:
+    """TEMPORARY GLUE: one ``Namespace.snapshot_payloads()`` payload as an op."""
+
+    payload: bytes
+
+
+Op = InodeRecord | Dentry | Undentry | Drop | Xattr | Blob | Image
+_IMAGE = struct.Struct("<BI")
 
 
 def _runs(units: array[int]) -> list[tuple[int, int, int, int]]:
@@ -622,6 +633,8 @@ def encode_op(op: Op) -> bytes:
             return _UNDENTRY.pack(OP_UNXATTR, op.ino, len(op.name)) + op.name
         head = _XATTR.pack(OP_XATTR, op.ino, len(op.name), len(op.value))
         return head + op.name + op.value
+    if isinstance(op, Image):
+        return _IMAGE.pack(OP_IMAGE, len(op.payload)) + op.payload
     name = op.name.encode()
     return _BLOB.pack(OP_BLOB, len(name), len(op.data)) + name + op.data
 
@@ -732,6 +745,12 @@ def decode_ops(buf: bytes) -> Iterator[Op]:
                 except UnicodeDecodeError as e:
                     raise Corruption(f"journal blob name is not UTF-8: {e}") from e
                 yield Blob(blob_name, buf[pos - nd : pos])
+            elif kind == OP_IMAGE:
+                _, n = _IMAGE.unpack_from(buf, pos)
+                pos += _IMAGE.size + n
+                if pos > len(buf):
+                    raise Corruption("truncated namespace image op")
+                yield Image(buf[pos - n : pos])
             else:
                 raise Corruption(f"unknown journal op {kind}")
     except struct.error as e:

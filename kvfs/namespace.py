@@ -4,30 +4,40 @@ Every mutation changes the in-memory state and hands the journal operations that
 reproduce it to ``log`` (one call = one atomic transaction); recovery feeds the same
 operations to :meth:`Namespace.apply`. No method awaits, so under trio each one is
 atomic with respect to every other request.
+
+Storage is columnar (``docs/design.md``, "The index in columns"): one row per inode
+number in copy-on-write chunked ``array`` columns (:mod:`kvfs.columns`), names and
+xattrs in a byte arena, a (parent, name) -> inode hash index; no Python object per
+file. :class:`Inode` is a view (:mod:`kvfs.inodes`). A file in one contiguous extent
+is its first unit, that unit's checksum and its size; other unit maps live in side
+tables, and a file being written has a materialized map (:meth:`edit_map`) that
+:meth:`commit` folds back once the file is clean.
 """
 
 from __future__ import annotations
 
-import gc
 import stat
+import struct
 import time
+import weakref
 from array import array
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 
+from kvfs.columns import ARENA_MAX_ENTRY, ROWS, SHIFT, Arena, Column, NameIndex
 from kvfs.errors import (
     Exists,
     InvalidArgument,
     IsADirectory,
     NameTooLong,
     NoAttribute,
+    NoSpace,
     NotADirectory,
     NotEmpty,
     NotFound,
     NotPermitted,
     Stale,
 )
+from kvfs.inodes import F_DEAD, F_INTERNAL, F_NAMED, DirView, Inode, InodeTable, compact_kind
 from kvfs.layout import (
     FLAG_GONE,
     FLAG_WRITING,
@@ -35,11 +45,14 @@ from kvfs.layout import (
     Blob,
     Dentry,
     Drop,
+    Image,
     InodeRecord,
     Op,
     Undentry,
     Xattr,
+    decode_ops,
 )
+from kvfs.nsimage import TAG, image_payloads, load_part
 
 ROOT_INO = 1
 NAME_MAX = 255
@@ -48,81 +61,11 @@ XATTR_VALUE_MAX = 64 * 1024
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
 
-
-def _empty_units() -> array[int]:
-    return array("q")
-
-
-def _empty_csums() -> array[int]:
-    return array("Q")
-
-
-@dataclass(eq=False, slots=True)
-class Inode:
-    """One file or directory; persistent fields mirror :class:`InodeRecord`."""
-
-    ino: int
-    mode: int
-    uid: int
-    gid: int
-    nlink: int
-    size: int = 0
-    atime_ns: int = 0
-    mtime_ns: int = 0
-    ctime_ns: int = 0
-    flags: int = 0
-    units: array[int] = field(default_factory=_empty_units)
-    csums: array[int] = field(default_factory=_empty_csums)
-    entries: dict[bytes, int] | None = None
-    parent: int = ROOT_INO
-    name: bytes = b""
-    xattrs: dict[bytes, bytes] | None = None
-    lookups: int = 0
-    opens: int = 0
-
-    @property
-    def is_dir(self) -> bool:
-        return self.entries is not None
-
-    @property
-    def mapped_units(self) -> int:
-        """Units of data the file holds on the devices (holes excluded); C-speed."""
-        return len(self.units) - self.units.count(NO_UNIT)
-
-    def record(self) -> InodeRecord:
-        return InodeRecord(
-            self.ino,
-            self.mode,
-            self.uid,
-            self.gid,
-            self.nlink,
-            self.size,
-            self.atime_ns,
-            self.mtime_ns,
-            self.ctime_ns,
-            self.flags & ~FLAG_GONE,
-            self.units,
-            self.csums,
-        )
-
-
-@contextmanager
-def building_index() -> Iterator[None]:
-    """Build the index (recovery: millions of long-lived objects) with the cyclic
-    garbage collector paused, and on success freeze what exists then out of future
-    collections (``gc.freeze``): generational scans would otherwise walk the growing
-    index again and again (a third of the time of a 10^6-file mount), and later
-    full collections would walk it for nothing, since its objects are freed by
-    reference counting (no cycles). Collects first, so no garbage is frozen."""
-    gc.collect()
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-        gc.freeze()
-    finally:
-        if enabled:
-            gc.enable()
+BIG_XATTRS = 0xFFFFFFFF
+"""``xattr`` column value: this inode's xattrs are in the big-xattr side table."""
+_XHEAD = struct.Struct("<HH")  # xattr name id, value length (arena sets are < 4 KiB)
+_BIG_XHEAD = struct.Struct("<HI")  # the same in the big-xattr side table
+_LEN = struct.Struct("<H")
 
 
 def check_name(name: bytes) -> None:
@@ -132,14 +75,494 @@ def check_name(name: bytes) -> None:
         raise InvalidArgument(f"invalid name {name!r}")
 
 
+class _Dir:
+    """Per-directory state (directories are few): the inodes whose indexed name is
+    in it (for listing), and extra hard-link names."""
+
+    __slots__ = ("children", "links")
+
+    def __init__(self) -> None:
+        self.children = array("I")
+        self.links: dict[bytes, int] | None = None
+
+
 class Namespace:
     """Inode table and directory tree."""
 
     def __init__(self, log: Callable[[list[Op]], None]) -> None:
         self._log = log
-        self.inodes: dict[int, Inode] = {}
         self.blobs: dict[str, bytes] = {}
         self.next_ino = ROOT_INO + 1
+        # persisted columns, in image order (kvfs.nsimage)
+        self._mode = Column("H")
+        self._owner = Column("H")
+        self._nlink = Column("I")
+        self._flags = Column("B")
+        self._size = Column("q")
+        self._atime = Column("q")
+        self._mtime = Column("q")
+        self._ctime = Column("q")
+        self._parent = Column("I")
+        self._name_off = Column("I")
+        self._name_len = Column("B")
+        self._unit0 = Column("q")  # a compact map's first unit + 1 (0: none, or a side map)
+        self._csum0 = Column("Q")
+        self._xattr = Column("I")
+        self._lookups = Column("I")  # runtime only: the kernel forgot everything at mount
+        self._arena = Arena()
+        self._index = NameIndex(self._matches, self._key_of)
+        self._owners: list[tuple[int, int]] = []
+        self._owner_ids: dict[tuple[int, int], int] = {}
+        self._xnames: list[bytes] = []
+        self._xname_ids: dict[bytes, int] = {}
+        self._big_xattrs: dict[int, bytes] = {}
+        self._maps: dict[int, tuple[array[int], array[int]]] = {}
+        self._multi: dict[int, array[int]] = {}
+        self._dirs: dict[int, _Dir] = {}
+        self._extra: dict[int, list[tuple[int, bytes]]] = {}
+        self._opens: dict[int, int] = {}
+        self._views: weakref.WeakValueDictionary[int, Inode] = weakref.WeakValueDictionary()
+        self._zombies: weakref.WeakValueDictionary[int, Inode] = weakref.WeakValueDictionary()
+        self._deferred: list[int] = []
+        self._reclaim_at = 32
+        self._ghosts: set[int] = set()
+        self._free = array("I")
+        self._live = 0
+        self._rows = 0
+        self._ensure(ROOT_INO + 1)
+        self.inodes = InodeTable(self)
+
+    @property
+    def persisted_columns(self) -> tuple[Column, ...]:
+        return (
+            self._mode,
+            self._owner,
+            self._nlink,
+            self._flags,
+            self._size,
+            self._atime,
+            self._mtime,
+            self._ctime,
+            self._parent,
+            self._name_off,
+            self._name_len,
+            self._unit0,
+            self._csum0,
+            self._xattr,
+        )
+
+    @property
+    def file_count(self) -> int:
+        return self._live - len(self._dirs)
+
+    @property
+    def dir_count(self) -> int:
+        return len(self._dirs)
+
+    # ------------------------------------------------------------------ rows
+    def _ensure(self, rows: int) -> None:
+        if rows <= self._rows:
+            return
+        rows = -(-rows // ROWS) * ROWS
+        for col in (*self.persisted_columns, self._lookups):
+            col.ensure(rows)
+        self._rows = rows
+
+    def _view(self, ino: int) -> Inode:
+        view = self._views.get(ino)
+        if view is None:
+            view = self._views[ino] = Inode(self, ino)
+        return view
+
+    def _owner_id(self, uid: int, gid: int) -> int:
+        key = (uid, gid)
+        oid = self._owner_ids.get(key)
+        if oid is None:
+            if len(self._owners) > 0xFFFF:
+                raise NoSpace("more than 65536 distinct (uid, gid) owners")
+            oid = self._owner_ids[key] = len(self._owners)
+            self._owners.append(key)
+        return oid
+
+    def _set_owner(self, ino: int, uid: int, gid: int) -> None:
+        self._owner[ino] = self._owner_id(uid, gid)
+
+    def _new_row(self, rec: InodeRecord) -> None:
+        ino = rec.ino
+        self._ensure(ino + 1)
+        self._mode[ino] = rec.mode
+        self._set_owner(ino, rec.uid, rec.gid)
+        self._nlink[ino] = rec.nlink
+        self._flags[ino] = rec.flags & ~F_INTERNAL
+        self._size[ino] = rec.size
+        self._atime[ino], self._mtime[ino], self._ctime[ino] = (
+            rec.atime_ns,
+            rec.mtime_ns,
+            rec.ctime_ns,
+        )
+        self._parent[ino] = ROOT_INO if ino == ROOT_INO else 0  # the root's '..' is itself
+        self._name_len[ino] = 0
+        self._xattr[ino] = 0
+        self._lookups[ino] = 0
+        self._set_map(ino, rec.units, rec.csums)
+        if stat.S_ISDIR(rec.mode):
+            self._dirs[ino] = _Dir()
+        self._live += 1
+        if ino >= self.next_ino:
+            self.next_ino = ino + 1
+
+    def _alloc_ino(self) -> int:
+        if not self._free and self._deferred:
+            self._reclaim()
+        if self._free:
+            return self._free.pop()
+        ino = self.next_ino
+        self.next_ino += 1
+        return ino
+
+    def _reclaim(self) -> None:
+        """Free dropped rows no view names any more (those the kernel still knows
+        are freed by :meth:`kernel_forget`)."""
+        keep = []
+        for ino in self._deferred:
+            if ino in self._zombies:
+                keep.append(ino)
+            elif self._lookups[ino]:
+                self._ghosts.add(ino)
+            else:
+                self._free_row(ino)
+        self._deferred = keep
+        self._reclaim_at = 2 * len(keep) + 32  # amortized O(1) per drop
+
+    def _free_row(self, ino: int) -> None:
+        """Return a dropped row for reuse (nothing can name it any more)."""
+        if not self._mode[ino]:
+            return  # free already: never twice on the free list (two files, one row)
+        n = self._name_len[ino]
+        if n:
+            self._arena.release(self._name_off[ino], n)
+        self._drop_xattrs(ino)
+        self._maps.pop(ino, None)
+        self._multi.pop(ino, None)
+        self._opens.pop(ino, None)
+        # every column zeroed: chunks of free rows are left out of checkpoints, so
+        # removals shrink the image (a full metadata area gets room back)
+        for col in (*self.persisted_columns, self._lookups):
+            col[ino] = 0
+        self._free.append(ino)
+
+    def _kill(self, ino: int) -> None:
+        """The row leaves the namespace (names first, if any are left)."""
+        for parent, name in self._names(ino):
+            self._del_name(parent, name)
+        self._flags[ino] |= F_DEAD
+        self._live -= 1
+        self._dirs.pop(ino, None)
+        view = self._views.pop(ino, None)
+        if view is not None:
+            self._zombies[ino] = view
+            self._deferred.append(ino)
+            if len(self._deferred) >= self._reclaim_at:
+                self._reclaim()
+        elif self._lookups[ino]:
+            self._ghosts.add(ino)
+        else:
+            self._free_row(ino)
+
+    def kernel_forget(self, ino: int, count: int) -> None:
+        """FUSE forget of a dropped inode: its number is reused once the kernel
+        holds no reference (never while it may still name the old file: ESTALE)."""
+        if not (0 < ino < self.next_ino) or not self._flags[ino] & F_DEAD:
+            return
+        left = max(0, self._lookups[ino] - count)
+        self._lookups[ino] = left
+        if not left and ino in self._ghosts:
+            self._ghosts.discard(ino)
+            self._free_row(ino)
+
+    # ------------------------------------------------------------------ names
+    def _name(self, ino: int) -> bytes:
+        n = self._name_len[ino]
+        return self._arena.get(self._name_off[ino], n) if n else b""
+
+    def _set_name(self, ino: int, name: bytes) -> None:
+        n = self._name_len[ino]
+        if n == len(name) and self._arena.equals(self._name_off[ino], n, name):
+            return
+        if n:
+            self._arena.release(self._name_off[ino], n)
+        self._name_off[ino] = self._arena.put(name)
+        self._name_len[ino] = len(name)
+
+    def _matches(self, ino: int, parent: int, name: bytes) -> bool:
+        return (
+            self._parent[ino] == parent
+            and self._name_len[ino] == len(name)
+            and self._arena.equals(self._name_off[ino], len(name), name)
+        )
+
+    def _key_of(self, ino: int) -> tuple[int, bytes]:
+        return self._parent[ino], self._name(ino)
+
+    def _find(self, parent: int, name: bytes) -> int:
+        ino = self._index.find(parent, name)
+        if ino:
+            return ino
+        d = self._dirs.get(parent)
+        if d is not None and d.links:
+            return d.links.get(name, 0)
+        return 0
+
+    def _add_name(self, parent: int, name: bytes, ino: int) -> None:
+        """Record a name known to be absent from ``parent``."""
+        if not self._flags[ino] & F_NAMED:
+            self._parent[ino] = parent
+            self._set_name(ino, name)
+            self._flags[ino] |= F_NAMED
+            self._index.insert(parent, name, ino)
+            self._dirs[parent].children.append(ino)
+            return
+        d = self._dirs[parent]
+        if d.links is None:
+            d.links = {}
+        d.links[name] = ino
+        self._extra.setdefault(ino, []).append((parent, name))
+
+    def _del_name(self, parent: int, name: bytes) -> int:
+        """Remove a name; KeyError if it does not exist. Returns its inode."""
+        ino = self._index.find(parent, name)
+        if ino:
+            self._index.remove(parent, name, ino)
+            children = self._dirs[parent].children
+            i = children.index(ino)
+            children[i] = children[-1]
+            children.pop()
+            self._flags[ino] &= ~F_NAMED
+            extra = self._extra.get(ino)
+            if extra:  # another hard link becomes the indexed name
+                p, n = extra.pop()
+                if not extra:
+                    del self._extra[ino]
+                self._drop_link(p, n)
+                self._add_name(p, n, ino)
+            return ino
+        d = self._dirs.get(parent)
+        if d is None or not d.links or name not in d.links:
+            raise KeyError(name)
+        ino = self._drop_link(parent, name)
+        extra = self._extra[ino]
+        extra.remove((parent, name))
+        if not extra:
+            del self._extra[ino]
+        return ino
+
+    def _drop_link(self, parent: int, name: bytes) -> int:
+        d = self._dirs[parent]
+        assert d.links is not None
+        ino = d.links.pop(name)
+        if not d.links:
+            d.links = None
+        return ino
+
+    def _names(self, ino: int) -> list[tuple[int, bytes]]:
+        out = [(p, n) for p, n in self._extra.get(ino, ())]
+        if self._flags[ino] & F_NAMED:
+            out.append((self._parent[ino], self._name(ino)))
+        return out
+
+    # ------------------------------------------------------------------ xattrs
+    def _xattrs(self, ino: int) -> dict[bytes, bytes] | None:
+        ref = self._xattr[ino]
+        if not ref:
+            return None
+        if ref == BIG_XATTRS:
+            raw, head = self._big_xattrs[ino], _BIG_XHEAD
+        else:
+            (n,) = _LEN.unpack(self._arena.get(ref - 1, _LEN.size))
+            raw, head = self._arena.get(ref - 1, _LEN.size + n)[_LEN.size :], _XHEAD
+        out: dict[bytes, bytes] = {}
+        pos = 0
+        while pos < len(raw):
+            nid, vlen = head.unpack_from(raw, pos)
+            pos += head.size + vlen
+            out[self._xnames[nid]] = raw[pos - vlen : pos]
+        return out
+
+    def _xname_id(self, name: bytes) -> int:
+        nid = self._xname_ids.get(name)
+        if nid is None:
+            if len(self._xnames) > 0xFFFF:
+                raise NoSpace("more than 65536 distinct xattr names")
+            nid = self._xname_ids[name] = len(self._xnames)
+            self._xnames.append(name)
+        return nid
+
+    def _store_xattrs(self, ino: int, xattrs: dict[bytes, bytes]) -> None:
+        self._drop_xattrs(ino)
+        if not xattrs:
+            return
+        items = sorted((self._xname_id(k), v) for k, v in xattrs.items())
+        size = sum(_XHEAD.size + len(v) for _, v in items)
+        if size + _LEN.size > ARENA_MAX_ENTRY:
+            self._big_xattrs[ino] = b"".join(_BIG_XHEAD.pack(k, len(v)) + v for k, v in items)
+            self._xattr[ino] = BIG_XATTRS
+        else:
+            raw = b"".join(_XHEAD.pack(k, len(v)) + v for k, v in items)
+            self._xattr[ino] = self._arena.put(_LEN.pack(len(raw)) + raw) + 1
+
+    def _drop_xattrs(self, ino: int) -> None:
+        ref = self._xattr[ino]
+        if ref == BIG_XATTRS:
+            del self._big_xattrs[ino]
+        elif ref:
+            (n,) = _LEN.unpack(self._arena.get(ref - 1, _LEN.size))
+            self._arena.release(ref - 1, _LEN.size + n)
+        self._xattr[ino] = 0
+
+    # ------------------------------------------------------------------ unit maps
+    def _set_map(self, ino: int, units: array[int], csums: array[int]) -> None:
+        self._maps[ino] = (array("q", units), array("Q", csums))
+        self._multi.pop(ino, None)
+        self._fold(ino)
+
+    def _fold(self, ino: int) -> None:
+        """A materialized map back to its compact form where it has one."""
+        entry = self._maps.get(ino)
+        if entry is None:
+            return
+        units, csums = entry
+        kind = compact_kind(units, csums)
+        if kind == 3:
+            self._unit0[ino] = 0
+            return
+        del self._maps[ino]
+        self._unit0[ino] = units[0] + 1 if kind else 0
+        self._csum0[ino] = csums[0] if kind else 0
+        if kind == 2:
+            self._multi[ino] = csums
+
+    def edit_map(self, inode: Inode) -> tuple[array[int], array[int]]:
+        """The file's unit map and checksums as mutable arrays, kept materialized
+        until :meth:`commit` of the file once it is no longer being written."""
+        ino = inode.ino
+        entry = self._maps.get(ino)
+        if entry is None:
+            entry = self._maps[ino] = (self._units(ino), self._csums(ino))
+            self._multi.pop(ino, None)
+            self._unit0[ino] = 0
+        return entry
+
+    def _nunits(self, ino: int) -> int:
+        entry = self._maps.get(ino)
+        if entry is not None:
+            return len(entry[0])
+        multi = self._multi.get(ino)
+        if multi is not None:
+            return len(multi)
+        return 0 if self._unit0[ino] == 0 else 1
+
+    def _unit(self, ino: int, u: int) -> int:
+        entry = self._maps.get(ino)
+        if entry is not None:
+            return entry[0][u] if 0 <= u < len(entry[0]) else NO_UNIT
+        if u == 0:
+            return self._unit0[ino] - 1  # NO_UNIT for none
+        multi = self._multi.get(ino)
+        if multi is not None and 0 < u < len(multi):
+            return self._unit0[ino] - 1 + u
+        return NO_UNIT
+
+    def _csum(self, ino: int, u: int) -> int:
+        entry = self._maps.get(ino)
+        if entry is not None:
+            return entry[1][u] if 0 <= u < len(entry[1]) else 0
+        multi = self._multi.get(ino)
+        if multi is not None:
+            return multi[u] if 0 <= u < len(multi) else 0
+        return self._csum0[ino] if u == 0 and self._unit0[ino] else 0
+
+    def _units(self, ino: int) -> array[int]:
+        entry = self._maps.get(ino)
+        if entry is not None:
+            return entry[0]
+        first = self._unit0[ino] - 1
+        multi = self._multi.get(ino)
+        if multi is not None:
+            return array("q", range(first, first + len(multi)))
+        return array("q") if first == NO_UNIT else array("q", (first,))
+
+    def _csums(self, ino: int) -> array[int]:
+        entry = self._maps.get(ino)
+        if entry is not None:
+            return entry[1]
+        multi = self._multi.get(ino)
+        if multi is not None:
+            return multi[:]
+        return array("Q", (self._csum0[ino],)) if self._unit0[ino] else array("Q")
+
+    def _mapped(self, ino: int) -> int:
+        entry = self._maps.get(ino)
+        if entry is not None:
+            return len(entry[0]) - entry[0].count(NO_UNIT)
+        return self._nunits(ino)
+
+    # ------------------------------------------------------------------ bulk reads
+    def scan_inodes(self, flag_mask: int) -> list[int]:
+        """Live inodes (root excluded) with a flag in ``flag_mask`` or no link:
+        recovery's "unfinished" files, found with C-level scans of whole chunks."""
+        clean = bytes(b for b in range(256) if not b & flag_mask & ~F_INTERNAL)
+        found = []
+        end = self.next_ino
+        chunks = zip(self._mode.chunks, self._flags.chunks, self._nlink.chunks, strict=True)
+        for c, (modes, flags, nlinks) in enumerate(chunks):
+            base = c << SHIFT
+            if base >= end:
+                break
+            if not flags.tobytes().translate(None, clean) and nlinks.count(0) == modes.count(0):
+                continue  # (a free row has mode 0 and nlink 0)
+            for i, m in enumerate(modes):
+                ino = base + i
+                live = m and ino != ROOT_INO and not flags[i] & F_DEAD
+                if live and (flags[i] & flag_mask & ~F_INTERNAL or not nlinks[i]):
+                    found.append(ino)
+        return found
+
+    def unit_extents(self) -> Iterator[tuple[int, int]]:
+        """(first physical unit, count) of every mapped extent of every live file:
+        one per compact file (a Python loop over the column, no views)."""
+        multi = self._multi
+        for c, chunk in enumerate(self._unit0.chunks):
+            if chunk.count(0) == len(chunk):
+                continue
+            base = c << SHIFT
+            for i, v in enumerate(chunk):
+                if v:
+                    got = multi.get(base + i)
+                    yield v - 1, 1 if got is None else len(got)
+        for units, _ in self._maps.values():
+            for p in units:
+                if p != NO_UNIT:
+                    yield p, 1
+
+    def file_rows(self) -> list[tuple[int, int, int]]:
+        """(inode, size, mtime_ns) of every live file, without views."""
+        out = []
+        end = self.next_ino
+        cols = zip(
+            self._mode.chunks,
+            self._flags.chunks,
+            self._size.chunks,
+            self._mtime.chunks,
+            strict=True,
+        )
+        for c, (modes, flags, sizes, mtimes) in enumerate(cols):
+            base = c << SHIFT
+            if base >= end:
+                break
+            for i, m in enumerate(modes):
+                if m and stat.S_ISREG(m) and not flags[i] & F_DEAD:
+                    out.append((base + i, sizes[i], mtimes[i]))
+        return out
 
     # ------------------------------------------------------------------ replay
     def apply(self, op: Op) -> bool:
@@ -153,97 +576,113 @@ class Namespace:
         if isinstance(op, InodeRecord):
             self._apply_record(op)
         elif isinstance(op, Dentry):
-            parent = self.inodes.get(op.parent)
-            if parent is None or parent.entries is None:
-                return False
-            child = self.inodes.get(op.ino)
-            if child is None:
-                parent.entries[op.name] = op.ino
-            else:
-                # the inodes' own int objects, not the op's copies (memory per file)
-                parent.entries[op.name] = child.ino
-                child.parent, child.name = parent.ino, op.name
+            if op.parent not in self._dirs or op.ino not in self.inodes:
+                return False  # a name in a gone directory, or of a gone inode
+            if self._find(op.parent, op.name):
+                self._del_name(op.parent, op.name)
+            self._add_name(op.parent, op.name, op.ino)
         elif isinstance(op, Undentry):
-            parent = self.inodes.get(op.parent)
-            if parent is None or parent.entries is None:
+            if op.parent not in self._dirs:
                 return False
-            parent.entries.pop(op.name, None)
+            if self._find(op.parent, op.name):
+                self._del_name(op.parent, op.name)
         elif isinstance(op, Drop):
-            self.inodes.pop(op.ino, None)
+            if op.ino in self.inodes:
+                self._kill(op.ino)
         elif isinstance(op, Xattr):
             if op.ino not in self.inodes:
                 return False
             self._apply_xattr(op)
-        else:
+        elif isinstance(op, Blob):
             self.blobs[op.name] = op.data
+        else:  # an image part wrapped as an op (offline tools: encode_checkpoint)
+            load_part(self, op.payload)
         return True
 
     def _apply_record(self, rec: InodeRecord) -> None:
-        inode = self.inodes.get(rec.ino)
-        if inode is None:
-            # built complete in one call (no default arrays made and then replaced)
-            self.inodes[rec.ino] = Inode(
-                rec.ino,
-                rec.mode,
-                rec.uid,
-                rec.gid,
-                rec.nlink,
-                rec.size,
-                rec.atime_ns,
-                rec.mtime_ns,
-                rec.ctime_ns,
-                rec.flags,
-                rec.units,
-                rec.csums,
-                {} if stat.S_ISDIR(rec.mode) else None,
-            )
-            if rec.ino >= self.next_ino:
-                self.next_ino = rec.ino + 1
+        ino = rec.ino
+        if ino not in self.inodes:
+            if 0 < ino < self.next_ino and self._flags[ino] & F_DEAD:
+                self._ghosts.discard(ino)
+                self._free_row(ino)
+            self._new_row(rec)
             return
-        inode.mode, inode.uid, inode.gid, inode.nlink = rec.mode, rec.uid, rec.gid, rec.nlink
-        inode.size, inode.flags = rec.size, rec.flags
-        inode.atime_ns, inode.mtime_ns, inode.ctime_ns = rec.atime_ns, rec.mtime_ns, rec.ctime_ns
-        inode.units, inode.csums = rec.units, rec.csums
+        was_dir = ino in self._dirs
+        self._mode[ino] = rec.mode
+        self._set_owner(ino, rec.uid, rec.gid)
+        self._nlink[ino] = rec.nlink
+        self._flags[ino] = (self._flags[ino] & F_INTERNAL) | (rec.flags & ~F_INTERNAL)
+        self._size[ino] = rec.size
+        self._atime[ino], self._mtime[ino], self._ctime[ino] = (
+            rec.atime_ns,
+            rec.mtime_ns,
+            rec.ctime_ns,
+        )
+        self._set_map(ino, rec.units, rec.csums)
+        if stat.S_ISDIR(rec.mode) and not was_dir:
+            self._dirs[ino] = _Dir()
 
     def _apply_xattr(self, op: Xattr) -> None:
-        inode = self.inodes[op.ino]
+        if op.ino not in self.inodes:
+            raise KeyError(op.ino)
+        xattrs = self._xattrs(op.ino) or {}
         if op.value is None:
-            if inode.xattrs:
-                inode.xattrs.pop(op.name, None)
+            if op.name not in xattrs:
+                return
+            del xattrs[op.name]
+        else:
+            xattrs[op.name] = op.value
+        self._store_xattrs(op.ino, xattrs)
+
+    def reset(self) -> None:
+        """Forget everything (recovery fed a half that turned out incomplete and
+        starts over with the older one); callers keep this same object."""
+        self.__init__(self._log)  # type: ignore[misc]
+
+    def load_payload(self, payload: bytes) -> None:
+        """One checkpoint payload: a columnar image part (kvfs.nsimage) or, from a
+        pool written by an older release, ``encode_ops`` output."""
+        if payload[:1] == bytes((TAG,)):
+            load_part(self, payload)
             return
-        if inode.xattrs is None:
-            inode.xattrs = {}
-        inode.xattrs[op.name] = op.value
+        for op in decode_ops(payload):
+            self.apply(op)
+
+    def finish_load(self) -> None:
+        """After the last checkpoint payload and transaction: rows dropped while
+        something still named them are free now (nothing survives a remount)."""
+        for ino in [*self._deferred, *self._ghosts]:
+            if self._flags[ino] & F_DEAD and self._mode[ino]:
+                self._free_row(ino)
+        self._deferred, self._ghosts = [], set()
+        # replay may have re-created rows on the free list, or freed one twice
+        self._free = array("I", sorted({i for i in self._free if not self._mode[i]}))
+        self._views = weakref.WeakValueDictionary()
+        self._zombies = weakref.WeakValueDictionary()
+
+    def snapshot_payloads(self) -> Iterator[bytes]:
+        """Freeze the state now (O(chunks)) and yield checkpoint payloads of it; the
+        namespace may change while they are consumed."""
+        self._reclaim()  # rows dropped since: zeroed, so left out of the image
+        return image_payloads(self)
 
     def snapshot(self) -> Iterator[Op]:
-        """Every operation needed to rebuild the state (checkpoints), produced lazily
-        and safe to interleave with mutations: the inode numbers are taken once (a
-        C-speed copy), each inode, directory and blob is read when its turn comes,
-        whatever it holds then (fuzzy: the journal replays every transaction since
-        the first call over it). Inodes with their xattrs, then names, then blobs."""
-        inos = list(self.inodes)
-        inodes = self.inodes
-        for ino in inos:
-            inode = inodes.get(ino)
-            if inode is None:
-                continue
+        """Checkpoint contents as operations for today's ``encode_checkpoint``.
+        TEMPORARY GLUE (replaced when the journal takes ``snapshot_payloads``)."""
+        return (Image(p) for p in self.snapshot_payloads())
+
+    def legacy_ops(self) -> Iterator[Op]:
+        """The state as the operations an older release checkpointed (upgrade tests
+        and tools/mounttime.py's legacy pools)."""
+        for inode in self.inodes.values():
             yield inode.record()
-            if inode.xattrs:
-                for name, value in list(inode.xattrs.items()):
-                    yield Xattr(ino, name, value)
-        for ino in inos:
-            inode = inodes.get(ino)
-            if inode is None or not inode.entries:
-                continue
-            entries = inode.entries
-            for name in list(entries):
-                child = entries.get(name)
-                if child is not None:
-                    yield Dentry(ino, name, child)
-        for blob_name in list(self.blobs):
-            data = self.blobs.get(blob_name)
-            if data is not None:
-                yield Blob(blob_name, data)
+            for name, value in (inode.xattrs or {}).items():
+                yield Xattr(inode.ino, name, value)
+        for d in self._dirs:
+            for name, child in DirView(self, d).items():
+                yield Dentry(d, name, child)
+        for blob_name, data in self.blobs.items():
+            yield Blob(blob_name, data)
 
     # ------------------------------------------------------------------ queries
     def get(self, ino: int) -> Inode:
@@ -253,11 +692,11 @@ class Namespace:
             raise Stale(f"inode {ino} is gone")
         return inode
 
-    def directory(self, ino: int) -> dict[bytes, int]:
-        entries = self.get(ino).entries
-        if entries is None:
+    def directory(self, ino: int) -> DirView:
+        self.get(ino)
+        if ino not in self._dirs:
             raise NotADirectory(f"inode {ino}")
-        return entries
+        return DirView(self, ino)
 
     def lookup(self, parent: int, name: bytes) -> Inode:
         if name == b".":
@@ -266,17 +705,20 @@ class Namespace:
             return self.get(self.get(parent).parent)
         if len(name) > NAME_MAX:
             raise NameTooLong(f"name of {len(name)} bytes")
-        ino = self.directory(parent).get(name)
-        if ino is None:
+        self.directory(parent)
+        ino = self._find(parent, name)
+        if not ino:
             raise NotFound(name.decode(errors="replace"))
         return self.inodes[ino]
 
     # ------------------------------------------------------------------ mutations
     def init_root(self, uid: int, gid: int) -> None:
         now = time.time_ns()
-        root = Inode(ROOT_INO, stat.S_IFDIR | 0o755, uid, gid, 2, 0, now, now, now, entries={})
-        self.inodes[ROOT_INO] = root
-        self._log([root.record()])
+        rec = InodeRecord(
+            ROOT_INO, stat.S_IFDIR | 0o755, uid, gid, 2, 0, now, now, now, 0, array("q"), array("Q")
+        )
+        self._new_row(rec)
+        self._log([self.inodes[ROOT_INO].record()])
 
     def make(
         self, parent: int, name: bytes, mode: int, uid: int, gid: int, flags: int = 0
@@ -288,31 +730,68 @@ class Namespace:
             raise Exists(name.decode(errors="replace"))
         if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
             raise NotPermitted("only regular files and directories are supported")
+        owner = (uid, gid)
+        if owner not in self._owner_ids and len(self._owners) > 0xFFFF:
+            raise NoSpace("more than 65536 distinct (uid, gid) owners")
         now = time.time_ns()
         is_dir = stat.S_ISDIR(mode)
-        inode = Inode(
-            self.next_ino,
-            mode,
-            uid,
-            gid,
-            2 if is_dir else 1,
-            0,
-            now,
-            now,
-            now,
-            flags=flags,
-            entries={} if is_dir else None,
-            parent=parent,
-            name=name,
+        ino = self._alloc_ino()
+        empty_u, empty_c = array("q"), array("Q")
+        rec = InodeRecord(
+            ino, mode, uid, gid, 2 if is_dir else 1, 0, now, now, now, flags, empty_u, empty_c
         )
-        self.next_ino += 1
-        self.inodes[inode.ino] = inode
-        entries[name] = inode.ino
+        self._new_row(rec)
+        self._add_name(parent, name, ino)
         dir_inode = self.inodes[parent]
         dir_inode.mtime_ns = dir_inode.ctime_ns = now
         dir_inode.nlink += is_dir
-        self._log([inode.record(), Dentry(parent, name, inode.ino), dir_inode.record()])
+        inode = self.inodes[ino]
+        self._log([inode.record(), Dentry(parent, name, ino), dir_inode.record()])
         return inode
+
+    def add_files(
+        self,
+        parent: int,
+        names: list[bytes],
+        mode: int,
+        owner: tuple[int, int],
+        size: int,
+        units: array[int],
+        csums: array[int],
+    ) -> int:
+        """Bulk creation of committed one-unit files (``units[i]``, ``csums[i]``) in
+        ``parent``, unlogged: for tools that build big pools (benchmarks). Columns
+        are filled with C-level slices; returns the first new inode number."""
+        assert len(names) == len(units) == len(csums) and stat.S_ISREG(mode)
+        for name in names:
+            check_name(name)
+        first, n = self.next_ino, len(names)
+        self.next_ino += n
+        self._ensure(self.next_ino)
+        now = time.time_ns()
+        constant: list[tuple[Column, int]] = [
+            (self._mode, mode),
+            (self._owner, self._owner_id(*owner)),
+            (self._nlink, 1),
+            (self._flags, F_NAMED),
+            (self._size, size),
+            (self._atime, now),
+            (self._mtime, now),
+            (self._ctime, now),
+            (self._parent, parent),
+        ]
+        for col, value in constant:
+            col.fill(first, array(col.code, [value]) * n)
+        self._unit0.fill(first, array("q", [u + 1 for u in units]))
+        self._csum0.fill(first, csums)
+        self._name_len.fill(first, array("B", map(len, names)))
+        put, insert = self._arena.put, self._index.insert
+        self._name_off.fill(first, array("I", map(put, names)))
+        for i, name in enumerate(names):
+            insert(parent, name, first + i)
+        self._dirs[parent].children.extend(range(first, first + n))
+        self._live += n
+        return first
 
     def link(self, ino: int, parent: int, name: bytes) -> Inode:
         inode = self.get(ino)
@@ -322,7 +801,7 @@ class Namespace:
         entries = self.directory(parent)
         if name in entries:
             raise Exists(name.decode(errors="replace"))
-        entries[name] = ino
+        self._add_name(parent, name, ino)
         inode.nlink += 1
         inode.ctime_ns = time.time_ns()
         self._touch_dir(parent)
@@ -330,19 +809,8 @@ class Namespace:
         return inode
 
     def names_of(self, inode: Inode) -> list[tuple[int, bytes]]:
-        """Every (parent, name) of ``inode``: O(1) via its last-name hint for the
-        usual single link, a directory scan only for hard-linked files."""
-        hint = self.inodes.get(inode.parent)
-        single = inode.nlink <= 1 and hint is not None and hint.entries is not None
-        if single and hint.entries.get(inode.name) == inode.ino:  # type: ignore[union-attr]
-            return [(inode.parent, inode.name)]
-        return [
-            (d.ino, n)
-            for d in self.inodes.values()
-            if d.entries
-            for n, i in d.entries.items()
-            if i == inode.ino
-        ]
+        """Every (parent, name) of ``inode``."""
+        return self._names(inode.ino)
 
     def remove(self, parent: int, name: bytes, want_dir: bool) -> Inode:
         """unlink (``want_dir`` False) or rmdir; returns the inode, maybe now nlink 0."""
@@ -358,8 +826,7 @@ class Namespace:
         return inode
 
     def _unlink_entry(self, parent: int, name: bytes, inode: Inode) -> list[Op]:
-        entries = self.directory(parent)
-        del entries[name]
+        self._del_name(parent, name)
         now = time.time_ns()
         self._touch_dir(parent, now)
         inode.ctime_ns = now
@@ -371,8 +838,8 @@ class Namespace:
         return [inode.record()]
 
     def _touch_dir(self, ino: int, now: int = 0) -> None:
-        d = self.inodes[ino]
-        d.mtime_ns = d.ctime_ns = now or time.time_ns()
+        now = now or time.time_ns()
+        self._mtime[ino] = self._ctime[ino] = now
 
     def rename(
         self, old_parent: int, old: bytes, new_parent: int, new: bytes, flags: int = 0
@@ -402,11 +869,10 @@ class Namespace:
             if victim.entries:
                 raise NotEmpty(new.decode(errors="replace"))
             ops += self._unlink_entry(new_parent, new, victim)
-        del self.directory(old_parent)[old]
-        dst_entries[new] = src.ino
+        self._del_name(old_parent, old)
+        self._add_name(new_parent, new, src.ino)
         now = time.time_ns()
         src.ctime_ns = now
-        src.parent, src.name = new_parent, new
         if src.is_dir and old_parent != new_parent:
             self.inodes[old_parent].nlink -= 1
             self.inodes[new_parent].nlink += 1
@@ -421,8 +887,7 @@ class Namespace:
         """renameat2(RENAME_EXCHANGE): ``p1/n1`` and ``p2/n2`` swap inodes. A directory
         moved to the other parent takes its '..' along (``parent``) and moves one link
         of its old parent's count to the new one; neither may land in its own subtree."""
-        e1, e2 = self.directory(p1), self.directory(p2)
-        a, b = self.inodes[e1[n1]], self.inodes[e2[n2]]
+        a, b = self.inodes[self._find(p1, n1)], self.inodes[self._find(p2, n2)]
         if a is b:
             return
         if p1 != p2:
@@ -433,8 +898,10 @@ class Namespace:
             moved = a.is_dir - b.is_dir  # subdirectories p1 loses to p2
             self.inodes[p1].nlink -= moved
             self.inodes[p2].nlink += moved
-        e1[n1], e2[n2] = b.ino, a.ino
-        a.parent, a.name, b.parent, b.name = p2, n2, p1, n1
+        self._del_name(p1, n1)
+        self._del_name(p2, n2)
+        self._add_name(p2, n2, a.ino)
+        self._add_name(p1, n1, b.ino)
         now = time.time_ns()
         a.ctime_ns = b.ctime_ns = now
         self._touch_dir(p1, now)
@@ -452,23 +919,37 @@ class Namespace:
                 raise InvalidArgument("cannot move a directory into itself")
             if cur == ROOT_INO:
                 return
-            cur = self.inodes[cur].parent
+            cur = self._parent[cur]
 
     def drop(self, inode: Inode) -> None:
         """Forget an inode that has no names left and no users."""
         assert inode.nlink == 0 or inode.flags & FLAG_WRITING
-        del self.inodes[inode.ino]
+        self._kill(inode.ino)
         self._log([Drop(inode.ino)])
 
+    def detach(self, parent: int, name: bytes) -> None:
+        """Remove a name without logging (recovery repairs; a checkpoint follows)."""
+        if self._find(parent, name):
+            self._del_name(parent, name)
+
+    def discard(self, ino: int) -> None:
+        """Remove an inode without logging (recovery repairs; a checkpoint follows)."""
+        if ino in self.inodes:
+            self._kill(ino)
+
     def commit(self, inode: Inode) -> None:
-        """Log an inode's current persistent state."""
+        """Log an inode's current persistent state; a file no longer being written
+        gets its compact unit map back."""
         self._log([inode.record()])
+        if not inode.flags & FLAG_WRITING:
+            self._fold(inode.ino)
 
     def set_xattr(self, ino: int, name: bytes, value: bytes | None) -> None:
         inode = self.get(ino)
         if len(name) > XATTR_NAME_MAX or (value is not None and len(value) > XATTR_VALUE_MAX):
             raise NameTooLong("xattr name or value too long")
-        if value is None and (not inode.xattrs or name not in inode.xattrs):
+        xattrs = inode.xattrs
+        if value is None and (not xattrs or name not in xattrs):
             raise NoAttribute(name.decode(errors="replace"))
         self._apply_xattr(Xattr(ino, name, value))
         inode.ctime_ns = time.time_ns()
@@ -483,3 +964,6 @@ class Namespace:
     def set_blob(self, name: str, data: bytes) -> None:
         self.blobs[name] = data
         self._log([Blob(name, data)])
+
+
+__all__ = ["ROOT_INO", "SHIFT", "Inode", "Namespace", "check_name"]

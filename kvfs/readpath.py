@@ -83,7 +83,7 @@ class Reader:
             buf: mmap.mmap | None = st.dirty.get(u) or st.inflight.get(u)
             if buf is not None:
                 return memoryview(buf)
-        if u >= len(inode.units) or inode.units[u] == NO_UNIT:
+        if inode.unit(u) == NO_UNIT:
             return self.zero
         return self.cache.get((inode.ino, u))
 
@@ -118,11 +118,11 @@ class Reader:
 
     def _readahead(self, inode: Inode, last: int) -> None:
         """Fetch the next window in the background while the kernel consumes this one."""
-        stop = min(last + 1 + self.readahead_units, len(inode.units))
+        stop = min(last + 1 + self.readahead_units, inode.nunits)
         nxt = [
             u
             for u in range(last + 1, stop)
-            if inode.units[u] != NO_UNIT
+            if inode.unit(u) != NO_UNIT
             and (inode.ino, u) not in self._fetching
             and (inode.ino, u) not in self.cache
         ]
@@ -166,7 +166,7 @@ class Reader:
         runs: list[list[tuple[int, int, int]]] = []
         for u in sorted(units):
             # a readahead scheduled before a truncate may ask for units now gone
-            p = inode.units[u] if u < len(inode.units) else NO_UNIT
+            p = inode.unit(u)
             if p == NO_UNIT:
                 continue
             run = runs[-1] if runs else None
@@ -177,9 +177,9 @@ class Reader:
                 and run[-1][0] + 1 == u
                 and len(run) < self.read_piece_units
             ):
-                run.append((u, p, inode.csums[u]))
+                run.append((u, p, inode.csum(u)))
             else:
-                runs.append([(u, p, inode.csums[u])])
+                runs.append([(u, p, inode.csum(u))])
         return runs
 
     async def _read_run(
@@ -204,7 +204,7 @@ class Reader:
         whole = memoryview(buf).toreadonly()
         for i, (u, p, csum) in enumerate(run):
             view = whole[i * u_size : (i + 1) * u_size]
-            current = inode.units[u] if u < len(inode.units) else NO_UNIT
+            current = inode.unit(u)
             if sums[i] != csum:
                 if current != p:  # rewritten while we read: serve the new data
                     results[u] = await self.unit_view(inode, u)

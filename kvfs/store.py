@@ -45,7 +45,7 @@ from kvfs.errors import (
     QuotaExceeded,
 )
 from kvfs.evict import FRESH_GRACE, QUOTA_XATTR, Evictor
-from kvfs.journal import ApplySink, Journal, Recovered, checkpoint_pieces, recover
+from kvfs.journal import ApplySink, Journal, Recovered, recover
 from kvfs.layout import (
     DEV_SHIFT,
     FLAG_GONE,
@@ -59,7 +59,7 @@ from kvfs.layout import (
     is_fragment,
     phys,
 )
-from kvfs.namespace import ROOT_INO, Inode, Namespace, building_index
+from kvfs.namespace import ROOT_INO, Inode, Namespace
 from kvfs.pool import Pool
 from kvfs.posix import ROOT, Caller
 from kvfs.readpath import Reader, domain_nursery
@@ -285,31 +285,25 @@ class Store:
         CKPT_DATA payloads made lazily (fuzzy; the journal replays the window)."""
         self.evictor.save()
         self._ckpt_inodes = len(self.ns.inodes)
-        return checkpoint_pieces(self.ns.snapshot())
-
-    def _reset_index(self) -> None:
-        """Forget what recovery fed so far (its newest half was incomplete)."""
-        self.ns.inodes.clear()
-        self.ns.blobs.clear()
-        self.ns.next_ino = ROOT_INO + 1
+        return self.ns.snapshot_payloads()
 
     def load(self, drop_unreadable: bool = False) -> RecoveryReport:
         """Rebuild the index from the metadata log (blocking; before serving).
         ``drop_unreadable``: drop files with data on a missing member (degraded
         mount) instead of keeping them unreadable until it returns."""
-        with building_index():  # no GC scans while millions of objects are made
-            return self._load(drop_unreadable)
+        return self._load(drop_unreadable)
 
     def _load(self, drop_unreadable: bool) -> RecoveryReport:
         t0 = time.monotonic()
         meta, start, size = self.pool.meta
-        sink = ApplySink(self.ns.apply, self._reset_index)
+        sink = ApplySink(self.ns.apply, self.ns.reset, load=self.ns.load_payload)
         found = recover(meta, start, size, self.pool.seed, sink)
         doomed: set[int] = set()
         if found.damage:
             doomed = self._salvage(found, sink.skipped)
-        elif sink.skipped:  # a fuzzy checkpoint's replay: names of what was dropped
+        elif sink.skipped:  # a checkpoint window's replay: names of what was dropped
             log.info("recovery: %d replayed operation(s) named dropped inodes", sink.skipped)
+        self.ns.finish_load()
         if ROOT_INO not in self.ns.inodes:
             raise Corruption("metadata has no root directory")
         incomplete, unlinked, dropped = self._drop_unfinished(doomed, drop_unreadable)
@@ -326,12 +320,11 @@ class Store:
         self.journal.resume(found, in_place=clean)
         if clean:  # the checkpoint found is the last one: it holds exactly these
             self._ckpt_inodes = len(self.ns.inodes)
-        files = sum(1 for i in self.ns.inodes.values() if not i.is_dir)
         report = RecoveryReport(
             found.generation,
             found.transactions,
-            files,
-            len(self.ns.inodes) - files,
+            self.ns.file_count,
+            self.ns.dir_count,
             incomplete,
             unlinked,
             time.monotonic() - t0,
@@ -382,12 +375,8 @@ class Store:
         (a salvage), and names that point nowhere. Files with data on a missing member
         (degraded mount) are kept as :attr:`unreadable`, or dropped too with
         ``drop_unreadable``. Returns (incomplete, unlinked, unreadable dropped)."""
-        doomed = (doomed & self.ns.inodes.keys()) | {
-            ino
-            for ino, inode in self.ns.inodes.items()
-            if ino != ROOT_INO
-            and (inode.flags & (FLAG_WRITING | FLAG_QUARANTINED) or inode.nlink == 0)
-        }
+        doomed = {i for i in doomed if i in self.ns.inodes}
+        doomed.update(self.ns.scan_inodes(FLAG_WRITING | FLAG_QUARANTINED))
         unreadable = self._on_missing_members(doomed, drop_unreadable)
         incomplete = sum(1 for i in doomed if self.ns.inodes[i].nlink)
         unlinked = len(doomed) - incomplete
@@ -395,14 +384,8 @@ class Store:
             doomed |= unreadable
         else:
             self.unreadable = unreadable
-        for inode in self.ns.inodes.values():
-            if inode.entries:
-                for name in [
-                    n for n, i in inode.entries.items() if i in doomed or i not in self.ns.inodes
-                ]:
-                    del inode.entries[name]
         for ino in doomed:
-            del self.ns.inodes[ino]
+            self.ns.discard(ino)  # its names too
         return incomplete, unlinked, len(unreadable) if drop_unreadable else 0
 
     def _on_missing_members(self, doomed: set[int], drop: bool) -> set[int]:
@@ -435,21 +418,13 @@ class Store:
 
     def _rebuild_allocator(self) -> None:
         """Claim every mapped unit; a file in one contiguous extent (the common case)
-        is claimed in one step, found with C-speed min/max instead of a unit loop.
+        is claimed in one step, read from the namespace's columns (no views).
         Units on a missing member are skipped: the allocator has none there."""
         missing = self._missing
-        for inode in self.ns.inodes.values():
-            units = inode.units
-            if not units:
-                continue
-            lo, hi = min(units), max(units)
-            if lo >= 0 and hi - lo == len(units) - 1 and lo >> DEV_SHIFT == hi >> DEV_SHIFT:
-                if lo >> DEV_SHIFT not in missing:
-                    self.alloc.mark_used(lo >> DEV_SHIFT, lo & UNIT_MASK, len(units))
-                continue
-            for p in units:
-                if p != NO_UNIT and p >> DEV_SHIFT not in missing:
-                    self.alloc.mark_used(p >> DEV_SHIFT, p & UNIT_MASK)
+        mark = self.alloc.mark_used
+        for first, count in self.ns.unit_extents():
+            if first >> DEV_SHIFT not in missing:
+                mark(first >> DEV_SHIFT, first & UNIT_MASK, count)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve: start the background tasks, checkpoint the recovered state unless
@@ -675,9 +650,11 @@ class Store:
 
     def forget(self, ino: int, count: int) -> None:
         inode = self.ns.inodes.get(ino)
-        if inode is not None:
-            inode.lookups = max(0, inode.lookups - count)
-            self.maybe_drop(inode)
+        if inode is None:
+            self.ns.kernel_forget(ino, count)  # a dropped inode's number is reusable now
+            return
+        inode.lookups = max(0, inode.lookups - count)
+        self.maybe_drop(inode)
 
     def maybe_drop(self, inode: Inode) -> None:
         """Free an inode once it has no names, no open handles and no kernel refs; one
@@ -698,8 +675,9 @@ class Store:
 
     def _free_units(self, inode: Inode, first: int) -> None:
         freed = 0
-        for u in range(first, len(inode.units)):
-            p = inode.units[u]
+        units, csums = self.ns.edit_map(inode)
+        for u in range(first, len(units)):
+            p = units[u]
             if p != NO_UNIT:
                 # a unit on a missing member is not in the allocator: unmapped, it is
                 # released implicitly (free when the member returns, as no file maps it)
@@ -708,8 +686,8 @@ class Store:
                 freed += 1
             self.cache.discard((inode.ino, u))
         self.space.charge(inode, -freed)
-        del inode.units[first:]
-        del inode.csums[first:]
+        del units[first:]
+        del csums[first:]
 
     def allocated_bytes(self, inode: Inode) -> int:
         """Bytes of device space the file has (``st_blocks``): its mapped units and
@@ -736,10 +714,11 @@ class Store:
             self.ns.commit(inode)
 
     def _grow_map(self, inode: Inode, size: int) -> None:
-        need = -(-size // self.unit) - len(inode.units)
+        need = -(-size // self.unit) - inode.nunits
         if need > 0:
-            inode.units.extend([NO_UNIT] * need)
-            inode.csums.extend([0] * need)
+            units, csums = self.ns.edit_map(inode)
+            units.extend([NO_UNIT] * need)
+            csums.extend([0] * need)
 
     async def write(self, fh: int, off: int, data: bytes) -> int:
         """Accept ``data`` at ``off``: the space it needs is claimed first, so a full
@@ -881,12 +860,12 @@ class Store:
         """Zero bytes from ``size`` to the end of its unit (before the file grows
         past them, so bytes that were never written read as zeros)."""
         u, uo = divmod(size, self.unit)
-        if uo == 0 or u >= len(inode.units):
+        if uo == 0 or u >= inode.nunits:
             return
         buf = st.dirty.get(u)
         if buf is None:
             # a unit still being written back holds the old tail too: copy it dirty
-            if inode.units[u] == NO_UNIT and u not in st.inflight:
+            if inode.unit(u) == NO_UNIT and u not in st.inflight:
                 return
             buf = await self._dirty_unit(inode, st, u, load=True, claims=claims)
         self._begin_data_change(inode)
@@ -950,7 +929,7 @@ class Store:
         plan: list[tuple[int, int, list[int]]] = []
         try:
             for dev, lus in groups:
-                prev = inode.units[lus[0] - 1] if 0 < lus[0] <= len(inode.units) else NO_UNIT
+                prev = inode.unit(lus[0] - 1) if lus[0] > 0 else NO_UNIT
                 near = (
                     (prev & UNIT_MASK) + 1
                     if prev != NO_UNIT and prev >> DEV_SHIFT == dev and not is_fragment(prev)
@@ -1042,17 +1021,18 @@ class Store:
         for dev, start, lus in plan:
             for i, u in enumerate(lus):
                 p = phys(dev, start + i)
-                if not alive or st.inflight.get(u) is not bufs[u] or u >= len(inode.units):
+                if not alive or st.inflight.get(u) is not bufs[u] or u >= inode.nunits:
                     self.alloc.free(dev, start + i)  # superseded or truncated meanwhile
                     continue
                 del st.inflight[u]
                 self._begin_data_change(inode)  # the map changes: uncommitted until commit
-                old = inode.units[u]
+                old = inode.unit(u)
                 if old != NO_UNIT:
                     self.space.defer_free(old)
                 else:
                     self.space.charge(inode, 1)
-                inode.units[u], inode.csums[u] = p, csums[u]
+                units, sums = self.ns.edit_map(inode)
+                units[u], sums[u] = p, csums[u]
                 self.cache.discard((inode.ino, u))
 
     async def commit(self, inode: Inode, pid: int = 0) -> None:
@@ -1207,15 +1187,14 @@ class Store:
         ]
 
     def statistics(self) -> StoreStatistics:
-        files = sum(1 for i in self.ns.inodes.values() if not i.is_dir)
         # claimed units are spoken for; free fragments in host units are free bytes
         free = max(self.space.available(), 0) * self.unit
         free += self.alloc.free_fragments * self._fragment
         cap = self.alloc.total_units * self.unit
         devs = [d.statistics() for d in self.pool.devices]
         return StoreStatistics(
-            files=files,
-            directories=len(self.ns.inodes) - files,
+            files=self.ns.file_count,
+            directories=self.ns.dir_count,
             unit_size=self.unit,
             capacity_bytes=cap,
             used_bytes=cap - free,

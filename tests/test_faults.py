@@ -194,7 +194,8 @@ def device_of(devices: list[Path]) -> dict[str, set[int]]:
     from kvfs.namespace import ROOT_INO
 
     ns, _ = offline_index([str(d) for d in devices])
-    root = ns.inodes[ROOT_INO].entries or {}
+    root = ns.inodes[ROOT_INO].entries
+    assert root is not None
     return {
         n.decode(): {u >> DEV_SHIFT for u in ns.inodes[i].units if u != NO_UNIT}
         for n, i in root.items()

@@ -252,8 +252,8 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_older_generation(
             os.close(os.open(mnt / f"e{i}", os.O_CREAT | os.O_WRONLY, 0o644))
     generation, entries = log_entries(pool[0])
     pieces = [(s, e) for s, e, kind in entries if kind == KIND_CKPT_DATA]
-    assert len(pieces) >= 2, entries[:5]
-    s, e = pieces[1]
+    assert pieces, entries[:5]
+    s, e = pieces[-1]  # a columnar image may be one piece: damage the last
     flip(pool[0], (s + e) // 2, 8)
     r = kvfs("fsck", "--no-data", *pool)
     assert r.returncode == 0, r.stdout + r.stderr

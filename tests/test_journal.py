@@ -643,7 +643,8 @@ def test_a_version_1_log_still_recovers(kind: str) -> None:
     pool = Pool([dev], [Superblock.decode(bytes(dev.data[:4096]))])
     meta, start, size = pool.meta
     ns = Namespace(lambda ops: None)
-    found = recover(meta, start, size, pool.seed, ApplySink(ns.apply, ns.inodes.clear))
+    found = recover(meta, start, size, pool.seed, ApplySink(ns.apply, ns.reset, ns.load_payload))
+    ns.finish_load()
     assert found.version == 1 and not found.damage and not found.fell_back
     assert (found.transactions == 0) == (kind == "clean")
     FILES, LATER = maker.FILES, maker.LATER

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import stat
-from array import array
 from collections.abc import Callable, Sequence
 
 import pytest
@@ -57,12 +56,13 @@ def checkpoint_of(names: Callable[[int], bytes], units: int, devices: int = 1) -
             parent = ns.make(ROOT_INO, b"d%04d" % (i // PER_DIR), stat.S_IFDIR | 0o755, 0, 0).ino
         inode = ns.make(parent, names(i), stat.S_IFREG | 0o644, 0, 0)
         inode.size = units * MiB
-        inode.units = array("q")
+        umap, csums = ns.edit_map(inode)
         for u in range(units):
             dev = (inode.ino + u // 8) % devices
-            inode.units.append(phys(dev, next_unit[dev]))
+            umap.append(phys(dev, next_unit[dev]))
+            csums.append((inode.ino * 2654435761 + u) % 2**64)
             next_unit[dev] += 1
-        inode.csums = array("Q", [(inode.ino * 2654435761 + u) % 2**64 for u in range(units)])
+        ns.commit(inode)  # folded into the compact columns, as a committed file is
         evictor.created(inode, os.getpid())
         evictor.committed(inode, os.getpid())
     for ino in range(10**9, 10**9 + FILES):  # ghosts: keys the policy evicted

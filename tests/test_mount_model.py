@@ -325,11 +325,19 @@ class Worker:
     def check_fresh(self, fd: int, rel: str, how: str) -> str | None:
         """``rel`` must not exist: the open must have made a new inode, not opened one
         written before (a stale dentry in the kernel, e.g. planted by readdirplus).
-        Returns the name of the file opened instead, if any."""
+        Returns the name of the file opened instead, if any. kvfs reuses the number
+        of an inode the kernel has forgotten (an evicted file's), so a known number
+        is a stale open only if the file written before still has it."""
         st = os.fstat(fd)
         with self.sh.lock:
             before = self.sh.inos.get(st.st_ino)
             victim = self.sh.ino_names.get(st.st_ino)
+        if before is not None and victim is not None and victim != rel:
+            try:
+                if os.stat(self.p(victim)).st_ino != st.st_ino:
+                    before = victim = None  # that file is gone: its number was reused
+            except FileNotFoundError:
+                before = victim = None
         if before is not None:
             self.fail(
                 "stale-dentry",

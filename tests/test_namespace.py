@@ -4,6 +4,7 @@ replay: the logged operations (or a snapshot) rebuild an identical namespace."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import random
 import stat
 from array import array
@@ -23,8 +24,9 @@ from kvfs.errors import (
     NotEmpty,
     NotFound,
     NotPermitted,
+    Stale,
 )
-from kvfs.layout import NO_UNIT, Op, decode_ops, encode_ops, phys
+from kvfs.layout import FLAG_GONE, FLAG_WRITING, NO_UNIT, Op, decode_ops, encode_ops, phys
 from kvfs.namespace import (
     RENAME_EXCHANGE,
     RENAME_NOREPLACE,
@@ -67,7 +69,7 @@ def state(ns: Namespace) -> dict[int, tuple[Any, ...]]:
             i.flags,
             list(i.units),
             list(i.csums),
-            i.entries,
+            None if i.entries is None else dict(i.entries.items()),
             i.parent if i.is_dir else None,
             i.xattrs or {},
         )
@@ -341,16 +343,15 @@ class Fuzzer:
             inode = ns.lookup(*p)
             if not inode.is_dir:  # what the store does on a write + commit
                 n = rng.randrange(5)
-                inode.units[:] = array(
+                units, csums = ns.edit_map(inode)
+                units[:] = array(
                     "q",
                     [
                         rng.choice([NO_UNIT, phys(rng.randrange(3), rng.randrange(1000))])
                         for _ in range(n)
                     ],
                 )
-                inode.csums[:] = array(
-                    "Q", [0 if u == NO_UNIT else rng.getrandbits(64) for u in inode.units]
-                )
+                csums[:] = array("Q", [0 if u == NO_UNIT else rng.getrandbits(64) for u in units])
                 inode.size = max(0, n * 65536 - rng.randrange(65536))
                 ns.commit(inode)
         elif action == 8:
@@ -402,3 +403,270 @@ def test_nlink_matches_directory_structure_after_random_operations() -> None:
             assert inode.nlink == 2 + subdirs.get(inode.ino, 0), inode.ino
         else:
             assert inode.nlink == names.get(inode.ino, 0) >= 1, inode.ino
+
+
+# ----------------------------------------------------------------------------- columns
+class Model:
+    """The namespace as plain dicts: what the columns must agree with."""
+
+    def __init__(self) -> None:
+        self.dirs: dict[int, dict[bytes, int]] = {R: {}}
+        self.nlink: dict[int, int] = {R: 2}
+        self.xattrs: dict[int, dict[bytes, bytes]] = {R: {}}
+
+
+def check_model(ns: Namespace, m: Model, rng: random.Random) -> None:
+    assert len(ns.inodes) == len(m.nlink)
+    assert ns.dir_count == len(m.dirs) and ns.file_count == len(m.nlink) - len(m.dirs)
+    assert set(ns.inodes) == set(m.nlink)
+    for d, entries in m.dirs.items():
+        assert dict(ns.directory(d).items()) == entries
+        assert len(ns.directory(d)) == len(entries)
+        for name, ino in entries.items():
+            assert ns.lookup(d, name).ino == ino
+        with pytest.raises(NotFound):
+            ns.lookup(d, b"missing-%d" % rng.randrange(1000))
+    for ino, n in m.nlink.items():
+        inode = ns.inodes[ino]
+        assert inode.nlink == n and inode.is_dir == (ino in m.dirs)
+        assert (inode.xattrs or {}) == m.xattrs[ino]
+        assert ns.inodes.get(ino) is inode  # interned: the same live file, the same view
+
+
+def model_step(ns: Namespace, m: Model, rng: random.Random, used: set[int]) -> bool:
+    """One valid random operation on both; True if it reused a dropped inode number."""
+    dirs = list(m.dirs)
+    names = [(d, n) for d in dirs for n in m.dirs[d]]
+    action = rng.randrange(8)
+    name = b"f%d" % rng.randrange(40)
+    if action <= 2 or not names:
+        d = rng.choice(dirs)
+        if name in m.dirs[d]:
+            return False
+        is_dir = rng.random() < 0.15
+        ino = ns.make(d, name, DIR if is_dir else FILE, rng.randrange(3), 0).ino
+        assert ino not in m.nlink
+        m.dirs[d][name] = ino
+        m.nlink[ino] = 2 if is_dir else 1
+        m.xattrs[ino] = {}
+        if is_dir:
+            m.dirs[ino] = {}
+            m.nlink[d] += 1
+        reused = ino in used
+        used.add(ino)
+        return reused
+    d, n = rng.choice(names)
+    ino = m.dirs[d][n]
+    if action == 3 and ino not in m.dirs:
+        d2 = rng.choice(dirs)
+        if name not in m.dirs[d2]:
+            ns.link(ino, d2, name)
+            m.dirs[d2][name] = ino
+            m.nlink[ino] += 1
+    elif action == 4:
+        if m.dirs.get(ino):
+            return False
+        inode = ns.remove(d, n, want_dir=ino in m.dirs)
+        del m.dirs[d][n]
+        if ino in m.dirs:
+            del m.dirs[ino]
+            m.nlink[d] -= 1
+            m.nlink[ino] = 0
+        else:
+            m.nlink[ino] -= 1
+        if m.nlink[ino] == 0:
+            ns.drop(inode)
+            del m.nlink[ino], m.xattrs[ino]
+    elif action == 5 and ino not in m.dirs:
+        d2 = rng.choice(dirs)
+        target = m.dirs[d2].get(name)
+        if target is not None and (target in m.dirs or target == ino):
+            return False
+        victim = ns.rename(d, n, d2, name)
+        del m.dirs[d][n]
+        m.dirs[d2][name] = ino
+        if target is not None:
+            assert victim is not None and victim.ino == target
+            m.nlink[target] -= 1
+            if m.nlink[target] == 0:
+                ns.drop(victim)
+                del m.nlink[target], m.xattrs[target]
+    elif action == 6:
+        key = b"user.vllm.kv_crc32c" if rng.random() < 0.7 else b"user.x%d" % rng.randrange(3)
+        if rng.random() < 0.2 and key in m.xattrs[ino]:
+            ns.set_xattr(ino, key, None)
+            del m.xattrs[ino][key]
+        else:
+            value = rng.randbytes(rng.choice([4, 8, 300, 5000]))
+            ns.set_xattr(ino, key, value)
+            m.xattrs[ino][key] = value
+    return False
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_columns_agree_with_a_dict_model(seed: int) -> None:
+    """Random creates, hard links, unlinks with drops (inode numbers reused), renames
+    over victims, xattrs (small, and big ones in the side table)."""
+    rng = random.Random(seed)
+    ns = Namespace(lambda ops: None)
+    ns.init_root(0, 0)
+    m, used, reused = Model(), {R}, 0
+    for step in range(1500):
+        reused += model_step(ns, m, rng, used)
+        if step % 100 == 99:
+            check_model(ns, m, rng)
+    check_model(ns, m, rng)
+    assert reused > 10, "dropped inode numbers must be reused"
+    fresh = Namespace(lambda ops: None)
+    for payload in ns.snapshot_payloads():
+        fresh.load_payload(payload)
+    fresh.finish_load()
+    check_model(fresh, m, rng)
+
+
+def test_a_big_directory_grows_and_shrinks_its_name_index() -> None:
+    ns = Namespace(lambda ops: None)
+    ns.init_root(0, 0)
+    d = ns.make(R, b"big", DIR, 0, 0).ino
+    inos = {i: ns.make(d, b"chunk-%08d.pt" % i, FILE, 0, 0).ino for i in range(5000)}
+    for i in range(0, 5000, 2):
+        ns.drop(ns.remove(d, b"chunk-%08d.pt" % i, want_dir=False))
+    for i in range(5000):
+        if i % 2:
+            assert ns.lookup(d, b"chunk-%08d.pt" % i).ino == inos[i]
+        else:
+            with pytest.raises(NotFound):
+                ns.lookup(d, b"chunk-%08d.pt" % i)
+    assert len(ns.directory(d)) == 2500 == ns.file_count
+
+
+def test_a_dropped_inode_the_kernel_still_names_is_not_reused() -> None:
+    """ESTALE contract: a file kvfs removed while the kernel holds a reference keeps
+    its number out of reuse until the kernel forgets it."""
+    ns = Namespace(lambda ops: None)
+    ns.init_root(0, 0)
+    old = ns.make(R, b"a", FILE, 0, 0)
+    old_ino = old.ino
+    old.lookups = 1
+    old.flags |= FLAG_GONE
+    ns.drop(ns.remove(R, b"a", want_dir=False))
+    del old
+    for i in range(3):
+        assert ns.make(R, b"n%d" % i, FILE, 0, 0).ino != old_ino
+    with pytest.raises(Stale):
+        ns.get(old_ino)
+    ns.kernel_forget(old_ino, 1)
+    assert ns.make(R, b"again", FILE, 0, 0).ino == old_ino
+
+
+def test_a_dropped_inode_held_by_a_view_is_not_reused() -> None:
+    ns = Namespace(lambda ops: None)
+    ns.init_root(0, 0)
+    held = ns.make(R, b"a", FILE, 0, 0)
+    ino = held.ino
+    ns.drop(ns.remove(R, b"a", want_dir=False))
+    successor = ns.make(R, b"b", FILE, 0, 0)
+    assert successor.ino != ino and ns.inodes.get(ino) is None
+    assert held.name == b"a"  # the dropped view still reads its own row
+    del held
+    again = ns.make(R, b"c", FILE, 0, 0)
+    assert again.ino == ino and again is ns.inodes[ino]
+
+
+def state_with_blobs(ns: Namespace) -> tuple[dict[int, tuple[Any, ...]], dict[str, bytes]]:
+    return state(ns), dict(ns.blobs)
+
+
+def loaded(payloads: list[bytes], txns: list[bytes] = ()) -> Namespace:  # type: ignore[assignment]
+    logged: list[list[Op]] = []
+    fresh = Namespace(logged.append)
+    for payload in payloads:
+        fresh.load_payload(payload)
+    for raw in txns:
+        for op in decode_ops(raw):
+            fresh.apply(op)
+    fresh.finish_load()
+    assert not logged, "loading must not log"
+    return fresh
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_snapshot_is_the_state_when_it_was_taken(seed: int) -> None:
+    """freeze/copy-on-write: the payloads, consumed while the namespace changes,
+    still hold the state of the moment ``snapshot_payloads`` was called."""
+    fz = Fuzzer(200 + seed)
+    for _ in range(300):
+        with contextlib.suppress(KvfsError):
+            fz.step()
+    before = state_with_blobs(fz.ns)
+    payloads = fz.ns.snapshot_payloads()
+    taken = [next(payloads)]
+    for _ in range(300):
+        with contextlib.suppress(KvfsError):
+            fz.step()
+        taken.extend(itertools.islice(payloads, 1))
+    taken.extend(payloads)
+    assert state_with_blobs(loaded(taken)) == before
+    assert state_with_blobs(fz.ns) != before
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_image_legacy_and_replay_after_a_checkpoint_agree(seed: int) -> None:
+    """A checkpoint image plus the transactions logged after it, and the same as a
+    legacy (pre-columns) op checkpoint, rebuild the live namespace; new inodes made
+    after the load never collide with live ones (free-list bookkeeping)."""
+    fz = Fuzzer(300 + seed)
+    for _ in range(300):
+        with contextlib.suppress(KvfsError):
+            fz.step()
+    image = list(fz.ns.snapshot_payloads())
+    legacy = [encode_ops(list(fz.ns.legacy_ops()))]
+    mark = len(fz.lg.txns)
+    assert_same(fz.ns, loaded(image))
+    assert_same(fz.ns, loaded(legacy))
+    for _ in range(300):
+        with contextlib.suppress(KvfsError):
+            fz.step()
+    after = fz.lg.txns[mark:]
+    for ns in (loaded(image, after), loaded(legacy, after)):
+        assert_same(fz.ns, ns)
+        made = [ns.make(R, b"new%d" % i, FILE, 0, 0).ino for i in range(40)]
+        assert len(set(made)) == 40 and not set(made) & set(fz.ns.inodes)
+
+
+def test_one_unit_files_need_no_side_tables() -> None:
+    """The compact form: a committed file of one contiguous extent is its columns."""
+    ns = Namespace(lambda ops: None)
+    ns.init_root(0, 0)
+    f = ns.make(R, b"a", FILE, 0, 0, flags=FLAG_WRITING)
+    units, csums = ns.edit_map(f)
+    units.extend([phys(0, 7), phys(0, 8)])
+    csums.extend([11, 12])
+    ns.commit(f)  # still being written: the map stays materialized
+    assert f.units == (phys(0, 7), phys(0, 8))
+    f.flags &= ~FLAG_WRITING
+    ns.commit(f)
+    assert not ns._maps and f.units == (phys(0, 7), phys(0, 8)) and f.csum(1) == 12
+    assert f.unit(2) == NO_UNIT and f.nunits == 2 and f.mapped_units == 2
+    g = ns.make(R, b"g", FILE, 0, 0)
+    units, csums = ns.edit_map(g)
+    units.extend([NO_UNIT, phys(1, 3)])
+    csums.extend([0, 5])
+    ns.commit(g)  # a hole: kept in the side table
+    assert g.units == (NO_UNIT, phys(1, 3)) and g.mapped_units == 1
+
+
+def test_replay_never_frees_an_inode_number_twice() -> None:
+    """An inode number freed, reused and dropped again after a checkpoint: replay
+    frees it twice; it must still be handed out once (else two files, one row)."""
+    lg = Logged()
+    ns = lg.ns
+    ns.drop(ns.remove(R, mk(ns, R, b"a").name, want_dir=False))
+    image = list(ns.snapshot_payloads())
+    mark = len(lg.txns)
+    b = mk(ns, R, b"b")
+    ns.drop(ns.remove(R, b"b", want_dir=False))
+    del b
+    fresh = loaded(image, lg.txns[mark:])
+    made = [fresh.make(R, b"n%d" % i, FILE, 0, 0).ino for i in range(3)]
+    assert len(set(made)) == 3

@@ -5,12 +5,14 @@ from __future__ import annotations
 import random
 import stat
 import tracemalloc
+from array import array
 from typing import Any
 
 import pytest
 
 from kvfs.evict import POLICY_BLOB, Evictor
-from kvfs.namespace import ROOT_INO, Inode, Namespace
+from kvfs.layout import Dentry, InodeRecord
+from kvfs.namespace import ROOT_INO, Namespace
 from kvfs.policy import (
     POLICY_NAMES,
     AdaptivePolicy,
@@ -324,11 +326,18 @@ def test_image_of_the_previous_release_is_recovered_unchanged() -> None:
     assert policy.persist() == RELEASE_0_2_IMAGE
 
 
+def _add_file(ns: Namespace, ino: int, size: int, name: bytes | None = None) -> None:
+    """File ``ino`` of ``size`` bytes (mtime ``ino``) named ``name`` in the root."""
+    mode = stat.S_IFREG | 0o644
+    ns.apply(InodeRecord(ino, mode, 0, 0, 1, size, 0, ino, 0, 0, array("q"), array("Q")))
+    ns.apply(Dentry(ROOT_INO, name or b"f%d" % ino, ino))
+
+
 def _namespace_with_files(sizes: dict[int, int]) -> Namespace:
     ns = Namespace(lambda ops: None)
-    ns.inodes[ROOT_INO] = Inode(ROOT_INO, stat.S_IFDIR | 0o755, 0, 0, 2, entries={})
+    ns.init_root(0, 0)
     for ino, size in sizes.items():
-        ns.inodes[ino] = Inode(ino, stat.S_IFREG | 0o644, 0, 0, 1, size=size, mtime_ns=ino)
+        _add_file(ns, ino, size)
     return ns
 
 
@@ -507,8 +516,10 @@ def test_rekey_lets_a_rewritten_file_hit_its_ghost() -> None:
 
 
 def test_evictor_rekeys_a_file_written_under_a_gone_files_name() -> None:
-    ns = _namespace_with_files({5: 100, 6: 100})
-    ns.inodes[5].name, ns.inodes[6].name = b"chunk-a", b"chunk-b"
+    ns = Namespace(lambda ops: None)
+    ns.init_root(0, 0)
+    _add_file(ns, 5, 100, b"chunk-a")
+    _add_file(ns, 6, 100, b"chunk-b")
     evictor = Evictor(ns, policy="adaptive", alive=lambda pid: None, thread_group=lambda t: t)
     policy = evictor.policy
     assert isinstance(policy, AdaptivePolicy)
@@ -516,13 +527,13 @@ def test_evictor_rekeys_a_file_written_under_a_gone_files_name() -> None:
         evictor.committed(ns.inodes[ino], 0)
     victim = next(policy.victims())
     evictor.forget(victim)  # evicted: its name is remembered
-    again = Inode(9, stat.S_IFREG | 0o644, 0, 0, 1, size=100, name=ns.inodes[victim].name)
-    ns.inodes[9] = again
+    _add_file(ns, 9, 100, ns.inodes[victim].name)  # the same name, a new inode
+    again = ns.inodes[9]
     evictor.committed(again, 0)
     assert sum(policy.regrets) == 1
     evictor.forget(9)
-    other = Inode(10, stat.S_IFREG | 0o644, 0, 0, 1, size=100, name=b"unrelated")
-    ns.inodes[10] = other
+    _add_file(ns, 10, 100, b"unrelated")
+    other = ns.inodes[10]
     evictor.committed(other, 0)
     assert sum(policy.regrets) == 1  # another name: no regret
 

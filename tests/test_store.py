@@ -27,7 +27,6 @@ from kvfs.layout import (
     FLAG_WRITING,
     NO_UNIT,
     UNIT_MASK,
-    Op,
     Superblock,
     extent,
     fragment_size,
@@ -485,14 +484,14 @@ async def test_requests_are_answered_and_changes_kept_while_a_checkpoint_is_made
     async with serving(pool) as store:
         for name in sorted(names):
             await store.make(ROOT_INO, name, FILE)
-        real = store.ns.snapshot
+        real = store.ns.snapshot_payloads
 
-        def traced() -> Iterator[Op]:
-            for op in real():
+        def traced() -> Iterator[bytes]:
+            for payload in real():
                 events.append("piece op")
-                yield op
+                yield payload
 
-        monkeypatch.setattr(store.ns, "snapshot", traced)
+        monkeypatch.setattr(store.ns, "snapshot_payloads", traced)
         done = False
 
         async def meanwhile() -> None:
@@ -554,3 +553,75 @@ async def test_a_pool_written_by_kvfs_0_2_0_mounts_unchanged(kind: str) -> None:
         by_name = files(store)
         for name, data in expected.items():
             assert await get(store, by_name[name]) == data, name
+
+
+async def test_a_pool_checkpointed_by_the_previous_release_mounts_with_every_byte(
+    tmp_path: Path,
+) -> None:
+    """Upgrade: a checkpoint of operations (INODE, XATTR, DENTRY, BLOB records, what
+    releases before the columnar index wrote) loads into the columns."""
+    from kvfs.fsck import offline_index
+    from kvfs.journal import encode_checkpoint, half_bounds
+    from kvfs.nsimage import TAG
+
+    class Kinds:
+        """Which kinds of checkpoint payload a log holds."""
+
+        def __init__(self) -> None:
+            self.image = self.ops = 0
+
+        def reset(self) -> None:
+            self.image = self.ops = 0
+
+        def checkpoint(self, payload: bytes) -> None:
+            if payload[0] == TAG:
+                self.image += 1
+            else:
+                self.ops += 1
+
+        def transaction(self, payload: bytes) -> None:
+            pass
+
+    paths = sparse_images(tmp_path, 1, 64 << 20)
+    format_pool(paths, unit_size=UNIT, meta_size=8 << 20)
+    rng = random.Random(5)
+    data = {b"f%d" % i: rng.randbytes(rng.randrange(1, 5 * UNIT)) for i in range(30)}
+    pool = open_pool(paths)
+    try:
+        async with serving(pool) as store:
+            for name, content in data.items():
+                await put(store, name, content)
+            sub = await store.make(ROOT_INO, b"sub", stat.S_IFDIR | 0o755)
+            store.ns.set_xattr(sub.ino, b"user.k", b"v")
+            await store.close()
+    finally:
+        pool.close()
+    ns, _ = offline_index(paths)
+    pool = open_pool(paths)
+    try:
+        meta, start, size = pool.meta
+        kinds = Kinds()
+        found = recover(meta, start, size, pool.seed, kinds)
+        assert kinds.image and not kinds.ops
+        generation = found.generation + 1
+        old, _, _ = encode_checkpoint(ns.legacy_ops(), generation, found.seq, pool.seed)
+        base, _ = half_bounds(start, size, 1 - found.half)
+        pool_mod._write(meta, base, old)
+        meta.flush()
+        kinds = Kinds()
+        again = recover(meta, start, size, pool.seed, kinds)
+        assert again.generation == generation
+        assert kinds.ops and not kinds.image
+    finally:
+        pool.close()
+    pool = open_pool(paths)
+    try:
+        async with serving(pool) as store:
+            assert files(store).keys() == {*data, b"sub"}
+            for name, content in data.items():
+                assert await get(store, store.ns.lookup(ROOT_INO, name).ino) == content
+            assert store.ns.get_xattr(store.ns.lookup(ROOT_INO, b"sub").ino, b"user.k") == b"v"
+            assert no_leaks(store)
+            await store.close()
+    finally:
+        pool.close()

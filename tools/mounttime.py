@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvfs import harness
 from kvfs.journal import encode_checkpoint, half_bounds
-from kvfs.layout import phys
-from kvfs.namespace import ROOT_INO, Inode, Namespace
+from kvfs.layout import Xattr, phys
+from kvfs.namespace import ROOT_INO, Namespace
 from kvfs.pool import _write, format_pool, open_pool
 from kvfs.store import Store
 
@@ -38,9 +38,11 @@ UNIT = 1 << 20
 PER_DIR = 1000
 
 
-def build(image: Path, files: int) -> int:
+def build(image: Path, files: int, legacy: bool = False, xattr: bool = False) -> int:
     """Format a sparse pool and write a checkpoint holding ``files`` files; returns the
-    checkpoint's size in bytes."""
+    checkpoint's size in bytes. ``legacy``: the checkpoint as releases before the
+    columnar index wrote it (op records); ``xattr``: each file gets the 8-byte
+    ``user.vllm.kv_crc32c`` xattr vLLM sets."""
     meta_size = max(8 << 20, -(-files * 400 // UNIT) * UNIT)
     # 60% full: below the eviction watermarks, or remounts would evict (all orphans)
     size = (2 << 20) + meta_size + (files * 5 // 3 + 64) * UNIT
@@ -51,51 +53,24 @@ def build(image: Path, files: int) -> int:
     try:
         ns = Namespace(lambda ops: None)
         ns.init_root(0, 0)
-        now = time.time_ns()
-        root = ns.inodes[ROOT_INO]
-        ino, d = ROOT_INO + 1, None
-        for i in range(files):
-            if i % PER_DIR == 0:
-                d = Inode(
-                    ino,
-                    stat.S_IFDIR | 0o755,
-                    0,
-                    0,
-                    2,
-                    0,
-                    now,
-                    now,
-                    now,
-                    entries={},
-                    parent=ROOT_INO,
-                    name=b"d%05d" % (i // PER_DIR),
-                )
-                ns.inodes[ino] = d
-                root.entries[d.name] = ino  # type: ignore[index]
-                root.nlink += 1
-                ino += 1
-            assert d is not None and d.entries is not None
-            name = b"chunk-%08d.pt" % i
-            f = Inode(
-                ino,
+        for d, first in enumerate(range(0, files, PER_DIR)):
+            count = min(PER_DIR, files - first)
+            dino = ns.make(ROOT_INO, b"d%05d" % d, stat.S_IFDIR | 0o755, 0, 0).ino
+            ns.add_files(
+                dino,
+                [b"chunk-%08d.pt" % i for i in range(first, first + count)],
                 stat.S_IFREG | 0o644,
-                0,
-                0,
-                1,
+                (0, 0),
                 UNIT,
-                now,
-                now,
-                now,
-                units=array("q", [phys(0, i)]),
-                csums=array("Q", [i * 2654435761]),
-                parent=d.ino,
-                name=name,
+                array("q", range(phys(0, first), phys(0, first) + count)),
+                array("Q", (i * 2654435761 for i in range(first, first + count))),
             )
-            ns.inodes[ino] = f
-            d.entries[name] = ino
-            ino += 1
-        ns.next_ino = ino
-        data, _, _ = encode_checkpoint(ns.snapshot(), 2, 0, pool.seed)
+            if xattr:
+                for ino in range(ns.next_ino - count, ns.next_ino):
+                    value = b"%08x" % (ino * 40503 & 0xFFFFFFFF)
+                    ns.apply(Xattr(ino, b"user.vllm.kv_crc32c", value))
+        ops = ns.legacy_ops() if legacy else ns.snapshot()
+        data, _, _ = encode_checkpoint(ops, 2, 0, pool.seed)
         meta, start, msize = pool.meta
         base, half = half_bounds(start, msize, 1)
         assert len(data) <= half, (len(data), half)
@@ -130,16 +105,17 @@ def time_load(image: Path, profile: bool = False) -> tuple[float, str]:
         pool.close()
 
 
-def rss_kib(pid: int) -> int:
+def rss_kib(pid: int, field: str = "VmRSS") -> int:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1])
     return 0
 
 
-def time_mount(image: Path, mnt: Path) -> tuple[float, float, int]:
-    """(seconds until mounted, seconds for the clean unmount, daemon RSS in KiB)."""
+def time_mount(image: Path, mnt: Path) -> tuple[float, float, int, int]:
+    """(seconds until mounted, seconds for the clean unmount, daemon RSS and peak
+    RSS (VmHWM: recovery and the mount-time checkpoint) in KiB)."""
     mnt.mkdir(exist_ok=True)
     cmd = [*harness.kvfs_command(), "mount", "--foreground", str(mnt), str(image)]
     t0 = time.perf_counter()
@@ -147,10 +123,10 @@ def time_mount(image: Path, mnt: Path) -> tuple[float, float, int]:
     try:
         harness.wait_mounted(proc, mnt, 900)
         mounted = time.perf_counter() - t0
-        rss = rss_kib(proc.pid)
+        rss, peak = rss_kib(proc.pid), rss_kib(proc.pid, "VmHWM")
         t1 = time.perf_counter()
         harness.stop(proc, mnt, timeout=900)
-        return mounted, time.perf_counter() - t1, rss
+        return mounted, time.perf_counter() - t1, rss, peak
     finally:
         if proc.poll() is None:
             harness.stop(proc, mnt)
@@ -163,18 +139,20 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="cProfile one load + checkpoint")
     ap.add_argument("--keep", action="store_true", help="keep the images")
+    ap.add_argument("--legacy", action="store_true", help="checkpoint in the pre-0.3 op format")
+    ap.add_argument("--xattr", action="store_true", help="an 8-byte xattr on every file")
     args = ap.parse_args()
     work = Path(args.dir)
     work.mkdir(parents=True, exist_ok=True)
     print(
         "| files | checkpoint | build | Store.load() | mount (incl. checkpoint) "
-        "| clean unmount | daemon RSS |"
+        "| clean unmount | daemon RSS | RSS per file | peak RSS |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n in args.files:
         image = work / f"pool-{n}.img"
         t0 = time.perf_counter()
-        ckpt = build(image, n)
+        ckpt = build(image, n, args.legacy, args.xattr)
         built = time.perf_counter() - t0
         loads = [time_load(image)[0] for _ in range(args.runs)]
         mounts = [time_mount(image, work / "mnt") for _ in range(args.runs)]
@@ -183,7 +161,9 @@ def main() -> None:
             f"| {statistics.median(loads):.2f} s "
             f"| {statistics.median(m[0] for m in mounts):.2f} s "
             f"| {statistics.median(m[1] for m in mounts):.2f} s "
-            f"| {statistics.median(m[2] for m in mounts) / 1024:.0f} MiB |",
+            f"| {statistics.median(m[2] for m in mounts) / 1024:.0f} MiB "
+            f"| {statistics.median(m[2] for m in mounts) * 1024 / n:.0f} B "
+            f"| {statistics.median(m[3] for m in mounts) / 1024:.0f} MiB |",
             flush=True,
         )
         if args.profile:

@@ -1,0 +1,88 @@
+"""Memory of the namespace alone: N one-unit files (``chunk-%08d.pt``, directories of
+1000) built with ``Namespace.add_files``, optionally vLLM's 8-byte
+``user.vllm.kv_crc32c`` xattr on each; prints the RSS growth per file and the bytes
+per file of each structure, the image size, and freeze / image-load times.
+
+    python tools/nsmem.py 1000000
+    python tools/nsmem.py 1000000 --xattr
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import stat
+import sys
+import time
+from array import array
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvfs.layout import Xattr
+from kvfs.namespace import ROOT_INO, Namespace
+
+PER_DIR = 1000
+
+
+def rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) * 1024
+
+
+def build(n: int, xattr: bool) -> Namespace:
+    ns = Namespace(lambda ops: None)
+    ns.init_root(0, 0)
+    for d, first in enumerate(range(0, n, PER_DIR)):
+        count = min(PER_DIR, n - first)
+        dino = ns.make(ROOT_INO, b"d%05d" % d, stat.S_IFDIR | 0o755, 0, 0).ino
+        ns.add_files(
+            dino,
+            [b"chunk-%08d.pt" % i for i in range(first, first + count)],
+            stat.S_IFREG | 0o644,
+            (0, 0),
+            1 << 20,
+            array("q", range(first, first + count)),
+            array("Q", range(first, first + count)),
+        )
+        if xattr:
+            for ino in range(ns.next_ino - count, ns.next_ino):
+                ns.apply(Xattr(ino, b"user.vllm.kv_crc32c", b"%08x" % ino))
+    return ns
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("files", type=int)
+    ap.add_argument("--xattr", action="store_true")
+    args = ap.parse_args()
+    n = args.files
+    r0 = rss()
+    t = time.perf_counter()
+    ns = build(n, args.xattr)
+    built = time.perf_counter() - t
+    gc.collect()
+    grown = rss() - r0
+    columns = sum(c.nbytes() for c in ns.persisted_columns) + ns._lookups.nbytes()
+    listing = sum(len(d.children) * 4 for d in ns._dirs.values())
+    t = time.perf_counter()
+    payloads = ns.snapshot_payloads()
+    froze = time.perf_counter() - t
+    image = sum(map(len, payloads))
+    t = time.perf_counter()
+    fresh = Namespace(lambda ops: None)
+    for payload in ns.snapshot_payloads():
+        fresh.load_payload(payload)
+    fresh.finish_load()
+    loaded = time.perf_counter() - t
+    print(
+        f"files {n:,} xattr {args.xattr}: RSS {grown / n:.1f} B/file (columns "
+        f"{columns / n:.1f}, arena {ns._arena.nbytes() / n:.1f}, name index "
+        f"{ns._index.slots.nbytes() / n:.1f}, listing arrays {listing / n:.1f}); image "
+        f"{image / n:.1f} B/file; build {built:.1f} s, freeze {froze * 1e3:.1f} ms, "
+        f"image load {loaded:.2f} s"
+    )
+
+
+if __name__ == "__main__":
+    main()
