@@ -23,7 +23,7 @@ import weakref
 from array import array
 from collections.abc import Callable, Iterator
 
-from kvfs.columns import ARENA_MAX_ENTRY, ROWS, SHIFT, Arena, Column, NameIndex
+from kvfs.columns import ARENA_MAX_ENTRY, GRANULE, ROWS, SHIFT, Arena, Column, NameIndex
 from kvfs.errors import (
     Exists,
     InvalidArgument,
@@ -84,6 +84,10 @@ class _Dir:
     def __init__(self) -> None:
         self.children = array("I")
         self.links: dict[bytes, int] | None = None
+
+
+INDEX_LOAD = 0.375
+"""The name index's lowest load (right after it doubles): the most bytes a name costs."""
 
 
 class Namespace:
@@ -219,6 +223,30 @@ class Namespace:
         ino = self.next_ino
         self.next_ino += 1
         return ino
+
+    def image_cost(self, ino: int) -> int:
+        """Bytes inode ``ino`` takes in a checkpoint image: its row of every persisted
+        column, its name index slot (at the index's highest load) and listing entry,
+        its name and xattrs in the arena, a unit map or checksums in a side table."""
+        row = sum(array(c.code).itemsize for c in self.persisted_columns)
+        name = -(-self._name_len[ino] // GRANULE) * GRANULE
+        xattrs = self._xattrs(ino)
+        extra = sum(4 + len(v) for v in xattrs.values()) + 8 if xattrs else 0
+        entry = self._maps.get(ino)
+        if entry is not None:
+            extra += 16 * len(entry[0]) + 12
+        elif ino in self._multi:
+            extra += 8 * len(self._multi[ino]) + 12
+        return row + int(4 / INDEX_LOAD) + 4 + name + extra
+
+    @property
+    def reusable_rows(self) -> int:
+        """Rows of dropped inodes a new inode can take: it then adds nothing to the
+        checkpoint image but its name (the image holds rows up to the highest chunk
+        in use, so removals make room by leaving rows to reuse)."""
+        if not self._free and self._deferred:
+            self._reclaim()
+        return len(self._free)
 
     def _reclaim(self) -> None:
         """Free dropped rows no view names any more (those the kernel still knows

@@ -50,9 +50,10 @@ CHECKPOINT_FILE_BYTES = 320
 ``model@world@worker@hash@dtype.pt`` is ~70, vLLM's ``<hash>.bin`` ~20), the
 eviction policy's persisted state (five int64 columns and a ghost key, 56) and its
 owner (24). ``tests/test_meta_sizing.py`` encodes a real checkpoint and asserts it."""
-CHECKPOINT_UNIT_BYTES = 12
-"""Checkpoint bytes per mapped unit: its checksum (8) and a share of the runs (a run
-per stripe of 8 units or less: 20 / 8), with slack for fragmentation."""
+CHECKPOINT_UNIT_BYTES = 16
+"""Checkpoint bytes per mapped unit: a file of one contiguous extent stores only its
+checksums (8 per unit), one of several extents (striped over devices) its whole map
+in the namespace image, address and checksum (8 + 8 per unit)."""
 SPARE_FILES = 1 / 16
 """Room for empty files and directories on top of the files the data can hold."""
 

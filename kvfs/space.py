@@ -30,7 +30,7 @@ from kvfs.alloc import Allocator
 from kvfs.errors import DeviceError, KvfsError, NoSpace, QuotaExceeded
 from kvfs.evict import KVFS_MANAGED, Evictor
 from kvfs.journal import META_FULL, Journal
-from kvfs.layout import DEV_SHIFT, UNIT_MASK, encode_op, extent, is_fragment
+from kvfs.layout import DEV_SHIFT, UNIT_MASK, extent, is_fragment
 from kvfs.namespace import ROOT_INO, Inode, Namespace
 from kvfs.pool import CHECKPOINT_FILE_BYTES, CHECKPOINT_UNIT_BYTES, Pool
 
@@ -417,8 +417,7 @@ class Space:
             return CHECKPOINT_FILE_BYTES + CHECKPOINT_UNIT_BYTES
         total = 0
         for inode in sample:
-            total += len(encode_op(inode.record())) + DENTRY_BYTES + len(inode.name)
-            total += sum(XATTR_BYTES + len(k) + len(v) for k, v in (inode.xattrs or {}).items())
+            total += self.ns.image_cost(inode.ino)
             total += 0 if inode.is_dir else EVICTION_STATE_BYTES
         return total / len(sample)
 

@@ -72,6 +72,10 @@ LOGGED_NAMES = 50
 """How many files a mount names in its log when it drops or cannot read them."""
 
 
+METADATA_HARD = 0.9
+"""Share of a metadata half past which a checkpoint leaves no room even for reused
+rows: growth waits for evictions (the next checkpoint must fit in a half)."""
+
 FILE_SIZE_LIMIT = 1 << 40
 """No file is larger than this (1 TiB), whatever the settings."""
 
@@ -567,11 +571,21 @@ class Store:
         limit, files are evicted by data eviction's rules and a smaller checkpoint
         is taken (``Space.make_metadata_room``; removals since the last checkpoint
         count too). NoSpace only when nothing could go."""
-        if self.journal.metadata_full:
+        if self._metadata_tight():
             await self.space.make_metadata_room()
-        if self.journal.metadata_full:
+        if self._metadata_tight():
             self.space.log_metadata_full()
             raise NoSpace("metadata area full: nothing may be evicted")
+
+    def _metadata_tight(self) -> bool:
+        """No room for a new inode: the last checkpoint is over the area's limit and
+        no dropped row is left to reuse (a reused row does not grow the image), or the
+        checkpoint is over METADATA_HARD of a half (then only evictions help)."""
+        if not self.journal.metadata_full:
+            return False
+        stats = self.journal.statistics()
+        hard = self.journal.checkpoint_bytes > stats.half_bytes * METADATA_HARD
+        return hard or not self.ns.reusable_rows
 
     async def make(
         self, parent: int, name: bytes, mode: int, caller: Caller = ROOT, flags: int = 0
