@@ -248,6 +248,11 @@ class Namespace:
             self._reclaim()
         return len(self._free)
 
+    @property
+    def forgetting_rows(self) -> int:
+        """Rows of dropped inodes the kernel still knows (reused after its FORGET)."""
+        return len(self._ghosts)
+
     def _reclaim(self) -> None:
         """Free dropped rows no view names any more (those the kernel still knows
         are freed by :meth:`kernel_forget`)."""

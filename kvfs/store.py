@@ -72,9 +72,9 @@ LOGGED_NAMES = 50
 """How many files a mount names in its log when it drops or cannot read them."""
 
 
-METADATA_HARD = 0.9
-"""Share of a metadata half past which a checkpoint leaves no room even for reused
-rows: growth waits for evictions (the next checkpoint must fit in a half)."""
+FORGET_WAIT = 2.0
+"""Seconds a create under metadata pressure waits for the kernel to forget evicted
+files (their rows are reused then) before it says ENOSPC."""
 
 FILE_SIZE_LIMIT = 1 << 40
 """No file is larger than this (1 TiB), whatever the settings."""
@@ -449,6 +449,7 @@ class Store:
         A file still open for writing (the daemon told to stop under a live writer)
         was never closed: it is left uncommitted, so the next mount drops it, exactly
         as after a crash -- a writer's bytes count only once it closes the file."""
+        self.space.stopping = True
         for ino, st in list(self._files.items()):
             inode = self.ns.inodes.get(ino)
             if inode is None or st.error is not None:
@@ -573,19 +574,23 @@ class Store:
         count too). NoSpace only when nothing could go."""
         if self._metadata_tight():
             await self.space.make_metadata_room()
+        if self._metadata_tight() and self.ns.forgetting_rows:
+            # evicted files' rows come free when the kernel forgets them, which it
+            # does soon after their names were invalidated
+            with trio.move_on_after(FORGET_WAIT):
+                while self._metadata_tight() and self.ns.forgetting_rows:
+                    await trio.sleep(0.01)
         if self._metadata_tight():
             self.space.log_metadata_full()
             raise NoSpace("metadata area full: nothing may be evicted")
 
     def _metadata_tight(self) -> bool:
         """No room for a new inode: the last checkpoint is over the area's limit and
-        no dropped row is left to reuse (a reused row does not grow the image), or the
-        checkpoint is over METADATA_HARD of a half (then only evictions help)."""
-        if not self.journal.metadata_full:
-            return False
-        stats = self.journal.statistics()
-        hard = self.journal.checkpoint_bytes > stats.half_bytes * METADATA_HARD
-        return hard or not self.ns.reusable_rows
+        no dropped row is left to reuse. The image holds every row up to the highest
+        chunk in use, so removals do not shrink it, but a new inode in a reused row
+        does not grow it either: past the limit, the index only grows by reusing
+        the rows that evictions free."""
+        return self.journal.metadata_full and not self.ns.reusable_rows
 
     async def make(
         self, parent: int, name: bytes, mode: int, caller: Caller = ROOT, flags: int = 0
