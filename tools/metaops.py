@@ -411,6 +411,7 @@ def main() -> int:
         "reps": reps,
         "summary": summary,
         "requests_per_file": requests,
+        "requests": reqs,
         "load_before_after": load,
         "kernel": os.uname().release,
     }
