@@ -36,6 +36,14 @@ per file per phase. The machine is shared: quote medians and paired ratios.
 Options: ``--files N`` (100000), ``--reps R`` (3), ``--calls K`` (200),
 ``--image-gib G`` (8), ``--prefill M`` (0), ``--count-requests``, ``--work DIR``
 (a fresh temp dir under /tmp/kv by default), ``--out FILE`` (JSON), ``--keep``.
+
+``--in-process N [N ...]`` (no root, no mount) times instead what ``df`` and ``kvfs
+stats`` cost inside the daemon: ``Store.statistics()``, ``Operations.statfs`` and
+``Operations.stats_json()`` over a memory pool whose index holds N files (made with
+``Namespace.make``, directories of 1000), and the allocator's statistics of a
+245 TB device of 1 MiB units (empty; after one allocation; full and fragmented)::
+
+    /work/main/.venv/bin/python tools/metaops.py --in-process 1000 100000 1000000
 """
 
 from __future__ import annotations
@@ -363,9 +371,80 @@ def print_table(summary: dict[str, Any], requests: dict[str, Any]) -> None:
         print(f"requests per file, {phase}: {mix}")
 
 
+def in_process(counts: list[int]) -> None:
+    """Daemon-side cost of statistics at each file count, and of the allocator's."""
+    import functools
+    import random
+    import stat
+    import timeit
+
+    import trio
+
+    from kvfs import pool as pool_mod
+    from kvfs.alloc import Allocator
+    from kvfs.device import Device, MemoryDevice
+    from kvfs.fs import Operations
+    from kvfs.namespace import ROOT_INO
+    from kvfs.pool import Pool
+    from kvfs.store import Store, StoreConfig
+
+    for n in counts:
+        devs: list[Device] = [MemoryDevice(64 << 20, "mem0")]
+        sbs = pool_mod._layout(devs, 64 << 10, 1 << 20, "metaops")
+        pool_mod._write_empty_pool(devs, sbs)
+        store = Store(Pool(devs, sbs), StoreConfig(cache_bytes=1 << 20))
+        store.load()
+        store.ns._log = lambda ops: None  # no journal: only the index is filled
+        d = ROOT_INO
+        for i in range(n):
+            if i % PER_DIR == 0:
+                d = store.ns.make(ROOT_INO, b"d%d" % i, stat.S_IFDIR | 0o755, 0, 0).ino
+            store.ns.make(d, b"f%d" % i, stat.S_IFREG | 0o644, 0, 0)
+        ops = Operations(store)
+        k = 200
+        st = timeit.timeit(store.statistics, number=k) / k * 1e6
+        sj = timeit.timeit(ops.stats_json, number=k) / k * 1e6
+        sf = timeit.timeit(functools.partial(trio.run, ops.statfs, None), number=k) / k * 1e6
+        base = timeit.timeit(lambda: trio.run(trio.sleep, 0), number=k) / k * 1e6
+        print(
+            f"{n} files: statistics {st:.1f} µs, stats_json {sj:.1f} µs, "
+            f"statfs {sf - base:.1f} µs (trio.run itself {base:.0f} µs subtracted)"
+        )
+    units = 245 * 10**12 // (1 << 20)
+    alloc = Allocator([units])
+    for label, change in (
+        ("empty", lambda: None),
+        ("unchanged", lambda: None),
+        ("after one allocation", lambda: alloc.allocate(32, 0)),
+    ):
+        change()
+        t = time.perf_counter()
+        alloc.statistics()
+        print(f"allocator, 245 TB, {label}: {(time.perf_counter() - t) * 1e3:.2f} ms")
+    alloc = Allocator([units])
+    alloc.mark_used(0, 0, units)
+    rng = random.Random(1)
+    for _ in range(20000):
+        u = rng.randrange(units)
+        if alloc.is_used(0, u):
+            alloc.free(0, u)
+    t = time.perf_counter()
+    alloc.statistics()
+    ms = (time.perf_counter() - t) * 1e3
+    print(f"allocator, 245 TB full, 2x10^4 holes, every chunk changed: {ms:.1f} ms")
+    t = time.perf_counter()
+    old = [len(r) for r in alloc._maps[0].split(b"\x01") if r]
+    print(
+        f"(a whole-map split, as before: {(time.perf_counter() - t) * 1e3:.0f} ms, {len(old)} runs)"
+    )
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--count-daemon":
         return counting_daemon(sys.argv[2:])
+    if len(sys.argv) > 1 and sys.argv[1] == "--in-process":
+        in_process([int(a) for a in sys.argv[2:]] or [1000, 100_000, 1_000_000])
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--files", type=int, default=100_000)
     ap.add_argument("--reps", type=int, default=3)
