@@ -140,6 +140,17 @@ class Namespace:
         self.inodes: dict[int, Inode] = {}
         self.blobs: dict[str, bytes] = {}
         self.next_ino = ROOT_INO + 1
+        self._dirs = 0  # directories in ``inodes``, kept by every insert and removal
+
+    @property
+    def dir_count(self) -> int:
+        """Directories in the index, the root included; O(1)."""
+        return self._dirs
+
+    @property
+    def file_count(self) -> int:
+        """Regular files in the index (unlinked ones still referenced included); O(1)."""
+        return len(self.inodes) - self._dirs
 
     # ------------------------------------------------------------------ replay
     def apply(self, op: Op) -> bool:
@@ -169,7 +180,9 @@ class Namespace:
                 return False
             parent.entries.pop(op.name, None)
         elif isinstance(op, Drop):
-            self.inodes.pop(op.ino, None)
+            gone = self.inodes.pop(op.ino, None)
+            if gone is not None and gone.entries is not None:
+                self._dirs -= 1
         elif isinstance(op, Xattr):
             if op.ino not in self.inodes:
                 return False
@@ -197,6 +210,7 @@ class Namespace:
                 rec.csums,
                 {} if stat.S_ISDIR(rec.mode) else None,
             )
+            self._dirs += stat.S_ISDIR(rec.mode)
             if rec.ino >= self.next_ino:
                 self.next_ino = rec.ino + 1
             return
@@ -275,6 +289,7 @@ class Namespace:
     def init_root(self, uid: int, gid: int) -> None:
         now = time.time_ns()
         root = Inode(ROOT_INO, stat.S_IFDIR | 0o755, uid, gid, 2, 0, now, now, now, entries={})
+        self._dirs += ROOT_INO not in self.inodes
         self.inodes[ROOT_INO] = root
         self._log([root.record()])
 
@@ -307,6 +322,7 @@ class Namespace:
         )
         self.next_ino += 1
         self.inodes[inode.ino] = inode
+        self._dirs += is_dir
         entries[name] = inode.ino
         dir_inode = self.inodes[parent]
         dir_inode.mtime_ns = dir_inode.ctime_ns = now
@@ -458,6 +474,7 @@ class Namespace:
         """Forget an inode that has no names left and no users."""
         assert inode.nlink == 0 or inode.flags & FLAG_WRITING
         del self.inodes[inode.ino]
+        self._dirs -= inode.is_dir
         self._log([Drop(inode.ino)])
 
     def commit(self, inode: Inode) -> None:

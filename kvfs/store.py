@@ -53,6 +53,7 @@ from kvfs.layout import (
     FLAG_WRITING,
     NO_UNIT,
     UNIT_MASK,
+    Drop,
     Op,
     extent,
     fragment_size,
@@ -326,12 +327,11 @@ class Store:
         self.journal.resume(found, in_place=clean)
         if clean:  # the checkpoint found is the last one: it holds exactly these
             self._ckpt_inodes = len(self.ns.inodes)
-        files = sum(1 for i in self.ns.inodes.values() if not i.is_dir)
         report = RecoveryReport(
             found.generation,
             found.transactions,
-            files,
-            len(self.ns.inodes) - files,
+            self.ns.file_count,
+            self.ns.dir_count,
             incomplete,
             unlinked,
             time.monotonic() - t0,
@@ -402,7 +402,7 @@ class Store:
                 ]:
                     del inode.entries[name]
         for ino in doomed:
-            del self.ns.inodes[ino]
+            self.ns.apply(Drop(ino))  # unlogged, like replay: the index's counters follow
         return incomplete, unlinked, len(unreadable) if drop_unreadable else 0
 
     def _on_missing_members(self, doomed: set[int], drop: bool) -> set[int]:
@@ -621,11 +621,28 @@ class Store:
         return inode
 
     def rename(self, old_parent: int, old: bytes, new_parent: int, new: bytes, flags: int) -> None:
+        """POSIX rename (and renameat2's flags); a file that moves to another group
+        takes its bytes' count along (O(1), no recount of any group)."""
+        moving = [] if old_parent == new_parent else self._movers(old_parent, old, new_parent, new)
+        groups = [(inode, self.evictor.group_of(inode)) for inode in moving]
         victim = self.ns.rename(old_parent, old, new_parent, new, flags)
         if victim is not None:
             self.maybe_drop(victim)
-        if old_parent != new_parent:
-            self.space.recount()  # group membership may have changed: recount lazily
+        for inode, group in groups:
+            self.space.moved(inode, group)
+
+    def _movers(self, old_parent: int, old: bytes, new_parent: int, new: bytes) -> list[Inode]:
+        """The inodes a rename between two directories may move to the other one: the
+        source, and the target in case of an exchange (a replaced target is dropped,
+        not moved). Empty when the rename is going to fail anyway."""
+        found = []
+        for parent, name in ((old_parent, old), (new_parent, new)):
+            d = self.ns.inodes.get(parent)
+            ino = d.entries.get(name) if d is not None and d.entries is not None else None
+            inode = None if ino is None else self.ns.inodes.get(ino)
+            if inode is not None:
+                found.append(inode)
+        return found
 
     async def release(self, fh: int) -> None:
         h = self._handles.pop(fh)
@@ -1207,15 +1224,14 @@ class Store:
         ]
 
     def statistics(self) -> StoreStatistics:
-        files = sum(1 for i in self.ns.inodes.values() if not i.is_dir)
         # claimed units are spoken for; free fragments in host units are free bytes
         free = max(self.space.available(), 0) * self.unit
         free += self.alloc.free_fragments * self._fragment
         cap = self.alloc.total_units * self.unit
         devs = [d.statistics() for d in self.pool.devices]
         return StoreStatistics(
-            files=files,
-            directories=len(self.ns.inodes) - files,
+            files=self.ns.file_count,
+            directories=self.ns.dir_count,
             unit_size=self.unit,
             capacity_bytes=cap,
             used_bytes=cap - free,
