@@ -156,6 +156,9 @@ class Space:
         self._full_logged = -EVICTION_LOG_INTERVAL
         self.metadata_evictions = 0
         self._meta_idle_until = 0.0  # no background retry before (nothing was evictable)
+        self.stopping = False
+        """Set by an unmount: background eviction stops (the kernel session ends soon,
+        so nothing would learn of the removals, and the final checkpoint is near)."""
 
     # ------------------------------------------------------------------ frees
     def defer_free(self, p: int) -> None:
@@ -537,6 +540,8 @@ class Space:
             with trio.move_on_after(0.5):
                 await self._evict_wake.wait()
             self._evict_wake = trio.Event()
+            if self.stopping:  # unmounting: nothing is evicted behind the last checkpoint
+                continue
             self.evictor.reap()
             self.log_evictions()
             metadata = (

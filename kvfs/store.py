@@ -470,6 +470,7 @@ class Store:
         A file still open for writing (the daemon told to stop under a live writer)
         was never closed: it is left uncommitted, so the next mount drops it, exactly
         as after a crash -- a writer's bytes count only once it closes the file."""
+        self.space.stopping = True
         for ino, st in list(self._files.items()):
             inode = self.ns.inodes.get(ino)
             if inode is None or st.error is not None:
