@@ -40,12 +40,19 @@ starts a metadata checkpoint and returns at once (tests, ``tools/ckptlatency.py`
 
 SECURITY = b"security."
 ATTR_TIMEOUT = 300.0
-"""Seconds the kernel may keep an entry, a negative entry or attributes without asking
-again. Every change to them is a request through this mount, except kvfs's own
-removals (eviction, quarantine), which invalidate the kernel's entry at once, so the
-timeout only bounds how long the kernel's cache lives. It must outlast a listing:
-``ls -l`` of 10^5 entries stats them after READDIRPLUS cached them, and with 5 s
-the tail of the listing had expired (a LOOKUP or GETATTR round trip per entry)."""
+"""Seconds the kernel may keep an entry or a negative entry without asking again.
+Every change to names is a request through this mount, except kvfs's own removals
+(eviction, quarantine), which invalidate the kernel's entry at once, so the timeout
+only bounds how long the kernel's cache lives. It must outlast a listing: ``ls -l``
+of 10^5 entries stats them after READDIRPLUS cached them, and with 5 s the tail of
+the listing had expired (a LOOKUP round trip per entry)."""
+DATA_ATTR_TIMEOUT = 5.0
+"""Seconds the kernel may keep a file's attributes. Kept short on purpose: when the
+kernel refetches them and sees a new size or mtime it drops its cached pages of the
+file, and that is what retires a page it zero-filled past a shorter EOF while another
+process was still writing the file with O_DIRECT (which bypasses the page cache).
+With 300 s such a page outlived the write and a later buffered read was served its
+zeros (tests/test_mount_model.py caught it)."""
 
 
 def has_labels(inodes: Iterable[Inode]) -> bool:
@@ -99,7 +106,8 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
         a = pyfuse3.EntryAttributes()
         a.st_ino = inode.ino
         a.generation = 0
-        a.entry_timeout = a.attr_timeout = self.timeout
+        a.entry_timeout = self.timeout
+        a.attr_timeout = min(self.timeout, DATA_ATTR_TIMEOUT)
         a.st_mode = inode.mode
         a.st_nlink = inode.nlink
         a.st_uid, a.st_gid = inode.uid, inode.gid
