@@ -319,7 +319,11 @@ def backends(args: argparse.Namespace, work: Path) -> Iterator[list[Any]]:
             prefill_ext4(ext4_root, args.prefill)
         else:
             kvfs_dev = stack.enter_context(loop_dev(make_image(work / "kvfs.img", size)))
-            _run(*kvfs_command(), "format", "--force", kvfs_dev)
+            # room in the metadata area for N empty files, as ext4 gets -N inodes (the
+            # default area counts one file per data unit; more files are metadata
+            # pressure, which evicts)
+            meta = max(64 << 20, args.files * 1024)
+            _run(*kvfs_command(), "format", "--force", "--meta-size", str(meta), kvfs_dev)
         counts = work / "counts.json" if args.count_requests else None
         kv = Kvfs(work / "kvfs", kvfs_dev, work / "kvfs.log", counts)
         stack.callback(unmount, work / "kvfs")
