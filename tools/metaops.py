@@ -49,6 +49,7 @@ stats`` cost inside the daemon: ``Store.statistics()``, ``Operations.statfs`` an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -64,7 +65,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvfs.harness import kvfs_command, make_image, stop, unmount, wait_mounted
+from kvfs.harness import kvfs_command, loop_device, make_image, stop, unmount, wait_mounted
 
 GiB = 1 << 30
 STATS_XATTR = "user.kvfs.stats"
@@ -94,13 +95,8 @@ def drop_caches() -> None:
         f.write("3")
 
 
-@contextmanager
-def loop_dev(image: Path) -> Iterator[str]:
-    dev = _run("losetup", "-f", "--show", "--direct-io=on", str(image))
-    try:
-        yield dev
-    finally:
-        subprocess.run(["losetup", "-d", dev], capture_output=True)
+def loop_dev(image: Path) -> contextlib.AbstractContextManager[str]:
+    return loop_device(image, direct_io=True)
 
 
 # ---------------------------------------------------------------- request counting
