@@ -14,7 +14,7 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import asdict
 from typing import Any, ParamSpec, TypeVar
 
@@ -22,7 +22,7 @@ import pyfuse3
 import trio
 
 from kvfs import posix
-from kvfs.errors import KvfsError, NotPermitted
+from kvfs.errors import KvfsError, NoAttribute, NotPermitted, NotSupported
 from kvfs.evict import GROUP_XATTRS, check_group_xattr
 from kvfs.namespace import Inode
 from kvfs.posix import Caller
@@ -37,6 +37,27 @@ STATS_XATTR = b"user.kvfs.stats"
 CHECKPOINT_XATTR = b"user.kvfs.checkpoint"
 """Write-only xattr on the root, for root or the daemon's user: setting it (any value)
 starts a metadata checkpoint and returns at once (tests, ``tools/ckptlatency.py``)."""
+
+SECURITY = b"security."
+ATTR_TIMEOUT = 300.0
+"""Seconds the kernel may keep an entry or a negative entry without asking again.
+Every change to names is a request through this mount, except kvfs's own removals
+(eviction, quarantine), which invalidate the kernel's entry at once, so the timeout
+only bounds how long the kernel's cache lives. It must outlast a listing: ``ls -l``
+of 10^5 entries stats them after READDIRPLUS cached them, and with 5 s the tail of
+the listing had expired (a LOOKUP round trip per entry)."""
+DATA_ATTR_TIMEOUT = 5.0
+"""Seconds the kernel may keep a file's attributes. Kept short on purpose: when the
+kernel refetches them and sees a new size or mtime it drops its cached pages of the
+file, and that is what retires a page it zero-filled past a shorter EOF while another
+process was still writing the file with O_DIRECT (which bypasses the page cache).
+With 300 s such a page outlived the write and a later buffered read was served its
+zeros (tests/test_mount_model.py caught it)."""
+
+
+def has_labels(inodes: Iterable[Inode]) -> bool:
+    """Whether any inode holds a ``security.*`` xattr (one pass, at mount)."""
+    return any(n.startswith(SECURITY) for i in inodes if i.xattrs for n in i.xattrs)
 
 
 def _errors(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
@@ -63,11 +84,14 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
     enable_writeback_cache = False
     enable_acl = False
 
-    def __init__(self, store: Store, timeout: float = 5.0) -> None:
+    def __init__(self, store: Store, timeout: float = ATTR_TIMEOUT) -> None:
         super().__init__()
         self.store = store
         self.ns = store.ns
         self.timeout = timeout
+        self.labels = has_labels(store.ns.inodes.values())
+        """False while no file of the pool has a ``security.*`` xattr: a get of a
+        missing one is then EOPNOTSUPP, not ENODATA (see :meth:`getxattr`)."""
         self._dirs: dict[int, tuple[int, list[tuple[bytes, int]]]] = {}
         self._next_dh = 1
         store.on_vanish = self._invalidate
@@ -82,7 +106,8 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
         a = pyfuse3.EntryAttributes()
         a.st_ino = inode.ino
         a.generation = 0
-        a.entry_timeout = a.attr_timeout = self.timeout
+        a.entry_timeout = self.timeout
+        a.attr_timeout = min(self.timeout, DATA_ATTR_TIMEOUT)
         a.st_mode = inode.mode
         a.st_nlink = inode.nlink
         a.st_uid, a.st_gid = inode.uid, inode.gid
@@ -319,14 +344,26 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
             check_group_xattr(name, value)
         await self.store.check_metadata_room()
         self.ns.set_xattr(inode, name, value)
+        self.labels = self.labels or name.startswith(SECURITY)
         self.store.xattr_changed(inode, name)
 
     @_errors
     async def getxattr(self, inode: int, name: bytes, ctx: Any) -> bytes:
+        """A missing ``security.*`` name is EOPNOTSUPP while the pool holds no
+        security labels at all (a pool where one was ever set answers ENODATA, as
+        ext4): ``ls -l`` asks for ``security.selinux`` of every entry unless the
+        device says it has no labels (coreutils' ``getfilecon_cache`` then stops
+        asking for the device), and FUSE has no xattr cache, so each ask is a round
+        trip. Setting, listing and reading stored ones are unchanged."""
         posix.check_xattr_name(name)
         if name == STATS_XATTR and inode == pyfuse3.ROOT_INODE:
             return self.stats_json().encode()
-        return self.ns.get_xattr(inode, name)
+        try:
+            return self.ns.get_xattr(inode, name)
+        except NoAttribute:
+            if not self.labels and name.startswith(SECURITY):
+                raise NotSupported("no security labels on this pool") from None
+            raise
 
     @_errors
     async def listxattr(self, inode: int, ctx: Any) -> Sequence[bytes]:

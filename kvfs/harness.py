@@ -107,12 +107,26 @@ def make_image(path: str | Path, size: int) -> Path:
 
 
 @contextmanager
-def loop_device(image: str | Path) -> Iterator[str]:
-    """Attach ``image`` to a free loop device (root only)."""
+def loop_device(image: str | Path, direct_io: bool = False) -> Iterator[str]:
+    """Attach ``image`` to a free loop device (root only); ``direct_io``: the loop
+    device reads and writes its image with direct I/O (no host page cache below it,
+    as benchmarks want)."""
+    flags = ["--direct-io=on"] if direct_io else []
     dev = subprocess.run(
-        ["losetup", "-f", "--show", str(image)], check=True, capture_output=True, text=True
+        ["losetup", "-f", "--show", *flags, str(image)], check=True, capture_output=True, text=True
     ).stdout.strip()
     try:
         yield dev
     finally:
         subprocess.run(["losetup", "-d", dev], capture_output=True)
+
+
+def write_file(path: str | Path, data: bytes) -> None:
+    """Create or truncate ``path`` and write all of ``data`` (short writes retried)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)

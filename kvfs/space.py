@@ -269,11 +269,29 @@ class Space:
         return (self.alloc.online_units - self.reserve_units) * self.unit // users
 
     def recount(self, group: int | None = None) -> None:
-        """Forget cached usage (a quota changed, or files moved between groups)."""
+        """Forget cached usage (a quota changed)."""
         if group is None:
             self._usage.clear()
         else:
             self._usage.pop(group, None)
+
+    def moved(self, inode: Inode, old_group: int) -> None:
+        """A rename took ``inode`` out of ``old_group``: a file's mapped bytes move
+        from that group's count to its new group's, O(1); a directory's subtree was
+        never summed, so the two groups it left and joined are counted afresh when
+        next needed (O(group), once)."""
+        new_group = self.evictor.group_of(inode)
+        if new_group == old_group or not self._usage:
+            return
+        if inode.entries is not None:
+            self._usage.pop(old_group, None)
+            self._usage.pop(new_group, None)
+            return
+        moved = inode.mapped_units * self.unit
+        if old_group in self._usage:
+            self._usage[old_group] -= moved
+        if new_group in self._usage:
+            self._usage[new_group] += moved
 
     # ------------------------------------------------------------------ eviction
     def evict_units(

@@ -615,11 +615,28 @@ class Store:
         return inode
 
     def rename(self, old_parent: int, old: bytes, new_parent: int, new: bytes, flags: int) -> None:
+        """POSIX rename (and renameat2's flags); a file that moves to another group
+        takes its bytes' count along (O(1), no recount of any group)."""
+        moving = [] if old_parent == new_parent else self._movers(old_parent, old, new_parent, new)
+        groups = [(inode, self.evictor.group_of(inode)) for inode in moving]
         victim = self.ns.rename(old_parent, old, new_parent, new, flags)
         if victim is not None:
             self.maybe_drop(victim)
-        if old_parent != new_parent:
-            self.space.recount()  # group membership may have changed: recount lazily
+        for inode, group in groups:
+            self.space.moved(inode, group)
+
+    def _movers(self, old_parent: int, old: bytes, new_parent: int, new: bytes) -> list[Inode]:
+        """The inodes a rename between two directories may move to the other one: the
+        source, and the target in case of an exchange (a replaced target is dropped,
+        not moved). Empty when the rename is going to fail anyway."""
+        found = []
+        for parent, name in ((old_parent, old), (new_parent, new)):
+            d = self.ns.inodes.get(parent)
+            ino = d.entries.get(name) if d is not None and d.entries is not None else None
+            inode = None if ino is None else self.ns.inodes.get(ino)
+            if inode is not None:
+                found.append(inode)
+        return found
 
     async def release(self, fh: int) -> None:
         h = self._handles.pop(fh)

@@ -316,15 +316,7 @@ def wait_for(predicate: Any, timeout: float = 10.0, what: str = "condition") -> 
         time.sleep(0.01)
 
 
-def write_file(path: Path | str, data: bytes) -> None:
-    """Create or truncate ``path`` and write all of ``data``."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-    finally:
-        os.close(fd)
+write_file = harness.write_file
 
 
 def read_or_errno(path: Path) -> bytes | int:

@@ -153,7 +153,10 @@ async def test_open_files_are_never_evicted_for_metadata() -> None:
             await put(store, i)
         alive = await check_survivors(store, held + 200)
         assert set(range(held // 2, held)) <= set(alive), "an open file was evicted"
-        assert store.space.metadata_evictions >= 200
+        # the area was full at `held` files, so 200 more fit only by evicting; how
+        # many go depends on where the area stood and on the batch down to META_LOW
+        assert store.space.metadata_evictions > 0
+        assert len(alive) == held + 200 - store.space.metadata_evictions
 
 
 async def test_background_eviction_acts_before_the_limit() -> None:

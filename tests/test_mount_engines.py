@@ -457,6 +457,7 @@ def test_sglang_hicache_file_store_load(kvfs_mount: KvfsMount) -> None:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.mount_options("--meta-size", "32M")  # 20k files: an area sized for them
 def test_sglang_scandir_of_a_flat_directory_with_20k_entries(kvfs_mount: KvfsMount) -> None:
     root = kvfs_mount.path / "hicache"
     root.mkdir()

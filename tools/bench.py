@@ -32,6 +32,7 @@ kvfs/ext4 against the targets. kvfs daemon CPU seconds per GiB moved come from
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import mmap
 import os
@@ -51,7 +52,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kvfs.harness import kvfs_command, make_image, stop, unmount, wait_mounted
+from kvfs.harness import kvfs_command, loop_device, make_image, stop, unmount, wait_mounted
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -372,14 +373,9 @@ def _run(*cmd: str) -> str:
     return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip()
 
 
-@contextmanager
-def loop_dev(image: Path) -> Iterator[str]:
+def loop_dev(image: Path) -> contextlib.AbstractContextManager[str]:
     """A loop device with direct I/O to its image (no host page cache below it)."""
-    dev = _run("losetup", "-f", "--show", "--direct-io=on", str(image))
-    try:
-        yield dev
-    finally:
-        subprocess.run(["losetup", "-d", dev], capture_output=True)
+    return loop_device(image, direct_io=True)
 
 
 def preallocate(image: Path, size: int) -> None:

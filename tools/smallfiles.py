@@ -49,16 +49,6 @@ def content(seed: int, size: int) -> bytes:
     return random.Random(seed).randbytes(size)
 
 
-def write(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-    finally:
-        os.close(fd)
-
-
 def read(path: Path) -> bytes:
     with open(path, "rb", buffering=0) as f:
         return f.read()
@@ -73,7 +63,7 @@ def space_run(where: Path, files: int, size: int, pool_size: int) -> dict[str, A
         base = stats(mnt)["device_bytes_written"]
         t0 = time.monotonic()
         for i, data in enumerate(datas):
-            write(mnt / f"blk{i}", data)
+            harness.write_file(mnt / f"blk{i}", data)
         write_s = time.monotonic() - t0
         written = stats(mnt)["device_bytes_written"] - base
         vfs = os.statvfs(mnt)
@@ -113,7 +103,7 @@ def large_run(where: Path, files: int) -> dict[str, Any]:
     with harness.mounted(mnt, [image], "--format", "--meta-size", "32M"):
         t0 = time.monotonic()
         for i in range(files):
-            write(mnt / f"chunk{i}", data)
+            harness.write_file(mnt / f"chunk{i}", data)
         write_s = time.monotonic() - t0
     with harness.mounted(mnt, [image]):
         t0 = time.monotonic()
