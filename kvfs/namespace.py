@@ -239,38 +239,29 @@ class Namespace:
             extra += 8 * len(self._multi[ino]) + 12
         return row + int(4 / INDEX_LOAD) + 4 + name + extra
 
-    @property
-    def reusable_rows(self) -> int:
-        """Rows of dropped inodes a new inode can take: it then adds nothing to the
-        checkpoint image but its name (the image holds rows up to the highest chunk
-        in use, so removals make room by leaving rows to reuse)."""
-        if not self._free and self._deferred:
-            self._reclaim()
-        return len(self._free)
-
-    @property
-    def forgetting_rows(self) -> int:
-        """Rows of dropped inodes the kernel still knows (reused after its FORGET)."""
-        return len(self._ghosts)
-
     def _reclaim(self) -> None:
         """Free dropped rows no view names any more (those the kernel still knows
-        are freed by :meth:`kernel_forget`)."""
+        are stripped now and freed by :meth:`kernel_forget`)."""
         keep = []
         for ino in self._deferred:
             if ino in self._zombies:
                 keep.append(ino)
             elif self._lookups[ino]:
+                self._strip_row(ino)
                 self._ghosts.add(ino)
             else:
                 self._free_row(ino)
         self._deferred = keep
         self._reclaim_at = 2 * len(keep) + 32  # amortized O(1) per drop
 
-    def _free_row(self, ino: int) -> None:
-        """Return a dropped row for reuse (nothing can name it any more)."""
+    def _strip_row(self, ino: int) -> None:
+        """A dropped row keeps only its F_DEAD flag (and the kernel's lookup count):
+        its name, xattrs and unit map are released and every other column zeroed,
+        so chunks of dropped rows shrink in (or leave) the checkpoint image at once,
+        while the number stays unused until the kernel forgets it (no ESTALE
+        answered with another file's attributes)."""
         if not self._mode[ino]:
-            return  # free already: never twice on the free list (two files, one row)
+            return  # stripped already
         n = self._name_len[ino]
         if n:
             self._arena.release(self._name_off[ino], n)
@@ -278,10 +269,17 @@ class Namespace:
         self._maps.pop(ino, None)
         self._multi.pop(ino, None)
         self._opens.pop(ino, None)
-        # every column zeroed: chunks of free rows are left out of checkpoints, so
-        # removals shrink the image (a full metadata area gets room back)
-        for col in (*self.persisted_columns, self._lookups):
+        for col in self.persisted_columns:
             col[ino] = 0
+        self._flags[ino] = F_DEAD
+
+    def _free_row(self, ino: int) -> None:
+        """Return a dropped row for reuse (nothing can name it any more)."""
+        if not self._mode[ino] and not self._flags[ino]:
+            return  # free already: never twice on the free list (two files, one row)
+        self._strip_row(ino)
+        self._flags[ino] = 0
+        self._lookups[ino] = 0
         self._free.append(ino)
 
     def _kill(self, ino: int) -> None:
@@ -292,12 +290,13 @@ class Namespace:
         self._live -= 1
         self._dirs.pop(ino, None)
         view = self._views.pop(ino, None)
-        if view is not None:
+        if view is not None:  # a view may still read it (an open, unlinked file)
             self._zombies[ino] = view
             self._deferred.append(ino)
             if len(self._deferred) >= self._reclaim_at:
                 self._reclaim()
         elif self._lookups[ino]:
+            self._strip_row(ino)
             self._ghosts.add(ino)
         else:
             self._free_row(ino)
@@ -685,8 +684,10 @@ class Namespace:
         """After the last checkpoint payload and transaction: rows dropped while
         something still named them are free now (nothing survives a remount)."""
         for ino in [*self._deferred, *self._ghosts]:
-            if self._flags[ino] & F_DEAD and self._mode[ino]:
+            if self._flags[ino] & F_DEAD:
                 self._free_row(ino)
+            elif not self._mode[ino]:  # stripped when dropped: the image kept no row
+                self._free.append(ino)
         self._deferred, self._ghosts = [], set()
         # replay may have re-created rows on the free list, or freed one twice
         self._free = array("I", sorted({i for i in self._free if not self._mode[i]}))

@@ -8,9 +8,10 @@ part id, chunk index. Format in ``docs/format.md`` ("Namespace image").
 
 from __future__ import annotations
 
+import re
 import struct
 from array import array
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from kvfs.columns import ARENA_CHUNK, ROWS
@@ -27,7 +28,7 @@ _PAIR = struct.Struct("<QI")
 _OWNER = struct.Struct("<II")
 _LINK = struct.Struct("<BI")
 
-K_META, K_COLUMN, K_SLOTS, K_ARENA, K_SIDE = 1, 2, 3, 4, 5
+K_META, K_COLUMN, K_SLOTS, K_ARENA, K_SIDE, K_ROWS = 1, 2, 3, 4, 5, 6
 (
     S_OWNERS,
     S_XNAMES,
@@ -89,29 +90,216 @@ BATCH = 1 << 20
 """Chunk payloads carry consecutive chunks up to about this many bytes."""
 
 
+_SPARSE_REC = struct.Struct("<IH")
+SPARSE = 0x80
+"""Part-kind flag: the body is sparse chunk records, not consecutive dense chunks."""
+
+
+def _items(chunk: array[int] | bytearray) -> array[int]:
+    """A chunk as the integers it is stored in (the arena as 4-byte granules)."""
+    if isinstance(chunk, array):
+        return chunk
+    items = array("I")
+    items.frombytes(chunk)
+    return items
+
+
+def _sparse_record(c: int, items: array[int], code: str, live: int) -> bytes:
+    """Chunk ``c`` as ``<IH`` (chunk, n), n ``H`` positions, n values of ``code``."""
+    where = array("H", (i for i, v in enumerate(items) if v))
+    values = array(code, (items[i] for i in where))
+    assert len(where) == live
+    return _SPARSE_REC.pack(c, live) + where.tobytes() + values.tobytes()
+
+
 def _chunk_parts(
-    kind: int, pid: int, chunks: list[array[int]] | list[bytearray]
+    kind: int,
+    pid: int,
+    chunks: Sequence[array[int] | bytearray],
+    skip: frozenset[int] = frozenset(),
+    sparse_items: bool = True,
 ) -> Iterator[bytes]:
-    """Payloads of consecutive non-zero chunks (all-zero chunks are left out: a
-    loaded column starts zeroed)."""
+    """Payloads of the non-zero chunks: consecutive dense chunks as their raw bytes,
+    and chunks mostly zero (free rows, empty slots, released names: each is zeroed
+    when freed) as sparse records of their non-zero items, so the image shrinks as
+    files go (a loaded chunk starts zeroed)."""
     batch: list[bytes] = []
-    first = size = 0
+    sparse: list[bytes] = []
+    first = size = sparse_size = 0
     for c, chunk in enumerate(chunks):
-        raw = chunk.tobytes() if isinstance(chunk, array) else bytes(chunk)
-        if raw.count(0) == len(raw):
-            if batch:
+        items = _items(chunk)
+        code = items.typecode
+        itemsize = items.itemsize
+        live = len(items) - items.count(0)
+        small = live * (itemsize + 2) + _SPARSE_REC.size < len(items) * itemsize // 2
+        if c in skip or (sparse_items and small):
+            if batch:  # a dense run ends here
                 yield _part(kind, pid, first, b"".join(batch))
                 batch, size = [], 0
+            if live and c not in skip:
+                record = _sparse_record(c, items, code, live)
+                sparse.append(record)
+                sparse_size += len(record)
+                if sparse_size >= BATCH:
+                    yield _part(kind | SPARSE, pid, 0, b"".join(sparse))
+                    sparse, sparse_size = [], 0
             continue
         if not batch:
             first = c
-        batch.append(raw)
-        size += len(raw)
+        batch.append(items.tobytes())
+        size += len(batch[-1])
         if size >= BATCH:
             yield _part(kind, pid, first, b"".join(batch))
             batch, size = [], 0
     if batch:
         yield _part(kind, pid, first, b"".join(batch))
+    if sparse:
+        yield _part(kind | SPARSE, pid, 0, b"".join(sparse))
+
+
+_ROWS_REC = struct.Struct("<IH")
+_RUN = struct.Struct("<HH")
+
+
+def _live_runs(modes: array[int]) -> list[tuple[int, int]]:
+    """(start, end) of each run of rows with a mode (live, or dropped but still
+    named by a view) in a column chunk; every other row is zero in every column."""
+    runs: list[tuple[int, int]] = []
+    start = -1
+    for i, m in enumerate(modes):
+        if m:
+            if start < 0:
+                start = i
+        elif start >= 0:
+            runs.append((start, i))
+            start = -1
+    if start >= 0:
+        runs.append((start, len(modes)))
+    return runs
+
+
+def _row_parts(columns: list[list[array[int]]], holey: list[int]) -> Iterator[bytes]:
+    """K_ROWS payloads: each chunk with free rows as ``<IH`` (chunk, runs), the runs
+    ``<HH`` (start, length), then every persisted column's values of those rows in
+    column order. So a checkpoint holds live rows only: evictions shrink it."""
+    batch: list[bytes] = []
+    size = 0
+    for c in holey:
+        runs = _live_runs(columns[0][c])
+        if not runs:
+            continue
+        parts = [_ROWS_REC.pack(c, len(runs)), *(_RUN.pack(a, b - a) for a, b in runs)]
+        for col in columns:
+            chunk = col[c]
+            parts.extend(chunk[a:b].tobytes() for a, b in runs)
+        record = b"".join(parts)
+        batch.append(record)
+        size += len(record)
+        if size >= BATCH:
+            yield _part(K_ROWS, 0, 0, b"".join(batch))
+            batch, size = [], 0
+    if batch:
+        yield _part(K_ROWS, 0, 0, b"".join(batch))
+
+
+def _load_rows(ns: Namespace, body: bytes) -> None:
+    columns = ns.persisted_columns
+    pos = 0
+    while pos < len(body):
+        c, n = _ROWS_REC.unpack_from(body, pos)
+        pos += _ROWS_REC.size
+        runs = [_RUN.unpack_from(body, pos + i * _RUN.size) for i in range(n)]
+        pos += n * _RUN.size
+        live = sum(length for _, length in runs)
+        if any(a + length > ROWS for a, length in runs):
+            raise ValueError("row run past its chunk")
+        for col in columns:
+            itemsize = array(col.code).itemsize
+            end = pos + live * itemsize
+            if end > len(body):
+                raise ValueError("truncated row chunk")
+            values = array(col.code)
+            values.frombytes(body[pos:end])
+            pos = end
+            col.load_chunk(c, bytes(ROWS * itemsize))
+            chunk, done = col.chunks[c], 0
+            for a, length in runs:
+                chunk[a : a + length] = values[done : done + length]
+                done += length
+
+
+ARENA_GAP = re.compile(rb"[^\x00]+(?:\x00{1,15}[^\x00]+)*")
+"""Non-zero runs of an arena chunk; gaps under 16 zero bytes stay inside a run."""
+
+
+def _arena_parts(chunks: list[bytearray]) -> Iterator[bytes]:
+    """The arena: chunks without a gap of 16 zero bytes as raw chunks (K_ARENA),
+    the others (released names, the unused tail) as ``<IH`` (chunk, runs), the runs
+    ``<HH`` (offset, length), their bytes (K_ARENA | SPARSE)."""
+    gap = bytes(16)
+    dense = [c for c, chunk in enumerate(chunks) if gap not in chunk]
+    holey = frozenset(range(len(chunks))) - set(dense)
+    yield from _chunk_parts(K_ARENA, 0, chunks, holey, sparse_items=False)
+    batch: list[bytes] = []
+    size = 0
+    for c, chunk in enumerate(chunks):
+        if c in dense:
+            continue
+        runs = [(m.start(), m.end()) for m in ARENA_GAP.finditer(chunk)]
+        if not runs:
+            continue
+        record = b"".join(
+            [
+                _ROWS_REC.pack(c, len(runs)),
+                *(_RUN.pack(a, b - a) for a, b in runs),
+                *(bytes(chunk[a:b]) for a, b in runs),
+            ]
+        )
+        batch.append(record)
+        size += len(record)
+        if size >= BATCH:
+            yield _part(K_ARENA | SPARSE, 0, 0, b"".join(batch))
+            batch, size = [], 0
+    if batch:
+        yield _part(K_ARENA | SPARSE, 0, 0, b"".join(batch))
+
+
+def _load_arena_runs(ns: Namespace, body: bytes) -> None:
+    pos = 0
+    while pos < len(body):
+        c, n = _ROWS_REC.unpack_from(body, pos)
+        pos += _ROWS_REC.size
+        runs = [_RUN.unpack_from(body, pos + i * _RUN.size) for i in range(n)]
+        pos += n * _RUN.size
+        chunk = bytearray(ARENA_CHUNK)
+        for a, length in runs:
+            if a + length > ARENA_CHUNK or pos + length > len(body):
+                raise ValueError("arena run past its chunk")
+            chunk[a : a + length] = body[pos : pos + length]
+            pos += length
+        ns._arena.load_chunk(c, bytes(chunk))
+
+
+def _sparse_chunks(body: bytes, code: str) -> Iterator[tuple[int, array[int], array[int]]]:
+    """(chunk, positions, values) of each sparse record in ``body``."""
+    itemsize = array(code).itemsize
+    pos = 0
+    while pos < len(body):
+        c, n = _SPARSE_REC.unpack_from(body, pos)
+        pos += _SPARSE_REC.size
+        where, values = array("H"), array(code)
+        where.frombytes(body[pos : pos + 2 * n])
+        pos += 2 * n
+        values.frombytes(body[pos : pos + itemsize * n])
+        pos += itemsize * n
+        if len(values) != n:
+            raise ValueError("truncated sparse chunk")
+        yield c, where, values
+
+
+def _expand(where: array[int], values: array[int], items: array[int]) -> None:
+    for i, v in zip(where, values, strict=True):
+        items[i] = v
 
 
 def image_payloads(ns: Namespace) -> Iterator[bytes]:
@@ -135,10 +323,14 @@ def image_payloads(ns: Namespace) -> Iterator[bytes]:
 
     def parts() -> Iterator[bytes]:
         yield _part(K_META, 0, 0, meta)
+        modes = columns[0]
+        holey = [c for c, chunk in enumerate(modes) if chunk.count(0)]
+        skip = frozenset(holey)
         for cid, chunks in enumerate(columns):
-            yield from _chunk_parts(K_COLUMN, cid, chunks)
+            yield from _chunk_parts(K_COLUMN, cid, chunks, skip)
+        yield from _row_parts(columns, holey)
         yield from _chunk_parts(K_SLOTS, 0, slots)
-        yield from _chunk_parts(K_ARENA, 0, arena)
+        yield from _arena_parts(arena)
         yield from side
 
     return parts()
@@ -163,6 +355,16 @@ def load_part(ns: Namespace, payload: bytes) -> None:
         elif kind == K_ARENA:
             for i in range(0, len(body), ARENA_CHUNK):
                 ns._arena.load_chunk(index + i // ARENA_CHUNK, body[i : i + ARENA_CHUNK])
+        elif kind == K_ROWS:
+            _load_rows(ns, body)
+        elif kind == K_COLUMN | SPARSE or kind == K_SLOTS | SPARSE:
+            col = ns.persisted_columns[pid] if kind == K_COLUMN | SPARSE else ns._index.slots
+            zero = bytes(ROWS * array(col.code).itemsize)
+            for c, where, values in _sparse_chunks(body, col.code):
+                col.load_chunk(c, zero)
+                _expand(where, values, col.chunks[c])
+        elif kind == K_ARENA | SPARSE:
+            _load_arena_runs(ns, body)
         elif kind == K_SIDE:
             for key, value in _unpairs(body):
                 _load_side(ns, pid, key, value)

@@ -71,11 +71,6 @@ T = TypeVar("T")
 LOGGED_NAMES = 50
 """How many files a mount names in its log when it drops or cannot read them."""
 
-
-FORGET_WAIT = 2.0
-"""Seconds a create under metadata pressure waits for the kernel to forget evicted
-files (their rows are reused then) before it says ENOSPC."""
-
 FILE_SIZE_LIMIT = 1 << 40
 """No file is larger than this (1 TiB), whatever the settings."""
 
@@ -571,26 +566,13 @@ class Store:
         pressure is eviction pressure: once the last checkpoint is over the area's
         limit, files are evicted by data eviction's rules and a smaller checkpoint
         is taken (``Space.make_metadata_room``; removals since the last checkpoint
-        count too). NoSpace only when nothing could go."""
-        if self._metadata_tight():
+        count too: a dropped row leaves the image at once, see
+        ``Namespace._strip_row``). NoSpace only when nothing could go."""
+        if self.journal.metadata_full:
             await self.space.make_metadata_room()
-        if self._metadata_tight() and self.ns.forgetting_rows:
-            # evicted files' rows come free when the kernel forgets them, which it
-            # does soon after their names were invalidated
-            with trio.move_on_after(FORGET_WAIT):
-                while self._metadata_tight() and self.ns.forgetting_rows:
-                    await trio.sleep(0.01)
-        if self._metadata_tight():
+        if self.journal.metadata_full:
             self.space.log_metadata_full()
             raise NoSpace("metadata area full: nothing may be evicted")
-
-    def _metadata_tight(self) -> bool:
-        """No room for a new inode: the last checkpoint is over the area's limit and
-        no dropped row is left to reuse. The image holds every row up to the highest
-        chunk in use, so removals do not shrink it, but a new inode in a reused row
-        does not grow it either: past the limit, the index only grows by reusing
-        the rows that evictions free."""
-        return self.journal.metadata_full and not self.ns.reusable_rows
 
     async def make(
         self, parent: int, name: bytes, mode: int, caller: Caller = ROOT, flags: int = 0
