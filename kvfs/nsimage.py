@@ -14,7 +14,7 @@ from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from kvfs.columns import ARENA_CHUNK, ROWS
+from kvfs.columns import ARENA_CHUNK, GRANULE, ROWS
 from kvfs.errors import Corruption
 
 if TYPE_CHECKING:
@@ -104,10 +104,10 @@ def _items(chunk: array[int] | bytearray) -> array[int]:
     return items
 
 
-def _sparse_record(c: int, items: array[int], code: str, live: int) -> bytes:
-    """Chunk ``c`` as ``<IH`` (chunk, n), n ``H`` positions, n values of ``code``."""
+def _sparse_record(c: int, items: array[int], live: int) -> bytes:
+    """Chunk ``c`` as ``<IH`` (chunk, n), n ``H`` positions, n values."""
     where = array("H", (i for i, v in enumerate(items) if v))
-    values = array(code, (items[i] for i in where))
+    values = array(items.typecode, (items[i] for i in where))
     assert len(where) == live
     return _SPARSE_REC.pack(c, live) + where.tobytes() + values.tobytes()
 
@@ -119,35 +119,44 @@ def _chunk_parts(
     skip: frozenset[int] = frozenset(),
     sparse_items: bool = True,
 ) -> Iterator[bytes]:
-    """Payloads of the non-zero chunks: consecutive dense chunks as their raw bytes,
-    and chunks mostly zero (free rows, empty slots, released names: each is zeroed
-    when freed) as sparse records of their non-zero items, so the image shrinks as
-    files go (a loaded chunk starts zeroed)."""
+    """Payloads of the non-zero chunks not in ``skip``: consecutive dense chunks as
+    their raw bytes, and chunks mostly zero (empty slots, columns most files leave
+    0) as sparse records of their non-zero items (a loaded chunk starts zeroed).
+    Zero bytes are counted at C speed; items only where the bytes say the chunk may
+    be sparse."""
     batch: list[bytes] = []
     sparse: list[bytes] = []
     first = size = sparse_size = 0
     for c, chunk in enumerate(chunks):
-        items = _items(chunk)
-        code = items.typecode
-        itemsize = items.itemsize
-        live = len(items) - items.count(0)
-        small = live * (itemsize + 2) + _SPARSE_REC.size < len(items) * itemsize // 2
-        if c in skip or (sparse_items and small):
+        raw = b"" if c in skip else chunk.tobytes() if isinstance(chunk, array) else bytes(chunk)
+        itemsize = chunk.itemsize if isinstance(chunk, array) else GRANULE
+        n = len(raw) // itemsize
+        # runs of itemsize zero bytes, counted without overlap: at least the zero items
+        zeros = raw.count(bytes(itemsize))
+        live = -1  # not counted
+        if raw and zeros < n and sparse_items:
+            most = (n * itemsize // 2 - _SPARSE_REC.size - 1) // (itemsize + 2)
+            if zeros >= n - most:  # enough zero runs for a sparse chunk
+                items = _items(chunk)
+                live = n - items.count(0)
+                if live > most:
+                    live = -1
+                else:
+                    record = _sparse_record(c, items, live)
+                    sparse.append(record)
+                    sparse_size += len(record)
+                    if sparse_size >= BATCH:
+                        yield _part(kind | SPARSE, pid, 0, b"".join(sparse))
+                        sparse, sparse_size = [], 0
+        if not raw or zeros == n or live >= 0:
             if batch:  # a dense run ends here
                 yield _part(kind, pid, first, b"".join(batch))
                 batch, size = [], 0
-            if live and c not in skip:
-                record = _sparse_record(c, items, code, live)
-                sparse.append(record)
-                sparse_size += len(record)
-                if sparse_size >= BATCH:
-                    yield _part(kind | SPARSE, pid, 0, b"".join(sparse))
-                    sparse, sparse_size = [], 0
             continue
         if not batch:
             first = c
-        batch.append(items.tobytes())
-        size += len(batch[-1])
+        batch.append(raw)
+        size += len(raw)
         if size >= BATCH:
             yield _part(kind, pid, first, b"".join(batch))
             batch, size = [], 0
@@ -323,8 +332,9 @@ def image_payloads(ns: Namespace) -> Iterator[bytes]:
 
     def parts() -> Iterator[bytes]:
         yield _part(K_META, 0, 0, meta)
-        modes = columns[0]
-        holey = [c for c, chunk in enumerate(modes) if chunk.count(0)]
+        # a mode always has file-type bits in its high byte: a row is free exactly
+        # when that byte is 0 (counted at C speed over the little-endian 'H' bytes)
+        holey = [c for c, chunk in enumerate(columns[0]) if chunk.tobytes()[1::2].count(0)]
         skip = frozenset(holey)
         for cid, chunks in enumerate(columns):
             yield from _chunk_parts(K_COLUMN, cid, chunks, skip)
