@@ -4,6 +4,7 @@ mount-time checkpoint), and the daemon's RSS. Median of N runs.
 
     python tools/mounttime.py --dir /var/tmp/kvfs-mt --files 10000 100000 1000000
     python tools/mounttime.py --dir ... --files 1000000 --profile   # cProfile hot spots
+    python tools/mounttime.py --dir ... --files 1000000 --runs 1 --crash 1000  # + kill -9
 
 A pool is a sparse image (one 1 MiB unit per file, 60% full: ~1.6 TiB for 10^6 files) formatted
 with ``format_pool``; a checkpoint of a namespace filled programmatically (directories
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import os
 import pstats
 import stat
 import statistics
@@ -132,6 +134,27 @@ def time_mount(image: Path, mnt: Path) -> tuple[float, float, int, int]:
             harness.stop(proc, mnt)
 
 
+def time_crash_mount(image: Path, mnt: Path, writes: int) -> tuple[float, int, int]:
+    """Mount, make ``writes`` durable files through the mount (each fsynced: the
+    journal behind the checkpoint), kill -9 the daemon, then time the next mount:
+    a crash mount replays that journal and writes a fresh checkpoint before it
+    answers. Returns (seconds until mounted, RSS, peak RSS in KiB)."""
+    mnt.mkdir(exist_ok=True)
+    cmd = [*harness.kvfs_command(), "mount", "--foreground", str(mnt), str(image)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        harness.wait_mounted(proc, mnt, 900)
+        (mnt / "crash").mkdir(exist_ok=True)
+        for i in range(writes):
+            with open(mnt / "crash" / f"c{i:06d}", "wb") as f:
+                f.write(b"x" * 4096)
+                os.fsync(f.fileno())
+    finally:
+        harness.kill(proc, mnt)
+    mounted, _, rss, peak = time_mount(image, mnt)
+    return mounted, rss, peak
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default="/var/tmp/kvfs-mounttime")
@@ -141,6 +164,13 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the images")
     ap.add_argument("--legacy", action="store_true", help="checkpoint in the pre-0.3 op format")
     ap.add_argument("--xattr", action="store_true", help="an 8-byte xattr on every file")
+    ap.add_argument(
+        "--crash",
+        type=int,
+        default=0,
+        metavar="WRITES",
+        help="also time a mount after kill -9 of a mount that made WRITES durable files",
+    )
     args = ap.parse_args()
     work = Path(args.dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -166,6 +196,14 @@ def main() -> None:
             f"| {statistics.median(m[3] for m in mounts) / 1024:.0f} MiB |",
             flush=True,
         )
+        if args.crash:
+            took, rss, peak = time_crash_mount(image, work / "mnt", args.crash)
+            print(
+                f"| {n:,} | crash mount after {args.crash} durable creates | - | - "
+                f"| {took:.2f} s | - | {rss / 1024:.0f} MiB | {rss * 1024 / n:.0f} B "
+                f"| {peak / 1024:.0f} MiB ({peak / max(rss, 1):.2f}x) |",
+                flush=True,
+            )
         if args.profile:
             _, text = time_load(image, profile=True)
             print(text)
