@@ -5,12 +5,14 @@ per file of each structure, the image size, and freeze / image-load times.
 
     python tools/nsmem.py 1000000
     python tools/nsmem.py 1000000 --xattr
+    python tools/nsmem.py 1000000 --drop 0.5   # then the image after a random half went
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import random
 import stat
 import sys
 import time
@@ -55,6 +57,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("files", type=int)
     ap.add_argument("--xattr", action="store_true")
+    ap.add_argument("--drop", type=float, default=0.0, help="then drop this fraction, at random")
     args = ap.parse_args()
     n = args.files
     r0 = rss()
@@ -82,6 +85,24 @@ def main() -> None:
         f"{image / n:.1f} B/file; build {built:.1f} s, freeze {froze * 1e3:.1f} ms, "
         f"image load {loaded:.2f} s"
     )
+    if args.drop:
+        rng = random.Random(1)
+        files = [i for i in ns.inodes if not ns.inodes[i].is_dir]
+        gone = rng.sample(files, int(len(files) * args.drop))
+        t = time.perf_counter()
+        for ino in gone:
+            inode = ns.inodes[ino]
+            ns.drop(ns.remove(inode.parent, inode.name, want_dir=False))
+        dropped = time.perf_counter() - t
+        del inode
+        t = time.perf_counter()
+        after = sum(map(len, ns.snapshot_payloads()))
+        encoded = time.perf_counter() - t
+        print(
+            f"dropped {len(gone):,} at random ({dropped:.1f} s): image {after / n:.1f} B per "
+            f"file built ({after / image:.3f} of the full image; {len(files) - len(gone):,} "
+            f"left), encoded in {encoded:.2f} s"
+        )
 
 
 if __name__ == "__main__":
