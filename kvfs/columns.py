@@ -211,7 +211,7 @@ class NameIndex:
     gives them back to rehash.
 
     Deletion shifts the rest of the cluster back (no tombstones). Growth (past 75%)
-    and shrinking (under 1/8, down to 50%) are incremental: ``table`` is the new
+    and shrinking (under 1/8, to at most 60%) are incremental: ``table`` is the new
     table, ``old`` the one being emptied into it in slot order, slots
     ``0 .. cursor-1`` done, at least MIGRATE_STEP slots per insert or remove, a step
     ending only at an empty slot. So what is cleared is whole clusters, plus the
