@@ -190,11 +190,16 @@ def table_size(names: int) -> int:
 class Table:
     """One open-addressing table: a chunked 'I' column of inode numbers."""
 
-    __slots__ = ("mask", "slots", "tombs", "used")
+    __slots__ = ("mask", "slots", "tombs", "used", "zero")
 
     def __init__(self, size: int) -> None:
+        # every chunk starts as one shared zero chunk, copied by its first write:
+        # a new table of 2^24 slots costs list entries, not 16k allocations at once
+        n = max(1, size >> SHIFT)
+        self.zero = array("I", bytes(ROWS * 4))
         self.slots = Column("I")
-        self.slots.ensure(size)
+        self.slots.chunks = [self.zero] * n
+        self.slots.shared = bytearray(b"\1" * n)
         self.mask = size - 1
         self.used = 0
         self.tombs = 0
@@ -336,6 +341,9 @@ class NameIndex:
                     _place(t, name_hash(*key_of(ino)), ino)
                     old.used -= 1
             c += 1
+        for k in range(self.cursor >> SHIFT, c >> SHIFT):  # swept: free them now,
+            slots.chunks[k] = old.zero  # not 16k chunks at once at the end
+            slots.shared[k] = 1
         self.cursor = c
         if c == size:
             self.old, self.cursor = None, 0
