@@ -164,18 +164,68 @@ class Arena:
 
 EMPTY = 0
 TOMB = 0xFFFFFFFF
+"""A deleted slot: only in a table loaded from a version-1 namespace image (deletion
+is by backward shift since), which becomes the old table of a migration."""
+
+MIGRATE_STEP = 128
+"""Slots of the old table a migration sweeps per insert or remove (then on to the
+end of the cluster it is in). A grow leaves 3/4 of the old size in inserts before
+the new table is 75% full, a shrink 1/16: any step of 16 or more finishes the
+migration first, so no operation waits for more than one step."""
 
 
 def name_hash(parent: int, name: bytes) -> int:
     return xxhash.xxh3_64_intdigest(name, parent)
 
 
-class NameIndex:
-    """(parent, name) -> inode: open addressing with linear probing over a chunked
-    'I' column of inode numbers (0 empty, 2^32-1 deleted). Names are not stored
-    here: ``matches(ino, parent, name)`` compares them where they live."""
+def table_size(names: int) -> int:
+    """The smallest table (a power of two, at least ROWS) that ``names`` fill at
+    most 60%."""
+    size = ROWS
+    while size * 3 < names * 5:
+        size *= 2
+    return size
 
-    __slots__ = ("_key_of", "_matches", "mask", "slots", "tombs", "used")
+
+class Table:
+    """One open-addressing table: a chunked 'I' column of inode numbers."""
+
+    __slots__ = ("mask", "slots", "tombs", "used", "zero")
+
+    def __init__(self, size: int) -> None:
+        # every chunk starts as one shared zero chunk, copied by its first write:
+        # a new table of 2^24 slots costs list entries, not 16k allocations at once
+        n = max(1, size >> SHIFT)
+        self.zero = array("I", bytes(ROWS * 4))
+        self.slots = Column("I")
+        self.slots.chunks = [self.zero] * n
+        self.slots.shared = bytearray(b"\1" * n)
+        self.mask = size - 1
+        self.used = 0
+        self.tombs = 0
+
+    @property
+    def size(self) -> int:
+        return self.mask + 1
+
+
+class NameIndex:
+    """(parent, name) -> inode: open addressing with linear probing over chunked 'I'
+    columns of inode numbers (0 empty). Names are not stored here:
+    ``matches(ino, parent, name)`` compares them where they live, ``key_of(ino)``
+    gives them back to rehash.
+
+    Deletion shifts the rest of the cluster back (no tombstones). Growth (past 75%)
+    and shrinking (under 1/8, to at most 60%) are incremental: ``table`` is the new
+    table, ``old`` the one being emptied into it in slot order, slots
+    ``0 .. cursor-1`` done, at least MIGRATE_STEP slots per insert or remove, a step
+    ending only at an empty slot. So what is cleared is whole clusters, plus the
+    part of a cluster wrapping past the end that lies from slot 0 on: no name left
+    in ``old`` probes through a cleared slot, ``old`` stays a valid table of the
+    names not yet moved, and as nothing is inserted into it, every name is in
+    exactly one of the two. Lookups try both until the cursor reaches the end."""
+
+    __slots__ = ("_key_of", "_matches", "_parts", "cursor", "old", "table")
 
     def __init__(
         self,
@@ -185,16 +235,26 @@ class NameIndex:
     ) -> None:
         self._matches = matches
         self._key_of = key_of
-        self.slots = Column("I")
-        self.slots.ensure(size)
-        self.mask = size - 1
-        self.used = 0
-        self.tombs = 0
+        self.table = Table(size)
+        self.old: Table | None = None
+        self.cursor = 0
+        self._parts: tuple[Table, ...] = ()
+
+    @property
+    def used(self) -> int:
+        return self.table.used + (self.old.used if self.old is not None else 0)
 
     def find(self, parent: int, name: bytes) -> int:
         """The inode named ``name`` in ``parent``, 0 if none."""
-        mask, slots, matches = self.mask, self.slots, self._matches
-        h = name_hash(parent, name) & mask
+        h = name_hash(parent, name)
+        ino = self._probe(self.table, h, parent, name)
+        if ino or self.old is None:
+            return ino
+        return self._probe(self.old, h, parent, name)
+
+    def _probe(self, t: Table, h: int, parent: int, name: bytes) -> int:
+        mask, slots, matches = t.mask, t.slots, self._matches
+        h &= mask
         while True:
             ino = slots[h]
             if ino == EMPTY:
@@ -205,53 +265,137 @@ class NameIndex:
 
     def insert(self, parent: int, name: bytes, ino: int) -> None:
         """Add a name known to be absent."""
-        if (self.used + self.tombs + 1) * 4 > (self.mask + 1) * 3:
-            self._resize()
-        mask, slots = self.mask, self.slots
-        h = name_hash(parent, name) & mask
-        while True:
-            cur = slots[h]
-            if cur in (EMPTY, TOMB):
-                self.tombs -= cur == TOMB
-                slots[h] = ino
-                self.used += 1
-                return
-            h = (h + 1) & mask
+        if self.old is not None:
+            self._migrate(MIGRATE_STEP)
+        t = self.table
+        if (self.used + 1) * 4 > t.size * 3:
+            if self.old is not None:  # not with MIGRATE_STEP >= 16 (see there)
+                self._migrate(self.old.size)
+            self._begin(table_size(self.used + 1))
+        _place(self.table, name_hash(parent, name), ino)
 
     def remove(self, parent: int, name: bytes, ino: int) -> None:
-        mask, slots = self.mask, self.slots
-        h = name_hash(parent, name) & mask
+        h = name_hash(parent, name)
+        if not self._unplace(self.table, h, ino) and (
+            self.old is None or not self._unplace(self.old, h, ino)
+        ):
+            raise KeyError((parent, name))
+        if self.old is not None:
+            self._migrate(MIGRATE_STEP)
+        elif self.table.size > ROWS and self.table.used * 8 < self.table.size:
+            self._begin(table_size(self.table.used))
+
+    def _unplace(self, t: Table, h: int, ino: int) -> bool:
+        """Delete ``ino`` from ``t`` (probing from hash ``h``); False if absent."""
+        mask, slots = t.mask, t.slots
+        i = h & mask
         while True:
-            cur = slots[h]
+            cur = slots[i]
             if cur == EMPTY:
-                raise KeyError((parent, name))
+                return False
             if cur == ino:
-                slots[h] = TOMB
-                self.used -= 1
-                self.tombs += 1
-                return
-            h = (h + 1) & mask
+                break
+            i = (i + 1) & mask
+        t.used -= 1
+        if t.tombs:  # a version-1 table, being migrated: keep its probe chains
+            slots[i] = TOMB
+            t.tombs += 1
+            return True
+        # backward shift: move each later name of the cluster that may live at i
+        # (its home is not in (i, j]) into the hole, until an empty slot
+        key_of, j = self._key_of, i
+        while True:
+            j = (j + 1) & mask
+            cur = slots[j]
+            if cur == EMPTY:
+                break
+            home = name_hash(*key_of(cur)) & mask
+            if (j - home) & mask >= (j - i) & mask:
+                slots[i] = cur
+                i = j
+        slots[i] = EMPTY
+        return True
 
-    def _resize(self) -> None:
-        """Rehash into the smallest table the names fill at most 60% (grown again
-        at 75%: linear probing stays short; 4 B / 0.6 = 6.7 B per name). A Python
-        loop over every name: ~1.5 us each, so rare by doubling."""
-        size = ROWS
-        while size * 3 < (self.used + 1) * 5:
-            size *= 2
-        old = [ino for chunk in self.slots.chunks for ino in chunk if ino not in (EMPTY, TOMB)]
-        self.slots = Column("I")
-        self.slots.ensure(size)
-        self.mask, self.used, self.tombs = size - 1, 0, 0
-        for ino in old:
-            parent, name = self._key_of(ino)
-            self.insert(parent, name, ino)
+    def _begin(self, size: int) -> None:
+        """Start moving every name into a new table of ``size`` slots."""
+        old = self.table
+        self.table = Table(size)
+        if old.used:
+            self.old, self.cursor = old, 0
 
-    def freeze(self) -> list[array[int]]:
-        return self.slots.freeze()
+    def _migrate(self, budget: int) -> None:
+        """Move the names of at least ``budget`` old slots, stopping at an empty one."""
+        old = self.old
+        assert old is not None
+        slots, size, t, key_of = old.slots, old.size, self.table, self._key_of
+        c = self.cursor
+        end = c + budget
+        while c < size:
+            ino = slots[c]
+            if ino == EMPTY:
+                if c >= end:
+                    break
+            else:
+                slots[c] = EMPTY
+                if ino != TOMB:
+                    _place(t, name_hash(*key_of(ino)), ino)
+                    old.used -= 1
+            c += 1
+        for k in range(self.cursor >> SHIFT, c >> SHIFT):  # swept: free them now,
+            slots.chunks[k] = old.zero  # not 16k chunks at once at the end
+            slots.shared[k] = 1
+        self.cursor = c
+        if c == size:
+            self.old, self.cursor = None, 0
 
-    def load(self, size: int, used: int, tombs: int) -> None:
-        """Set the geometry of a table whose chunks are loaded next."""
-        self.slots = Column("I")
-        self.slots.ensure(size)
-        self.mask, self.used, self.tombs = size - 1, used, tombs
+    def freeze(self) -> tuple[list[array[int]], list[array[int]]]:
+        """Copy-on-write snapshots of the table and the old table ([] if none)."""
+        return self.table.slots.freeze(), self.old.slots.freeze() if self.old else []
+
+    def load(
+        self, size: int, used: int, old_size: int = 0, old_used: int = 0, cursor: int = 0
+    ) -> None:
+        """Set the geometry of the tables whose chunks are loaded next
+        (:meth:`part_table`); ``old_size`` 0: no migration."""
+        self.table = Table(size)
+        self.table.used = used
+        self.old, self.cursor = None, 0
+        self._parts = (self.table,)
+        if old_size:
+            self.old = Table(old_size)
+            self.old.used = old_used
+            self.cursor = cursor
+            self._parts = (self.table, self.old)
+
+    def load_legacy(self, size: int, used: int, tombs: int) -> None:
+        """A version-1 image's single table, which may hold deleted slots: with
+        none it is the table; else the old table of a migration into a new one
+        (deleted slots count as taken until it is emptied)."""
+        if not tombs:
+            self.load(size, used)
+            return
+        self.load(table_size(used + 1), 0, size, used, 0)
+        assert self.old is not None
+        self.old.tombs = tombs
+        self._parts = (self.old,)
+
+    def part_table(self, pid: int) -> Table:
+        """The table that image part ``pid`` loads into (after :meth:`load`: 0 the
+        table, 1 the old one)."""
+        if pid >= len(self._parts):
+            raise ValueError(f"name index part {pid} without its table")
+        return self._parts[pid]
+
+    def nbytes(self) -> int:
+        return self.table.slots.nbytes() + (self.old.slots.nbytes() if self.old else 0)
+
+
+def _place(t: Table, h: int, ino: int) -> None:
+    """Put ``ino`` into the first empty slot from hash ``h`` (``t`` has no
+    deleted slots)."""
+    mask, slots = t.mask, t.slots
+    h &= mask
+    while slots[h] != EMPTY:
+        h = (h + 1) & mask
+    slots[h] = ino
+    t.used += 1

@@ -21,9 +21,12 @@ if TYPE_CHECKING:
     from kvfs.namespace import Namespace
 
 TAG = 0xC5
-VERSION = 1
+VERSION = 2
 _HEAD = struct.Struct("<BBHI")
 _META = struct.Struct("<IQQQQQQQ")
+_MIGRATION = struct.Struct("<QQQ")
+"""Appended to META since version 2: the name index's old table while it is being
+migrated (slots, 0: none; used; cursor)."""
 _PAIR = struct.Struct("<QI")
 _OWNER = struct.Struct("<II")
 _LINK = struct.Struct("<BI")
@@ -315,18 +318,19 @@ def image_payloads(ns: Namespace) -> Iterator[bytes]:
     """Freeze ``ns`` now and return an iterator over its image payloads, which reads
     only the frozen chunks and the side tables serialized here."""
     index = ns._index
+    old = index.old
     meta = _META.pack(
         VERSION,
         ns.next_ino,
         ns._live,
         ns._rows,
-        index.mask + 1,
-        index.used,
-        index.tombs,
+        index.table.size,
+        index.table.used,
+        0,
         ns._arena.tail,
-    )
+    ) + _MIGRATION.pack(old.size if old else 0, old.used if old else 0, index.cursor)
     columns = [col.freeze() for col in ns.persisted_columns]
-    slots = index.freeze()
+    slots, old_slots = index.freeze()
     arena = ns._arena.freeze()
     side = _side_tables(ns)
 
@@ -340,6 +344,7 @@ def image_payloads(ns: Namespace) -> Iterator[bytes]:
             yield from _chunk_parts(K_COLUMN, cid, chunks, skip)
         yield from _row_parts(columns, holey)
         yield from _chunk_parts(K_SLOTS, 0, slots)
+        yield from _chunk_parts(K_SLOTS, 1, old_slots)
         yield from _arena_parts(arena)
         yield from side
 
@@ -360,15 +365,20 @@ def load_part(ns: Namespace, payload: bytes) -> None:
                 col.load_chunk(index + i // step, body[i : i + step])
         elif kind == K_SLOTS:
             step = ROWS * 4
+            slots = ns._index.part_table(pid).slots
             for i in range(0, len(body), step):
-                ns._index.slots.load_chunk(index + i // step, body[i : i + step])
+                slots.load_chunk(index + i // step, body[i : i + step])
         elif kind == K_ARENA:
             for i in range(0, len(body), ARENA_CHUNK):
                 ns._arena.load_chunk(index + i // ARENA_CHUNK, body[i : i + ARENA_CHUNK])
         elif kind == K_ROWS:
             _load_rows(ns, body)
         elif kind == K_COLUMN | SPARSE or kind == K_SLOTS | SPARSE:
-            col = ns.persisted_columns[pid] if kind == K_COLUMN | SPARSE else ns._index.slots
+            col = (
+                ns.persisted_columns[pid]
+                if kind == K_COLUMN | SPARSE
+                else ns._index.part_table(pid).slots
+            )
             zero = bytes(ROWS * array(col.code).itemsize)
             for c, where, values in _sparse_chunks(body, col.code):
                 col.load_chunk(c, zero)
@@ -385,15 +395,31 @@ def load_part(ns: Namespace, payload: bytes) -> None:
 
 
 def _load_meta(ns: Namespace, body: bytes) -> None:
-    version, next_ino, live, rows, isize, iused, itombs, tail = _META.unpack(body)
-    if version != VERSION:
-        raise Corruption(f"namespace image version {version} (this release reads {VERSION})")
-    if isize & (isize - 1) or isize < ROWS or rows % ROWS:
+    version, next_ino, live, rows, isize, iused, itombs, tail = _META.unpack_from(body)
+    if version not in (1, VERSION):
+        raise Corruption(f"namespace image version {version} (this release reads 1, {VERSION})")
+    osize = oused = cursor = 0
+    if version > 1:
+        osize, oused, cursor = _MIGRATION.unpack(body[_META.size :])
+    if (
+        not _table_geometry(isize, iused)
+        or rows % ROWS
+        or (osize and not _table_geometry(osize, oused))
+        or cursor > osize
+        or (version > 1 and itombs)
+    ):
         raise Corruption("namespace image geometry")
     ns.next_ino, ns._live = next_ino, live
     ns._ensure(rows)
-    ns._index.load(isize, iused, itombs)
+    if version == 1:
+        ns._index.load_legacy(isize, iused, itombs)
+    else:
+        ns._index.load(isize, iused, osize, oused, cursor)
     ns._arena.tail = tail
+
+
+def _table_geometry(size: int, used: int) -> bool:
+    return size >= ROWS and not size & (size - 1) and used < size
 
 
 def _unpairs(body: bytes) -> Iterator[tuple[int, bytes]]:

@@ -81,7 +81,7 @@ def main() -> None:
     print(
         f"files {n:,} xattr {args.xattr}: RSS {grown / n:.1f} B/file (columns "
         f"{columns / n:.1f}, arena {ns._arena.nbytes() / n:.1f}, name index "
-        f"{ns._index.slots.nbytes() / n:.1f}, listing arrays {listing / n:.1f}); image "
+        f"{ns._index.nbytes() / n:.1f}, listing arrays {listing / n:.1f}); image "
         f"{image / n:.1f} B/file; build {built:.1f} s, freeze {froze * 1e3:.1f} ms, "
         f"image load {loaded:.2f} s"
     )
