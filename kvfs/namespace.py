@@ -752,17 +752,25 @@ class Namespace:
         return DirView(self, ino)
 
     def lookup(self, parent: int, name: bytes) -> Inode:
+        inode = self.find(parent, name)
+        if inode is None:
+            raise NotFound(name.decode(errors="replace"))
+        return inode
+
+    def find(self, parent: int, name: bytes) -> Inode | None:
+        """:meth:`lookup` that answers a missing name with None instead of raising
+        (FUSE LOOKUP: misses are most of a lookup storm, and a rename's new name)."""
         if name == b".":
             return self.get(parent)
         if name == b"..":
             return self.get(self.get(parent).parent)
         if len(name) > NAME_MAX:
             raise NameTooLong(f"name of {len(name)} bytes")
-        self.directory(parent)
+        self.get(parent)
+        if parent not in self._dirs:
+            raise NotADirectory(f"inode {parent}")
         ino = self._find(parent, name)
-        if not ino:
-            raise NotFound(name.decode(errors="replace"))
-        return self.inodes[ino]
+        return self.inodes[ino] if ino else None
 
     # ------------------------------------------------------------------ mutations
     def init_root(self, uid: int, gid: int) -> None:
