@@ -44,6 +44,13 @@ stats`` cost inside the daemon: ``Store.statistics()``, ``Operations.statfs`` an
 245 TB device of 1 MiB units (empty; after one allocation; full and fragmented)::
 
     /work/main/.venv/bin/python tools/metaops.py --in-process 1000 100000 1000000
+
+``--handlers N [N ...]`` (no root, no mount) times the FUSE handlers themselves
+(``getattr``, a LOOKUP miss, rename within and across directories, unlink) called
+directly, per operation, with N files in the directory: the daemon's own CPU per
+request, without the kernel round trip and pyfuse3's dispatch::
+
+    /work/main/.venv/bin/python tools/metaops.py --handlers 20000 100000
 """
 
 from __future__ import annotations
@@ -61,7 +68,7 @@ import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -447,7 +454,63 @@ def in_process(counts: list[int]) -> None:
     )
 
 
+def handlers(counts: list[int], rounds: int = 3) -> None:
+    """Daemon CPU of the handlers alone (no kernel, no pyfuse3 loop): ``Operations``
+    called directly on a memory pool whose directory ``a`` holds N files (made one
+    by one through ``mknod``, as the mount would), each phase once per file; best
+    of ``rounds`` runs (the machine is shared). The journal queues what they log."""
+    import stat
+
+    import trio
+
+    from kvfs import pool as pool_mod
+    from kvfs.device import Device, MemoryDevice
+    from kvfs.fs import Operations
+    from kvfs.namespace import ROOT_INO
+    from kvfs.pool import Pool
+    from kvfs.store import Store, StoreConfig
+
+    class Ctx:
+        uid = gid = pid = 0
+        umask = 0o022
+
+    async def one(n: int) -> dict[str, float]:
+        meta = max(64 << 20, n * 1024)  # room for N empty files, as the mount test has
+        devs: list[Device] = [MemoryDevice(4 * meta + (64 << 20), "mem0")]
+        sbs = pool_mod._layout(devs, 1 << 20, meta, "handlers")
+        pool_mod._write_empty_pool(devs, sbs)
+        store = Store(Pool(devs, sbs), StoreConfig(cache_bytes=1 << 20))
+        store.load()
+        ops, ctx = Operations(store), cast(Any, Ctx())  # the fields handlers read
+        a = (await ops.mkdir(ROOT_INO, b"a", 0o755, ctx)).st_ino
+        b = (await ops.mkdir(ROOT_INO, b"b", 0o755, ctx)).st_ino
+        for i in range(n):
+            await ops.mknod(a, b"f%08d" % i, stat.S_IFREG | 0o644, 0, ctx)
+        out: dict[str, float] = {}
+        for name, call in (
+            ("getattr", lambda i: ops.getattr(a, ctx)),
+            ("lookup_miss", lambda i: ops.lookup(a, b"g%08d" % i, ctx)),
+            ("rename_same", lambda i: ops.rename(a, b"f%08d" % i, a, b"g%08d" % i, 0, ctx)),
+            ("rename_cross", lambda i: ops.rename(a, b"g%08d" % i, b, b"g%08d" % i, 0, ctx)),
+            ("unlink", lambda i: ops.unlink(b, b"g%08d" % i, ctx)),
+        ):
+            t = time.perf_counter()
+            for i in range(n):
+                await call(i)
+            out[name] = (time.perf_counter() - t) / n * 1e6
+        store.pool.close()
+        return out
+
+    for n in counts:
+        runs = [trio.run(one, n) for _ in range(rounds)]
+        best = {k: min(r[k] for r in runs) for k in runs[0]}
+        print(f"{n} files: " + ", ".join(f"{k} {v:.1f} µs" for k, v in best.items()))
+
+
 def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--handlers":
+        handlers([int(a) for a in sys.argv[2:]] or [20_000, 100_000])
+        return 0
     if len(sys.argv) > 1 and sys.argv[1] == "--count-daemon":
         return counting_daemon(sys.argv[2:])
     if len(sys.argv) > 1 and sys.argv[1] == "--in-process":
