@@ -31,7 +31,9 @@ sparse image of one unit per file; ext4: created through the mount, with ``-N``
 inodes), so the measured operations run at M + N files. ``--count-requests`` runs the
 kvfs daemon with its FUSE handlers wrapped to count requests per opcode (a few µs per
 request: use it to see the request mix, not for the timings) and reports requests
-per file per phase. The machine is shared: quote medians and paired ratios.
+per file per phase. The kvfs daemon's CPU time per file of each per-file phase
+(``/proc/PID/stat``, user + system) is reported too: it moves far less with other
+load than wall time. The machine is shared: quote medians and paired ratios.
 
 Options: ``--files N`` (100000), ``--reps R`` (3), ``--calls K`` (200),
 ``--image-gib G`` (8), ``--prefill M`` (0), ``--count-requests``, ``--work DIR``
@@ -176,6 +178,14 @@ class Kvfs:
             if code != 0:
                 raise RuntimeError(f"kvfs exited with {code}; see {self.log_file}")
 
+    def cpu(self) -> float | None:
+        """Seconds of CPU the daemon process has used so far (user + system, every
+        thread; /proc/PID/stat): far less sensitive to other load than wall time."""
+        if self.proc is None:
+            return None
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def counts(self) -> dict[str, int]:
         """The daemon's request counts so far (empty without --count-requests)."""
         if self.counts_file is None or self.proc is None:
@@ -202,6 +212,9 @@ class Ext4:
 
     def counts(self) -> dict[str, int]:
         return {}
+
+    def cpu(self) -> float | None:
+        return None  # in the kernel: no process to measure
 
 
 # ---------------------------------------------------------------- phases
@@ -258,7 +271,10 @@ def one_rep(fs: Any, n: int, calls: int, rep: int) -> tuple[dict[str, float], di
 
     def phase(name: str, fn: Any, *args: Any) -> None:
         before = fs.counts()
+        cpu = fs.cpu()
         res[name] = timed(fn, *args)
+        if cpu is not None and name in PER_FILE:
+            res[f"{name}_cpu_us"] = (fs.cpu() - cpu) / n * 1e6
         after = fs.counts()
         if after:
             reqs[name] = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k)}
@@ -355,6 +371,13 @@ def summarise(reps: dict[str, list[dict[str, float]]], n: int) -> dict[str, Any]
             ]
             row["paired_ratio"] = statistics.median(pairs)
         out[phase] = row
+    cpu = {
+        phase: statistics.median(r[f"{phase}_cpu_us"] for r in reps.get("kvfs", []))
+        for phase in PHASES
+        if reps.get("kvfs") and all(f"{phase}_cpu_us" in r for r in reps["kvfs"])
+    }
+    if cpu:
+        out["kvfs_daemon_cpu_us_per_file"] = cpu
     return out
 
 
@@ -374,6 +397,8 @@ def per_file_requests(reqs: list[dict[str, Any]], n: int) -> dict[str, dict[str,
 def print_table(summary: dict[str, Any], requests: dict[str, Any]) -> None:
     print(f"{'phase':<14}{'ext4':>12}{'kvfs':>12}{'kvfs/ext4':>11}{'paired':>9}  unit")
     for phase, row in summary.items():
+        if phase == "kvfs_daemon_cpu_us_per_file":
+            continue
         unit = "µs" if phase.endswith("_us") else "s"
         e, k = row.get("ext4"), row.get("kvfs")
         print(
@@ -381,6 +406,9 @@ def print_table(summary: dict[str, Any], requests: dict[str, Any]) -> None:
             f"{row.get('ratio', float('nan')):>11.2f}{row.get('paired_ratio', float('nan')):>9.2f}"
             f"  {unit}"
         )
+    cpu = summary.get("kvfs_daemon_cpu_us_per_file", {})
+    if cpu:
+        print("kvfs daemon CPU per file (µs): " + ", ".join(f"{k} {v:.0f}" for k, v in cpu.items()))
     for phase, ops in requests.items():
         mix = ", ".join(f"{op} {v:g}" for op, v in ops.items())
         print(f"requests per file, {phase}: {mix}")
