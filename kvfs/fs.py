@@ -126,11 +126,8 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
     async def lookup(
         self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext | None = None
     ) -> pyfuse3.EntryAttributes:
-        try:
-            inode = self.ns.lookup(parent_inode, name)
-        except KvfsError as e:
-            if e.errno != errno.ENOENT:
-                raise
+        inode = self.ns.find(parent_inode, name)
+        if inode is None:
             miss = pyfuse3.EntryAttributes()
             miss.st_ino = 0  # a cached negative entry: lookup storms of misses stay cheap
             miss.entry_timeout = self.timeout

@@ -14,7 +14,7 @@ from array import array
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
-from kvfs.columns import SHIFT
+from kvfs.columns import MASK, SHIFT
 from kvfs.layout import DEV_SHIFT, FLAG_GONE, NO_UNIT, InodeRecord
 
 if TYPE_CHECKING:
@@ -184,19 +184,24 @@ class Inode:
         return self._ns._mapped(self.ino)
 
     def record(self) -> InodeRecord:
+        # every rename, unlink and commit logs records: the row's chunks are read
+        # directly (a read needs no copy-on-write), not through a property per field
+        ns, ino = self._ns, self.ino
+        c, r = ino >> SHIFT, ino & MASK
+        uid, gid = ns._owners[ns._owner.chunks[c][r]]
         return InodeRecord(
-            self.ino,
-            self.mode,
-            self.uid,
-            self.gid,
-            self.nlink,
-            self.size,
-            self.atime_ns,
-            self.mtime_ns,
-            self.ctime_ns,
-            self.flags & ~FLAG_GONE,
-            self._ns._units(self.ino),
-            self._ns._csums(self.ino),
+            ino,
+            ns._mode.chunks[c][r],
+            uid,
+            gid,
+            ns._nlink.chunks[c][r],
+            ns._size.chunks[c][r],
+            ns._atime.chunks[c][r],
+            ns._mtime.chunks[c][r],
+            ns._ctime.chunks[c][r],
+            ns._flags.chunks[c][r] & ~(F_INTERNAL | FLAG_GONE),
+            ns._units(ino),
+            ns._csums(ino),
         )
 
 

@@ -601,6 +601,10 @@ def _inode_head(op: InodeRecord) -> tuple[int, ...]:
 def encode_op(op: Op) -> bytes:
     if isinstance(op, InodeRecord):
         units, csums = op.units, op.csums
+        if not len(units) and not len(csums):
+            # no unit map (directories, empty files: what renames and unlinks log
+            # most): the general path's bytes, without building runs
+            return _INODE.pack(*_inode_head(op), 0, 0)
         run = _single_run(units) if isinstance(units, array) else None
         if run is not None and len(csums) == run[1]:
             # no holes: every checksum is mapped, in logical order

@@ -113,6 +113,7 @@ class Namespace:
         self._csum0 = Column("Q")
         self._xattr = Column("I")
         self._lookups = Column("I")  # runtime only: the kernel forgot everything at mount
+        self._cpos = Column("I")  # runtime only: where the row is in its parent's children
         self._arena = Arena()
         self._index = NameIndex(self._matches, self._key_of)
         self._owners: list[tuple[int, int]] = []
@@ -168,7 +169,7 @@ class Namespace:
         if rows <= self._rows:
             return
         rows = -(-rows // ROWS) * ROWS
-        for col in (*self.persisted_columns, self._lookups):
+        for col in (*self.persisted_columns, self._lookups, self._cpos):
             col.ensure(rows)
         self._rows = rows
 
@@ -269,7 +270,7 @@ class Namespace:
         self._maps.pop(ino, None)
         self._multi.pop(ino, None)
         self._opens.pop(ino, None)
-        for col in self.persisted_columns:
+        for col in (*self.persisted_columns, self._cpos):
             col[ino] = 0
         self._flags[ino] = F_DEAD
 
@@ -352,7 +353,9 @@ class Namespace:
             self._set_name(ino, name)
             self._flags[ino] |= F_NAMED
             self._index.insert(parent, name, ino)
-            self._dirs[parent].children.append(ino)
+            children = self._dirs[parent].children
+            self._cpos[ino] = len(children)
+            children.append(ino)
             return
         d = self._dirs[parent]
         if d.links is None:
@@ -366,9 +369,11 @@ class Namespace:
         if ino:
             self._index.remove(parent, name, ino)
             children = self._dirs[parent].children
-            i = children.index(ino)
-            children[i] = children[-1]
-            children.pop()
+            i = self._child_pos(children, ino)
+            last = children.pop()
+            if i < len(children):
+                children[i] = last
+                self._cpos[last] = i
             self._flags[ino] &= ~F_NAMED
             extra = self._extra.get(ino)
             if extra:  # another hard link becomes the indexed name
@@ -387,6 +392,21 @@ class Namespace:
         if not extra:
             del self._extra[ino]
         return ino
+
+    def _child_pos(self, children: array[int], ino: int) -> int:
+        """Where ``ino`` is in ``children`` (its parent's listing): O(1) from the
+        position column. Positions are not in checkpoints: after a load (or anything
+        else that filled a listing without them) the first miss in a directory
+        recomputes its positions once."""
+        i = self._cpos[ino]
+        if i < len(children) and children[i] == ino:
+            return i
+        for j, child in enumerate(children):
+            self._cpos[child] = j
+        i = self._cpos[ino]
+        if i < len(children) and children[i] == ino:
+            return i
+        return children.index(ino)  # ValueError: not listed (a broken index)
 
     def _drop_link(self, parent: int, name: bytes) -> int:
         d = self._dirs[parent]
@@ -733,17 +753,25 @@ class Namespace:
         return DirView(self, ino)
 
     def lookup(self, parent: int, name: bytes) -> Inode:
+        inode = self.find(parent, name)
+        if inode is None:
+            raise NotFound(name.decode(errors="replace"))
+        return inode
+
+    def find(self, parent: int, name: bytes) -> Inode | None:
+        """:meth:`lookup` that answers a missing name with None instead of raising
+        (FUSE LOOKUP: misses are most of a lookup storm, and a rename's new name)."""
         if name == b".":
             return self.get(parent)
         if name == b"..":
             return self.get(self.get(parent).parent)
         if len(name) > NAME_MAX:
             raise NameTooLong(f"name of {len(name)} bytes")
-        self.directory(parent)
+        self.get(parent)
+        if parent not in self._dirs:
+            raise NotADirectory(f"inode {parent}")
         ino = self._find(parent, name)
-        if not ino:
-            raise NotFound(name.decode(errors="replace"))
-        return self.inodes[ino]
+        return self.inodes[ino] if ino else None
 
     # ------------------------------------------------------------------ mutations
     def init_root(self, uid: int, gid: int) -> None:
@@ -823,7 +851,9 @@ class Namespace:
         self._name_off.fill(first, array("I", map(put, names)))
         for i, name in enumerate(names):
             insert(parent, name, first + i)
-        self._dirs[parent].children.extend(range(first, first + n))
+        children = self._dirs[parent].children
+        self._cpos.fill(first, array("I", range(len(children), len(children) + n)))
+        children.extend(range(first, first + n))
         self._live += n
         return first
 
@@ -913,7 +943,9 @@ class Namespace:
         self._touch_dir(old_parent, now)
         self._touch_dir(new_parent, now)
         ops += [Undentry(old_parent, old), Dentry(new_parent, new, src.ino), src.record()]
-        ops += [self.inodes[old_parent].record(), self.inodes[new_parent].record()]
+        ops.append(self.inodes[old_parent].record())
+        if new_parent != old_parent:  # within one directory: its record once
+            ops.append(self.inodes[new_parent].record())
         self._log(ops)
         return victim
 

@@ -367,3 +367,25 @@ def test_forged_inode_counts_are_corruption_without_huge_allocations() -> None:
     forged[61:65] = (1 << 31).to_bytes(4, "little")
     with pytest.raises(Corruption):
         list(decode_ops(bytes(forged)))
+
+
+def test_an_inode_without_units_encodes_as_the_general_path_does() -> None:
+    """The fast path for an empty unit map (directories, empty files: most of what a
+    rename or an unlink logs) writes the bytes the general path writes (the INODE
+    head, its unit and run counts, the runs, the mapped checksums), and a record with
+    checksums but no units still fails as before."""
+    from kvfs.layout import _INODE, _RUN, _inode_head, _runs
+
+    def general(op: InodeRecord) -> bytes:
+        runs = _runs(array("q", op.units))
+        mapped = array("Q", (c for p, c in zip(op.units, op.csums, strict=True) if p != NO_UNIT))
+        head = _INODE.pack(*_inode_head(op), len(op.units), len(runs))
+        return head + b"".join(_RUN.pack(*r) for r in runs) + mapped.tobytes()
+
+    for ino, mode, flags in ((7, 0o40755, 0), (8, 0o100644, 1), (2**40, 0o100600, 3)):
+        rec = InodeRecord(ino, mode, 1000, 1001, 2, 0, 11, 12, 13, flags, array("q"), array("Q"))
+        raw = encode_op(rec)
+        assert raw == general(rec)
+        assert list(decode_ops(raw)) == [rec]
+    with pytest.raises(ValueError):
+        encode_op(InodeRecord(9, 0o100644, 0, 0, 1, 0, 1, 2, 3, 0, array("q"), array("Q", [5])))

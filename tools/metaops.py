@@ -31,7 +31,9 @@ sparse image of one unit per file; ext4: created through the mount, with ``-N``
 inodes), so the measured operations run at M + N files. ``--count-requests`` runs the
 kvfs daemon with its FUSE handlers wrapped to count requests per opcode (a few µs per
 request: use it to see the request mix, not for the timings) and reports requests
-per file per phase. The machine is shared: quote medians and paired ratios.
+per file per phase. The kvfs daemon's CPU time per file of each per-file phase
+(``/proc/PID/stat``, user + system) is reported too: it moves far less with other
+load than wall time. The machine is shared: quote medians and paired ratios.
 
 Options: ``--files N`` (100000), ``--reps R`` (3), ``--calls K`` (200),
 ``--image-gib G`` (8), ``--prefill M`` (0), ``--count-requests``, ``--work DIR``
@@ -44,6 +46,13 @@ stats`` cost inside the daemon: ``Store.statistics()``, ``Operations.statfs`` an
 245 TB device of 1 MiB units (empty; after one allocation; full and fragmented)::
 
     /work/main/.venv/bin/python tools/metaops.py --in-process 1000 100000 1000000
+
+``--handlers N [N ...]`` (no root, no mount) times the FUSE handlers themselves
+(``getattr``, a LOOKUP miss, rename within and across directories, unlink) called
+directly, per operation, with N files in the directory: the daemon's own CPU per
+request, without the kernel round trip and pyfuse3's dispatch::
+
+    /work/main/.venv/bin/python tools/metaops.py --handlers 20000 100000
 """
 
 from __future__ import annotations
@@ -61,7 +70,7 @@ import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -169,6 +178,14 @@ class Kvfs:
             if code != 0:
                 raise RuntimeError(f"kvfs exited with {code}; see {self.log_file}")
 
+    def cpu(self) -> float | None:
+        """Seconds of CPU the daemon process has used so far (user + system, every
+        thread; /proc/PID/stat): far less sensitive to other load than wall time."""
+        if self.proc is None:
+            return None
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def counts(self) -> dict[str, int]:
         """The daemon's request counts so far (empty without --count-requests)."""
         if self.counts_file is None or self.proc is None:
@@ -195,6 +212,9 @@ class Ext4:
 
     def counts(self) -> dict[str, int]:
         return {}
+
+    def cpu(self) -> float | None:
+        return None  # in the kernel: no process to measure
 
 
 # ---------------------------------------------------------------- phases
@@ -251,7 +271,10 @@ def one_rep(fs: Any, n: int, calls: int, rep: int) -> tuple[dict[str, float], di
 
     def phase(name: str, fn: Any, *args: Any) -> None:
         before = fs.counts()
+        cpu = fs.cpu()
         res[name] = timed(fn, *args)
+        if cpu is not None and name in PER_FILE:
+            res[f"{name}_cpu_us"] = (fs.cpu() - cpu) / n * 1e6
         after = fs.counts()
         if after:
             reqs[name] = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k)}
@@ -348,6 +371,13 @@ def summarise(reps: dict[str, list[dict[str, float]]], n: int) -> dict[str, Any]
             ]
             row["paired_ratio"] = statistics.median(pairs)
         out[phase] = row
+    cpu = {
+        phase: statistics.median(r[f"{phase}_cpu_us"] for r in reps.get("kvfs", []))
+        for phase in PHASES
+        if reps.get("kvfs") and all(f"{phase}_cpu_us" in r for r in reps["kvfs"])
+    }
+    if cpu:
+        out["kvfs_daemon_cpu_us_per_file"] = cpu
     return out
 
 
@@ -367,6 +397,8 @@ def per_file_requests(reqs: list[dict[str, Any]], n: int) -> dict[str, dict[str,
 def print_table(summary: dict[str, Any], requests: dict[str, Any]) -> None:
     print(f"{'phase':<14}{'ext4':>12}{'kvfs':>12}{'kvfs/ext4':>11}{'paired':>9}  unit")
     for phase, row in summary.items():
+        if phase == "kvfs_daemon_cpu_us_per_file":
+            continue
         unit = "µs" if phase.endswith("_us") else "s"
         e, k = row.get("ext4"), row.get("kvfs")
         print(
@@ -374,6 +406,9 @@ def print_table(summary: dict[str, Any], requests: dict[str, Any]) -> None:
             f"{row.get('ratio', float('nan')):>11.2f}{row.get('paired_ratio', float('nan')):>9.2f}"
             f"  {unit}"
         )
+    cpu = summary.get("kvfs_daemon_cpu_us_per_file", {})
+    if cpu:
+        print("kvfs daemon CPU per file (µs): " + ", ".join(f"{k} {v:.0f}" for k, v in cpu.items()))
     for phase, ops in requests.items():
         mix = ", ".join(f"{op} {v:g}" for op, v in ops.items())
         print(f"requests per file, {phase}: {mix}")
@@ -447,7 +482,63 @@ def in_process(counts: list[int]) -> None:
     )
 
 
+def handlers(counts: list[int], rounds: int = 3) -> None:
+    """Daemon CPU of the handlers alone (no kernel, no pyfuse3 loop): ``Operations``
+    called directly on a memory pool whose directory ``a`` holds N files (made one
+    by one through ``mknod``, as the mount would), each phase once per file; best
+    of ``rounds`` runs (the machine is shared). The journal queues what they log."""
+    import stat
+
+    import trio
+
+    from kvfs import pool as pool_mod
+    from kvfs.device import Device, MemoryDevice
+    from kvfs.fs import Operations
+    from kvfs.namespace import ROOT_INO
+    from kvfs.pool import Pool
+    from kvfs.store import Store, StoreConfig
+
+    class Ctx:
+        uid = gid = pid = 0
+        umask = 0o022
+
+    async def one(n: int) -> dict[str, float]:
+        meta = max(64 << 20, n * 1024)  # room for N empty files, as the mount test has
+        devs: list[Device] = [MemoryDevice(4 * meta + (64 << 20), "mem0")]
+        sbs = pool_mod._layout(devs, 1 << 20, meta, "handlers")
+        pool_mod._write_empty_pool(devs, sbs)
+        store = Store(Pool(devs, sbs), StoreConfig(cache_bytes=1 << 20))
+        store.load()
+        ops, ctx = Operations(store), cast(Any, Ctx())  # the fields handlers read
+        a = (await ops.mkdir(ROOT_INO, b"a", 0o755, ctx)).st_ino
+        b = (await ops.mkdir(ROOT_INO, b"b", 0o755, ctx)).st_ino
+        for i in range(n):
+            await ops.mknod(a, b"f%08d" % i, stat.S_IFREG | 0o644, 0, ctx)
+        out: dict[str, float] = {}
+        for name, call in (
+            ("getattr", lambda i: ops.getattr(a, ctx)),
+            ("lookup_miss", lambda i: ops.lookup(a, b"g%08d" % i, ctx)),
+            ("rename_same", lambda i: ops.rename(a, b"f%08d" % i, a, b"g%08d" % i, 0, ctx)),
+            ("rename_cross", lambda i: ops.rename(a, b"g%08d" % i, b, b"g%08d" % i, 0, ctx)),
+            ("unlink", lambda i: ops.unlink(b, b"g%08d" % i, ctx)),
+        ):
+            t = time.perf_counter()
+            for i in range(n):
+                await call(i)
+            out[name] = (time.perf_counter() - t) / n * 1e6
+        store.pool.close()
+        return out
+
+    for n in counts:
+        runs = [trio.run(one, n) for _ in range(rounds)]
+        best = {k: min(r[k] for r in runs) for k in runs[0]}
+        print(f"{n} files: " + ", ".join(f"{k} {v:.1f} µs" for k, v in best.items()))
+
+
 def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--handlers":
+        handlers([int(a) for a in sys.argv[2:]] or [20_000, 100_000])
+        return 0
     if len(sys.argv) > 1 and sys.argv[1] == "--count-daemon":
         return counting_daemon(sys.argv[2:])
     if len(sys.argv) > 1 and sys.argv[1] == "--in-process":
