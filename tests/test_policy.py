@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvfs.evict import POLICY_BLOB, Evictor
+from kvfs.evict import PART_POLICY, POLICY_BLOB, Evictor
 from kvfs.layout import Dentry, InodeRecord
 from kvfs.namespace import ROOT_INO, Namespace
 from kvfs.policy import (
@@ -362,11 +362,12 @@ def test_evictor_resumes_from_a_release_image_or_starts_fresh(name: str) -> None
             assert victims.index(21) < victims.index(5)
         elif kept:  # adopted in the image's order, then the files it lacked
             assert victims == [7, 21, 20, 5, 6, 30]
-        else:  # fresh: every file in mtime order
-            assert sorted(victims) == sorted(files)
+        else:  # fresh: every file in mtime order (mtime = inode here), oldest first
+            assert victims == sorted(files)
+        assert POLICY_BLOB not in ns.blobs  # read once: checkpoints carry payloads now
         evictor.save()
         again = make_policy(name)
-        again.recover(ns.blobs[POLICY_BLOB])
+        again.recover_pieces([p[2:] for p in ns.evictor_payloads if p[1:2] == PART_POLICY])
         assert again.keys() == set(files)
         if name != "kvfs":  # kvfs restarts its adaptive share, which reorders probation
             assert order(again) == victims
@@ -453,15 +454,16 @@ def test_evictor_shares_one_owner_tuple_per_process_and_reaps_it() -> None:
     for ino in files:
         evictor.created(ns.inodes[ino], 1000 if ino % 2 else 1001)
         evictor.committed(ns.inodes[ino], 1000 if ino % 2 else 1001)
-    owners = {id(evictor._owner[ino]) for ino in files}
+    owners = {id(evictor.owner_of(ino)) for ino in files}
     assert len(owners) == 2
     assert evictor.opened(ns.inodes[3], 1001) == (1001, 8)  # changes owner
-    assert evictor._owner[3] is evictor._owner[2]
+    assert evictor.owner_of(3) is evictor.owner_of(2)
     del alive[1001]
     evictor._reaped = 0.0
     assert evictor.reap() == 6  # 2, 4, ..., 10 and 3
     assert set(evictor.orphans) == {2, 3, 4, 6, 8, 10}
-    assert list(evictor._interned) == [(1000, 7)]
+    assert evictor.processes() == [(1000, 7)]
+    assert [evictor.owner_of(ino) for ino in (2, 3, 5)] == [None, None, (1000, 7)]
 
 
 @pytest.mark.parametrize("source", POLICY_NAMES)

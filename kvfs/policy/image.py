@@ -262,6 +262,11 @@ def encode_pieces(
         )
     )
 
+    last = max(c for c, kept in enumerate(keep) if kept)
+    last_owners = owner[last]
+    assert last_owners is not None
+    last_rows = len(last_owners.tobytes().rstrip(bytes([FREE & 0xFF])))  # the rest: no key
+
     def pieces() -> Iterator[bytes]:
         yield _piece(kind, PART_HEAD, 0, body)
         for number, chunks in enumerate(frozen):
@@ -276,7 +281,8 @@ def encode_pieces(
                         continue
                 if not batch:
                     first = c
-                batch.append(chunk.tobytes())
+                raw = chunk.tobytes()
+                batch.append(raw if c != last else raw[: last_rows * chunk.itemsize])
             if batch:
                 yield _column_piece(kind, number, codes[number], first, batch)
 
@@ -383,12 +389,15 @@ def decode_pieces(
             raise ValueError("bad column in policy image")
         if number == 2 and code != "b":
             raise ValueError("bad owner column in policy image")
-        step = ROWS * array(code).itemsize
-        if len(raw) % step or first + len(raw) // step > nchunks:
+        size = array(code).itemsize
+        step = ROWS * size
+        if not raw or len(raw) % size or first + -(-len(raw) // step) > nchunks:
             raise ValueError("bad column chunk in policy image")
-        for i in range(0, len(raw), step):
+        for i in range(0, len(raw), step):  # the last chunk may end early (no keys after)
             chunk = array(code)
             chunk.frombytes(raw[i : i + step])
+            if len(chunk) < ROWS:
+                chunk.extend(array(code, [all_columns[number].fill]) * (ROWS - len(chunk)))
             all_columns[number].load(first + i // step, chunk)
     owner = table.owner
     rows = nchunks * ROWS
