@@ -26,6 +26,7 @@ import stat
 import sys
 import time
 import tracemalloc
+from array import array
 from pathlib import Path
 from typing import Any
 
@@ -78,23 +79,38 @@ def policy_bytes(name: str, keys: list[int], churn: bool = True) -> dict[str, fl
 
 def evictor_bytes(n: int) -> dict[str, float]:
     ns = Namespace(lambda ops: None)
-    ns.inodes[ROOT_INO] = Inode(ROOT_INO, stat.S_IFDIR | 0o755, 0, 0, 2, entries={})
-    inodes = [Inode(ino, stat.S_IFREG | 0o644, 0, 0, 1, size=1 << 21) for ino in range(2, n + 2)]
-    for inode in inodes:
-        ns.inodes[inode.ino] = inode
+    ns.init_root(0, 0)
+    if hasattr(ns, "add_files"):  # the columnar namespace
+        names = [b"f%d" % i for i in range(n)]
+        first = ns.add_files(
+            ROOT_INO,
+            names,
+            stat.S_IFREG | 0o644,
+            (0, 0),
+            1 << 21,
+            array("q", range(n)),
+            array("Q", [0]) * n,
+        )
+        del names
+    else:  # an older checkout: Inode objects
+        first = ROOT_INO + 1
+        for ino in range(first, first + n):
+            ns.inodes[ino] = Inode(ino, stat.S_IFREG | 0o644, 0, 0, 1, size=1 << 21)
+    inos = range(first, first + n)
     pids = list(range(1000, 1064))
 
     def fill(policy: str) -> Any:
         evictor = Evictor(
             ns, policy=policy, alive=lambda pid: 7, thread_group=lambda tid: tid, grace=1e9
         )
-        for index, inode in enumerate(inodes):
+        for index, ino in enumerate(inos):
+            inode = ns.inodes[ino]
             evictor.created(inode, pids[index & 63])
             evictor.committed(inode, pids[index & 63])
         return evictor
 
     with_policy = _measure(lambda: fill("fifo"))
-    policy_only = _measure(lambda: _fifo(inodes))
+    policy_only = _measure(lambda: _fifo(inos))
 
     def remount() -> Any:
         evictor = Evictor(ns, policy="fifo", alive=lambda pid: None)
@@ -108,10 +124,10 @@ def evictor_bytes(n: int) -> dict[str, float]:
     }
 
 
-def _fifo(inodes: list[Inode]) -> Any:
+def _fifo(inos: range) -> Any:
     policy = make_policy("fifo")
-    for inode in inodes:
-        policy.track(inode.ino, inode.size, None)
+    for ino in inos:
+        policy.track(ino, 1 << 21, None)
     return policy
 
 

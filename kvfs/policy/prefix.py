@@ -5,6 +5,7 @@ Design, ablations and measurements in ``docs/eviction.md``.
 
 from __future__ import annotations
 
+import struct
 from array import array
 from collections import OrderedDict
 from collections.abc import Collection, Hashable, Iterator
@@ -36,6 +37,7 @@ _SHARE_MAX = 0.95
 _SOON = 4  # a probation ghost hit counts if its gap is under horizon / _SOON
 _PEAK_DECAY = 16  # the byte high-water mark forgets 1/65536 per new key
 _GHOST_MIN = 1024  # evicted keys remembered at least, whatever the resident count
+_FLOAT, _FLOAT_BITS = struct.Struct("<d"), struct.Struct("<q")
 RULES = frozenset({"dead-first", "cold-main", "chain-order", "lirs-admit", "adapt"})
 """Rules an ablation may switch off (``KvfsPolicy(without=...)``, docs/eviction.md)."""
 
@@ -477,14 +479,20 @@ class KvfsPolicy(LinkedPolicy):
         self._clock, self._horizon = clock, horizon
 
     def _extra_scalars(self) -> list[int]:
-        return [*self._seg_bytes, self._promotions, self._evictions]
+        # the adaptive thresholds too (floats as their int64 bit patterns)
+        share, cold = (_FLOAT_BITS.unpack(_FLOAT.pack(x))[0] for x in (self._share, self._cold))
+        return [*self._seg_bytes, self._promotions, self._evictions, self._peak, share, cold]
 
     def _set_extra(self, values: list[int]) -> None:
         n = self._slot_lists
-        if len(values) != n + 2:
-            raise ValueError("policy image: wrong scalar count")  # pragma: no cover
+        if len(values) != n + 5:
+            raise ValueError("policy image: wrong scalar count")
         self._seg_bytes = list(values[:n])
-        self._promotions, self._evictions = values[n:]
+        self._promotions, self._evictions, self._peak = values[n : n + 3]
+        share, cold = (_FLOAT.unpack(_FLOAT_BITS.pack(v))[0] for v in values[n + 3 :])
+        if not (0.0 <= share <= 1.0 and _COLD_MIN <= cold <= _COLD_MAX):
+            raise ValueError("policy image: thresholds out of range")
+        self._share, self._cold = share, cold
 
     def _restore(self, decoded: Image) -> None:
         # a version 1 image: per row ``_add`` + ``append``, then one new ghost slot
