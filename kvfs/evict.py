@@ -460,31 +460,29 @@ class Evictor:
             table.extend((-1, 0) if proc is None else proc)
         tag = bytes((EVICTOR_TAG,))
 
-        used = [c for c, ch in enumerate(owners) if ch is not None and ch.count(0) != ROWS]
-        last = used[-1] if used else -1
-        last_rows = -(-len(owners[last].tobytes().rstrip(b"\0")) // 2) if used else 0  # type: ignore[union-attr]
-
         def payloads() -> Iterator[bytes]:
             for piece in pieces:
                 yield tag + PART_POLICY + piece
             yield tag + PART_OWNERS + _owners_piece(0, 0, len(table) // 2, table.tobytes())
+            # O(chunks) scans here, as the payloads are consumed (off the event loop)
+            zero = bytes(2 * ROWS)
+            used = [c for c, ch in enumerate(owners) if ch is not None and ch.tobytes() != zero]
+            if not used:
+                return
+            last = used[-1]
+            tail = owners[last].tobytes().rstrip(b"\0")  # type: ignore[union-attr]
             batch: list[bytes] = []
-            first = 0
-            for c, chunk in enumerate(owners):
-                if chunk is None or chunk.count(0) == ROWS or len(batch) == _BATCH:
-                    if batch:
-                        yield (
-                            tag + PART_OWNERS + _owners_piece(1, first, len(batch), b"".join(batch))
-                        )
-                        batch = []
-                    if chunk is None or chunk.count(0) == ROWS:
-                        continue
+            first = previous = used[0]
+            for c in used:
+                if batch and (c != previous + 1 or len(batch) == _BATCH):
+                    yield tag + PART_OWNERS + _owners_piece(1, first, len(batch), b"".join(batch))
+                    batch = []
                 if not batch:
                     first = c
-                raw = chunk.tobytes()
-                batch.append(raw if c != last else raw[: 2 * last_rows])
-            if batch:
-                yield tag + PART_OWNERS + _owners_piece(1, first, len(batch), b"".join(batch))
+                raw = owners[c].tobytes()  # type: ignore[union-attr]
+                batch.append(raw if c != last else raw[: len(tail) + (len(tail) & 1)])
+                previous = c
+            yield tag + PART_OWNERS + _owners_piece(1, first, len(batch), b"".join(batch))
 
         return payloads()
 

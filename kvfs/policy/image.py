@@ -238,8 +238,6 @@ def encode_pieces(
     frozen = [column.freeze() for column in columns]
     codes = "".join(column.code for column in columns)
     owner = frozen[2]
-    empty = array("b", [FREE]) * ROWS
-    keep = [c == 0 or (ch is not None and ch != empty) for c, ch in enumerate(owner)]
     head = HEAD.pack(
         table.lists,
         persisted,
@@ -262,12 +260,14 @@ def encode_pieces(
         )
     )
 
-    last = max(c for c, kept in enumerate(keep) if kept)
-    last_owners = owner[last]
-    assert last_owners is not None
-    last_rows = len(last_owners.tobytes().rstrip(bytes([FREE & 0xFF])))  # the rest: no key
-
     def pieces() -> Iterator[bytes]:
+        # O(chunks) scans here, as the pieces are consumed (off the event loop)
+        empty = array("b", [FREE]) * ROWS
+        keep = [c == 0 or (ch is not None and ch != empty) for c, ch in enumerate(owner)]
+        last = max(c for c, kept in enumerate(keep) if kept)
+        last_owners = owner[last]
+        assert last_owners is not None
+        last_rows = len(last_owners.tobytes().rstrip(bytes([FREE & 0xFF])))  # then no key
         yield _piece(kind, PART_HEAD, 0, body)
         for number, chunks in enumerate(frozen):
             batch: list[bytes] = []
