@@ -36,7 +36,7 @@ from kvfs.errors import InvalidArgument
 from kvfs.inodes import F_DEAD
 from kvfs.namespace import EVICTOR_TAG, ROOT_INO, Inode, Namespace
 from kvfs.policy import EvictionPolicy, make_policy
-from kvfs.policy.slots import ROWS, SHIFT, SlotColumn
+from kvfs.policy.slots import ROWS, SHIFT, SlotColumn, runs
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ class OrphanList:
             self.prev[ino] = self.next[ino] = -1
             self.count -= 1
 
-    def extend(self, inos: array[int]) -> None:
+    def extend(self, inos: array[int], spans: list[tuple[int, int]] | None = None) -> None:
         """``add`` each of ``inos`` (distinct, none a member yet), in order: slice
         writes per run of consecutive numbers (a mount's 10^7 orphans)."""
         n = len(inos)
@@ -192,19 +192,14 @@ class OrphanList:
             self._grow(top)
         prev, nxt = self.prev, self.next
         tail = prev[0]
-        i = 0
-        while i < n:
+        for i, j in runs(inos) if spans is None else spans:
             first = inos[i]
-            j = i + 1
-            while j < n and inos[j] == inos[j - 1] + 1:
-                j += 1
             k = j - i
             nxt[tail] = first
             prev[first : first + k] = array("i", range(first - 1, first + k - 1))
             prev[first] = tail
             nxt[first : first + k] = array("i", range(first + 1, first + k + 1))
             tail = first + k - 1
-            i = j
         nxt[tail] = 0
         prev[0] = tail
         self.count += n
@@ -267,7 +262,7 @@ class Evictor:
         elif blob:
             self._recover_policy(blob)
         del policy_pieces, blob
-        files, sizes, present = self._files_by_mtime()
+        files, sizes, present, spans = self._files_by_mtime()
         resident = self.policy.resident_mask(len(present))
         missing: list[int] | None
         if resident is None:  # a policy keyed through a dict (not one of the mount's)
@@ -285,7 +280,7 @@ class Evictor:
         if absent:
             self.policy.remove_many(absent)  # in victims() order, as one by one would
         if missing is None:
-            self.policy.adopt(files, sizes)
+            self.policy.adopt(files, sizes, spans)
         elif any(missing):
             self.policy.adopt(
                 array("q", compress(files, missing)), array("q", compress(sizes, missing))
@@ -293,14 +288,18 @@ class Evictor:
         del sizes, missing
         live = self._load_owners(owner_pieces, owners_blob, present)
         if not live:
-            self.orphans.extend(files)
+            self.orphans.extend(files, spans)
             return
         owner = self._owner
         self.orphans.extend(array("q", (ino for ino in files if not owner.get(ino, 0))))
 
-    def _files_by_mtime(self) -> tuple[array[int], array[int], bytes]:
+    def _files_by_mtime(
+        self,
+    ) -> tuple[array[int], array[int], bytes, list[tuple[int, int]] | None]:
         """(inodes, sizes) of every live file, oldest mtime first (inode number on a
-        tie), and a byte per inode number below ``next_ino``: 1 for a live file.
+        tie), a byte per inode number below ``next_ino``: 1 for a live file, and
+        when that order is the inode order, the runs of consecutive inodes in it
+        (from the bytes: ``slots.runs`` without its per-key work).
         Per namespace chunk C-level byte translations; the sort only if the mtimes
         are not already in inode order (files written one after the other)."""
         ns = self.ns
@@ -330,7 +329,15 @@ class Evictor:
             order = sorted(range(len(inos)), key=mtimes.__getitem__)
             inos = array("q", map(inos.__getitem__, order))
             sizes = array("q", map(sizes.__getitem__, order))
-        return inos, sizes, present
+            return inos, sizes, present, None
+        spans, done, pos = [], 0, present.find(1)
+        while pos >= 0:
+            stop = present.find(0, pos)
+            stop = len(present) if stop < 0 else stop
+            spans.append((done, done + stop - pos))
+            done += stop - pos
+            pos = present.find(1, stop)
+        return inos, sizes, present, spans
 
     def _recover_pieces(self, pieces: list[bytes]) -> None:
         """Resume from the version 2 image of the last checkpoint (or adopt what

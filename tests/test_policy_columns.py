@@ -16,7 +16,7 @@ from kvfs.inodes import F_DEAD
 from kvfs.namespace import EVICTOR_TAG, ROOT_INO, Namespace
 from kvfs.policy import POLICY_NAMES, make_policy
 from kvfs.policy import image as img
-from kvfs.policy.slots import DIRECT, FREE, LOOSE, ROWS, SlotColumn, SlotTable
+from kvfs.policy.slots import DIRECT, FREE, LOOSE, ROWS, SlotColumn, SlotTable, runs
 
 SIZE = 1 << 20
 
@@ -302,12 +302,17 @@ def test_an_older_pools_blobs_are_read_once_then_payloads_replace_them() -> None
     assert again.owner_of(5) == (1000, 7)
 
 
-def test_first_mount_adopts_in_mtime_order_and_skips_dead_rows() -> None:
+@pytest.mark.parametrize("mtimes_in_inode_order", [False, True])
+def test_first_mount_adopts_in_mtime_order_and_skips_dead_rows(
+    mtimes_in_inode_order: bool,
+) -> None:
     ns = Namespace(lambda ops: None)
     ns.init_root(0, 0)
     rng = random.Random(11)
     inos = list(range(2, 2600))
     mtimes = {ino: rng.randrange(10**6) for ino in inos}
+    if mtimes_in_inode_order:  # the runs then come from the namespace's bytes
+        mtimes = {ino: ino // 3 for ino in inos}
     for ino in inos:
         mode = stat.S_IFREG | 0o644
         from kvfs.layout import Dentry, InodeRecord
@@ -322,7 +327,7 @@ def test_first_mount_adopts_in_mtime_order_and_skips_dead_rows() -> None:
     evictor.adopt_all()
     left = sorted((ino for ino in inos if ino in ns.inodes), key=lambda i: (mtimes[i], i))
     assert list(evictor.orphans) == left and not set(dead) & set(evictor.orphans)
-    assert order(evictor.policy) == left
+    assert order(evictor.policy) == left and len(evictor.orphans) == len(left)
     assert evictor.policy.statistics().bytes == sum(left)
 
 
@@ -345,3 +350,20 @@ def test_image_module_reads_both_versions() -> None:
     kind, decoded = img.decode_any(policy.persist())  # type: ignore[misc]
     assert kind == img.KIND_KVFS
     assert sorted(k for keys, *_ in decoded.lists for k in keys) == [5, 7, 20, 21]
+
+
+def test_runs_are_the_maximal_runs_of_consecutive_keys() -> None:
+    rng = random.Random(13)
+    for _ in range(300):
+        keys = array("q", rng.sample(range(3000), rng.randrange(1, 80)))
+        if rng.random() < 0.5:
+            keys = array("q", sorted(keys))
+        if rng.random() < 0.3:
+            keys = array("q", range(7, 7 + rng.randrange(1, 3000)))
+        expected, start = [], 0
+        for i in range(1, len(keys)):
+            if keys[i] != keys[i - 1] + 1:
+                expected.append((start, i))
+                start = i
+        expected.append((start, len(keys)))
+        assert runs(keys) == expected

@@ -8,7 +8,8 @@
 - evictor: bytes per file of ``kvfs.evict.Evictor``'s own per-file state (owners,
   the files of each owner, the grace list) after ``created`` + ``committed`` of N
   files by 64 live processes, minus the policy's share; and of the orphan list
-  after a remount (``adopt_all``: every file starts as an orphan).
+  after a remount (``adopt_all``: every file starts as an orphan); ``owners_per_file``
+  is the same without the grace list (every grace over).
 
 ``--speed`` times a track + evict pair per policy instead (5 000 resident keys).
 
@@ -109,7 +110,14 @@ def evictor_bytes(n: int) -> dict[str, float]:
             evictor.committed(inode, pids[index & 63])
         return evictor
 
+    def fill_expired(policy: str) -> Any:  # the same, every grace over
+        evictor = fill(policy)
+        evictor.grace = 0.0
+        evictor._fresh.clear()
+        return evictor
+
     with_policy = _measure(lambda: fill("fifo"))
+    owners_only = _measure(lambda: fill_expired("fifo"))
     policy_only = _measure(lambda: _fifo(inos))
 
     def remount() -> Any:
@@ -120,6 +128,7 @@ def evictor_bytes(n: int) -> dict[str, float]:
     orphans = _measure(remount) - policy_only
     return {
         "owners_and_grace_per_file": round((with_policy - policy_only) / n, 1),
+        "owners_per_file": round((owners_only - policy_only) / n, 1),
         "orphans_per_file_after_mount": round(orphans / n, 1),
     }
 

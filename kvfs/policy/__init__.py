@@ -121,7 +121,9 @@ class EvictionPolicy(Protocol):
     def recover_pieces(self, pieces: list[bytes]) -> None:
         """``recover`` of an image given as the pieces ``persist_pieces`` yielded."""
 
-    def adopt(self, keys: array[int], sizes: array[int]) -> None:
+    def adopt(
+        self, keys: array[int], sizes: array[int], spans: list[tuple[int, int]] | None = None
+    ) -> None:
         """``track(key, size, None)`` for each of ``keys`` (distinct, untracked) in
         order, in bulk where the policy can (a first mount)."""
 

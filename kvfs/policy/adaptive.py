@@ -177,7 +177,9 @@ class AdaptivePolicy:
         """The residents (both experts hold the same keys)."""
         return self.recency.resident_mask(n)
 
-    def adopt(self, keys: array[int], sizes: array[int]) -> None:
+    def adopt(
+        self, keys: array[int], sizes: array[int], spans: list[tuple[int, int]] | None = None
+    ) -> None:
         """``track(key, size, None)`` per key, oldest first."""
         for key, size in zip(keys, sizes, strict=True):
             self.track(key, size, None)

@@ -233,31 +233,36 @@ class LinkedPolicy:
         self._resident += len(keys)
         return slots
 
-    def adopt(self, keys: array[int], sizes: array[int]) -> None:
+    def adopt(
+        self, keys: array[int], sizes: array[int], spans: list[tuple[int, int]] | None = None
+    ) -> None:
         """Track each of ``keys`` (distinct, none tracked yet), oldest first, as files
         found at mount without a stream: exactly what ``track(key, size, None)`` per
         key does, in bulk (C-level column writes) on a policy that never held a key
-        (a first mount of 10^7 files)."""
+        (a first mount of 10^7 files). ``spans``: the runs of consecutive keys
+        (``slots.runs(keys)``), if the caller knows them."""
         fresh = not self._slots.decided and (not keys or 0 <= min(keys) <= max(keys) < DIRECT)
         if not fresh or min(sizes, default=0) < 0 or len(keys) != len(sizes):
             for key, size in zip(keys, sizes, strict=True):
                 self.track(key, size, None)  # type: ignore[attr-defined]
             return
-        self._adopt_fresh(keys, sizes)
+        self._adopt_fresh(keys, sizes, spans)
         total = sum(sizes)
         self._bytes += total
         self._resident += len(keys)
         self._tracks += len(keys)
 
-    def _adopt_fresh(self, keys: array[int], sizes: array[int]) -> None:
+    def _adopt_fresh(
+        self, keys: array[int], sizes: array[int], spans: list[tuple[int, int]] | None
+    ) -> None:
         """``adopt`` on a fresh table: link and fill the columns (counters aside)."""
-        self._slots.adopt_keys(self._lists[0], keys, [(self._size, sizes)])
+        self._slots.adopt_keys(self._lists[0], keys, [(self._size, sizes)], spans)
 
     def resident_mask(self, n: int) -> bytes | None:
         """``bytes(n)`` with 1 where key ``i`` is resident (C-level, from the owner
         column); None if the table maps keys through its dict."""
         table = self._slots
-        if table.direct != DIRECT:
+        if table.direct != DIRECT or n > DIRECT:  # (slots past DIRECT are mapped ones)
             return None if table.decided else bytes(n)
         is_resident = bytearray(256)
         for lst in self._lists:

@@ -149,7 +149,9 @@ class KvfsPolicy(LinkedPolicy):
         super()._bind_columns()
         self._pred, self._succ, self._last, self._info = self._slots.columns[1:]
 
-    def _adopt_fresh(self, keys: array[int], sizes: array[int]) -> None:
+    def _adopt_fresh(
+        self, keys: array[int], sizes: array[int], spans: list[tuple[int, int]] | None
+    ) -> None:
         # per key, track(key, size, None) on a fresh policy: clock + 1, last use =
         # clock, no chain, newest of probation; the byte high-water mark follows the
         # bytes (they only grow), so it ends at the total
@@ -161,7 +163,7 @@ class KvfsPolicy(LinkedPolicy):
             (self._succ, NO_KEY),
             (self._last, lasts),
         ]
-        self._slots.adopt_keys(_PROBATION, keys, fills)  # type: ignore[arg-type]
+        self._slots.adopt_keys(_PROBATION, keys, fills, spans)  # type: ignore[arg-type]
         total = sum(sizes)
         self._clock += n
         self._seg_bytes[_PROBATION] += total

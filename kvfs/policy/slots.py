@@ -41,6 +41,57 @@ key a table sees is such a key (hashes, in the simulators): then every key goes
 through the dict, to slots from ``lists`` up."""
 
 
+def runs(keys: array[int]) -> list[tuple[int, int]]:
+    """(i, j) of each maximal run ``keys[i:j]`` of consecutive numbers, in order.
+    Galloping C-level slice comparisons with ``range`` arrays: O(run length) at C
+    speed plus O(log) Python steps per run (a namespace's files are long runs of
+    inode numbers)."""
+    n = len(keys)
+    out: list[tuple[int, int]] = []
+    code = keys.typecode
+    i = 0
+    while i < n:
+        first = keys[i]
+        if i + 1 == n or keys[i + 1] != first + 1:
+            out.append((i, i + 1))
+            i += 1
+            continue
+        good, step = 2, 4  # keys[i : i + good] is a run
+        while i + good < n:
+            k = min(step, n - i)
+            expected = array(code, range(first + good, first + k))
+            if keys[i + good : i + k] != expected:
+                break
+            good, step = k, 2 * k
+        else:
+            out.append((i, n))
+            break
+        # keys[i : i + k] is not a run: bisect the boundary, comparing with slices
+        # of ``expected`` (rows good0 .. k of the run it would be)
+        good0, bad = good, k
+        while bad - good > 1:
+            mid = (good + bad) // 2
+            if keys[i + good : i + mid] == expected[good - good0 : mid - good0]:
+                good = mid
+            else:
+                bad = mid
+        out.append((i, i + good))
+        i += good
+    return out
+
+
+def _pieces(
+    spans: list[tuple[int, int]], keys: array[int], offset: int
+) -> Iterator[tuple[int, int]]:
+    """The runs ``spans`` of consecutive ``keys`` cut where ``key + offset`` enters
+    another chunk."""
+    for i, j in spans:
+        while i < j:
+            k = min(j - i, ROWS - ((keys[i] + offset) & MASK))
+            yield i, i + k
+            i += k
+
+
 class SlotColumn:
     """An integer column indexed by slot: chunks allocated on first write (filled
     with ``fill``), shared after :meth:`freeze` until written, widened to int64 on
@@ -299,13 +350,18 @@ class SlotTable:
         return slots
 
     def adopt_keys(
-        self, lst: int, keys: array[int], fills: list[tuple[SlotColumn, int | array[int]]]
+        self,
+        lst: int,
+        keys: array[int],
+        fills: list[tuple[SlotColumn, int | array[int]]],
+        spans: list[tuple[int, int]] | None = None,
     ) -> None:
         """On a table that never held a key: give each of ``keys`` (distinct, below
         ``DIRECT``) its slot, linked in order at the newest end of ``lst``, and set
         each ``fills`` column to its constant or to its value per key (aligned with
         ``keys``). What ``new`` + ``append`` + column writes per key do, as C-level
-        slice writes per run of consecutive keys (a first mount of 10^7 files)."""
+        slice writes per run of consecutive keys (a first mount of 10^7 files);
+        ``spans``: those runs (``runs(keys)``) if the caller knows them."""
         assert not self.decided
         n = len(keys)
         if not n:
@@ -317,14 +373,9 @@ class SlotTable:
         columns = self.all_columns()
         prev, nxt, owner = self.prev, self.next, self.owner
         before = prev[lst]
-        i = 0
-        while i < n:
+        for i, j in _pieces(runs(keys) if spans is None else spans, keys, base):
             start = keys[i] + base
             c, pos = start >> SHIFT, start & MASK
-            j = i + 1
-            limit = min(n, i + ROWS - pos)
-            while j < limit and keys[j] == keys[j - 1] + 1:
-                j += 1
             k = j - i  # slots start .. start + k - 1, all in chunk c
             for column in columns:
                 column.ensure_row(start)
@@ -344,7 +395,6 @@ class SlotTable:
                     values = array(column.code, values)
                 column.writable(c)[pos : pos + k] = values
             before = start + k - 1
-            i = j
         nxt[before] = lst
         prev[lst] = before
         self.count[lst] += n
