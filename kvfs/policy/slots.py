@@ -386,12 +386,18 @@ class SlotTable:
             nxt.writable(c)[pos : pos + k] = array(LINK, range(start + 1, start + k + 1))
             owner.writable(c)[pos : pos + k] = array("b", [lst]) * k
             for column, source in fills:
-                values = array("q", [source]) * k if isinstance(source, int) else source[i:j]
                 try:
-                    if values.typecode != column.code:
-                        values = array(column.code, values)
+                    if isinstance(source, int):
+                        values = array(column.code, [source]) * k
+                    else:
+                        values = source[i:j]
+                        if values.typecode != column.code:
+                            values = array(column.code, values)
                 except OverflowError:
                     column.widen()
+                    values = (
+                        array(column.code, [source]) * k if isinstance(source, int) else source[i:j]
+                    )
                     values = array(column.code, values)
                 column.writable(c)[pos : pos + k] = values
             before = start + k - 1
