@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from kvfs.policy import PolicyStatistics
 from kvfs.policy import image as img
-from kvfs.policy.slots import DIRECT, NO_KEY, ROWS, SlotTable
+from kvfs.policy.slots import DIRECT, MASK, NO_KEY, ROWS, SHIFT, SlotTable
 
 if TYPE_CHECKING:
     from kvfs.policy.image import Columns, Image
@@ -39,8 +39,9 @@ class LinkedPolicy:
         """Return the slot of resident ``key``, or None."""
         if not isinstance(key, int):
             return None
-        slot = self._slots.find(key)
-        if slot is None or self._slots.owner[slot] not in self._lists:
+        table = self._slots
+        slot = table.find(key)
+        if slot is None or table.owner.chunks[slot >> SHIFT][slot & MASK] not in self._lists:  # type: ignore[index]
             return None
         return slot
 

@@ -228,7 +228,13 @@ class SlotTable:
         """Return the slot holding ``key`` (in a list or loose), or None."""
         if 0 <= key < self.direct:
             slot = key + self.lists
-            return slot if self.owner.get(slot, FREE) != FREE else None
+            chunks = self.owner.chunks  # (inlined SlotColumn.get: the hottest path)
+            c = slot >> SHIFT
+            if c < len(chunks):
+                chunk = chunks[c]
+                if chunk is not None and chunk[slot & MASK] != FREE:
+                    return slot
+            return None
         return self.index.get(key)
 
     def key_of(self, slot: int) -> int:
@@ -313,7 +319,7 @@ class SlotTable:
     def insert_before(self, anchor: int, slot: int, lst: int) -> None:
         """Link ``slot`` (loose) right before ``anchor``, a member or sentinel of ``lst``."""
         prev, nxt = self.prev, self.next
-        before = prev[anchor]
+        before = prev.chunks[anchor >> SHIFT][anchor & MASK]  # type: ignore[index]
         prev[slot] = before
         nxt[slot] = anchor
         nxt[before] = slot
@@ -408,10 +414,11 @@ class SlotTable:
     def unlink(self, slot: int) -> int:
         """Take ``slot`` out of its list (it becomes loose) and return the list."""
         prev, nxt = self.prev, self.next
-        before, after = prev[slot], nxt[slot]
+        c, i = slot >> SHIFT, slot & MASK
+        before, after = prev.chunks[c][i], nxt.chunks[c][i]  # type: ignore[index]
         nxt[before] = after
         prev[after] = before
-        lst = self.owner[slot]
+        lst = self.owner.chunks[c][i]  # type: ignore[index]
         self.owner[slot] = LOOSE
         self.count[lst] -= 1
         return lst
