@@ -21,16 +21,22 @@ from __future__ import annotations
 
 import itertools
 import logging
+import struct
 import time
+import zlib
 from array import array
 from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
-from operator import itemgetter
+from itertools import compress, islice
+from operator import le
 
 from kvfs import procs
+from kvfs.columns import ROWS as NS_ROWS
 from kvfs.errors import InvalidArgument
-from kvfs.namespace import ROOT_INO, Inode, Namespace
+from kvfs.inodes import F_DEAD
+from kvfs.namespace import EVICTOR_TAG, ROOT_INO, Inode, Namespace
 from kvfs.policy import EvictionPolicy, make_policy
+from kvfs.policy.slots import ROWS, SHIFT, SlotColumn, runs
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +50,19 @@ ENGINE_MANAGED = "engine-managed"
 POLICIES = (KVFS_MANAGED, ENGINE_MANAGED)
 REAP_INTERVAL = 0.05
 POLICY_BLOB = "eviction-policy"
+"""Blob of the version 1 policy image (pools written before the evictor's own
+checkpoint payloads): read once at mount, then dropped."""
 OWNERS_BLOB = "file-owners"
-"""(inode, pid, process start time) triples, int64: who last opened each file."""
+"""(inode, pid, process start time) triples, int64: who last opened each file
+(pools written before the evictor's own checkpoint payloads)."""
+PART_POLICY = b"P"
+"""Evictor checkpoint payload: ``EVICTOR_TAG``, this byte, a policy image piece."""
+PART_OWNERS = b"O"
+"""Evictor checkpoint payload: ``EVICTOR_TAG``, this byte, an owners piece."""
+OWNERS_PIECE = struct.Struct("<BII")  # 0: process table, 1: column chunks; index; count
+MAX_PROCESSES = 0xFFFF
+"""Processes owning files at once (a file's owner is a uint16 process number)."""
+_BATCH = 64  # owner column chunks per payload (128 KiB)
 ORPHAN_SCAN = 4096
 """Orphans examined per eviction pass (keeps a pass O(1) with millions of orphans)."""
 FRESH_GRACE = 5.0
@@ -87,6 +104,107 @@ class EvictorStatistics:
     orphan_evictions: int
 
 
+_REGULAR = bytes(int(b & 0xF0 == 0x80) for b in range(256))
+"""A mode's high byte -> 1 for a regular file (S_IFREG)."""
+_ALIVE = bytes(int(not b & F_DEAD) for b in range(256))
+"""Inode flags -> 1 unless dropped."""
+
+
+def _owners_piece(part: int, index: int, count: int, raw: bytes) -> bytes:
+    body = OWNERS_PIECE.pack(part, index, count) + raw
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+class OrphanList:
+    """An insertion-ordered set of inode numbers: an intrusive circular doubly
+    linked list in two int32 arrays indexed by inode number (8 bytes per inode up
+    to the highest, no Python object per member). Inode 0 (never a file) is the
+    sentinel; ``prev`` is -1 for a non-member. What a ``dict`` of keys to None did,
+    in 8 instead of ~100 bytes per file."""
+
+    __slots__ = ("count", "next", "prev")
+
+    def __init__(self) -> None:
+        self.prev = array("i", [0])
+        self.next = array("i", [0])
+        self.count = 0
+
+    def _grow(self, ino: int) -> None:
+        n = max(ino + 1, len(self.prev) + (len(self.prev) >> 3), 1024) - len(self.prev)
+        self.prev.extend(array("i", [-1]) * n)
+        self.next.extend(array("i", [-1]) * n)
+
+    def __contains__(self, ino: object) -> bool:
+        return isinstance(ino, int) and 0 < ino < len(self.prev) and self.prev[ino] >= 0
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __bool__(self) -> bool:
+        return self.count > 0
+
+    def __iter__(self) -> Iterator[int]:
+        """Members oldest first (the list must not change meanwhile)."""
+        nxt = self.next
+        ino = nxt[0]
+        while ino:
+            yield ino
+            ino = nxt[ino]
+
+    def add(self, ino: int) -> None:
+        """Append ``ino`` (no-op for a member: it keeps its place, as in a dict)."""
+        if ino <= 0:
+            raise ValueError(f"no orphan list entry for inode {ino}")
+        if ino >= len(self.prev):
+            self._grow(ino)
+        elif self.prev[ino] >= 0:
+            return
+        tail = self.prev[0]
+        self.prev[ino] = tail
+        self.next[ino] = 0
+        self.next[tail] = ino
+        self.prev[0] = ino
+        self.count += 1
+
+    def pop(self, ino: int, default: None = None) -> None:
+        """Remove ``ino`` if it is a member."""
+        if ino in self:
+            before, after = self.prev[ino], self.next[ino]
+            self.next[before] = after
+            self.prev[after] = before
+            self.prev[ino] = self.next[ino] = -1
+            self.count -= 1
+
+    def extend(self, inos: array[int], spans: list[tuple[int, int]] | None = None) -> None:
+        """``add`` each of ``inos`` (distinct, none a member yet), in order: slice
+        writes per run of consecutive numbers (a mount's 10^7 orphans)."""
+        n = len(inos)
+        if not n:
+            return
+        if self.count:
+            for ino in inos:
+                self.add(ino)
+            return
+        if min(inos) <= 0:
+            raise ValueError("no orphan list entry for inode 0")
+        top = max(inos)
+        if top >= len(self.prev):
+            self._grow(top)
+        prev, nxt = self.prev, self.next
+        tail = prev[0]
+        for i, j in runs(inos) if spans is None else spans:
+            first = inos[i]
+            k = j - i
+            nxt[tail] = first
+            prev[first : first + k] = array("i", range(first - 1, first + k - 1))
+            prev[first] = tail
+            nxt[first : first + k] = array("i", range(first + 1, first + k + 1))
+            tail = first + k - 1
+        nxt[tail] = 0
+        prev[0] = tail
+        self.count += n
+
+
 class Evictor:
     """Ownership, orphans and eviction order over one namespace."""
 
@@ -110,10 +228,14 @@ class Evictor:
         self._thread_group = thread_group
         self._tgids: dict[int, tuple[int, float]] = {}
         self._reaped = 0.0
-        self._owner: dict[int, tuple[int, int]] = {}  # ino -> (pid, start time)
-        self._owned: dict[tuple[int, int], set[int]] = {}
-        self._interned: dict[tuple[int, int], tuple[int, int]] = {}  # owner -> itself
-        self.orphans: dict[int, None] = {}  # insertion-ordered set
+        # who last opened each file: a process number per inode (0: none), the
+        # processes by number, and how many files each owns
+        self._owner = SlotColumn("H")
+        self._procs: list[tuple[int, int] | None] = [None]
+        self._proc_ids: dict[tuple[int, int], int] = {}
+        self._proc_files = [0]
+        self._free_ids: list[int] = []
+        self.orphans = OrphanList()
         self._starts: dict[int, int] = {}
         self.grace = grace
         self._fresh: dict[int, float] = {}  # ino -> end of its grace, in commit order
@@ -122,43 +244,114 @@ class Evictor:
 
     # ------------------------------------------------------------------ events
     def adopt_all(self) -> None:
-        """After a mount: every file is an orphan, oldest first; the policy resumes
-        from the state saved at the last clean unmount (learned chains included)."""
-        # O(files) with C-level set, sort and dict operations: no per-file policy
-        # calls unless the file is missing from the saved state.
-        saved = self.ns.blobs.get(POLICY_BLOB)
-        inodes = self.ns.inodes
-        if saved:
-            self._recover_policy(saved)
-        tracked = self.policy.keys()
-        absent = tracked - inodes.keys()  # e.g. files dropped since the last checkpoint
+        """After a mount: the policy resumes from the state of the last checkpoint
+        (learned chains included), files gone since leave it and files it lacks join
+        it (mtime order); every file is an orphan, oldest first, unless the process
+        that last opened it is still alive.
+
+        C-level scans of the namespace's and the policy's columns: no per-file
+        Python call on a first mount (every file joins the policy in bulk)."""
+        payloads, self.ns.evictor_payloads = self.ns.evictor_payloads, []
+        policy_pieces = [p[2:] for p in payloads if p[1:2] == PART_POLICY]
+        owner_pieces = [p[2:] for p in payloads if p[1:2] == PART_OWNERS]
+        del payloads
+        blob = self.ns.blobs.pop(POLICY_BLOB, None)  # an older pool: read once
+        owners_blob = self.ns.blobs.pop(OWNERS_BLOB, None)
+        if policy_pieces:
+            self._recover_pieces(policy_pieces)
+        elif blob:
+            self._recover_policy(blob)
+        del policy_pieces, blob
+        files, sizes, present, spans = self._files_by_mtime()
+        resident = self.policy.resident_mask(len(present))
+        missing: list[int] | None
+        if resident is None:  # a policy keyed through a dict (not one of the mount's)
+            tracked = self.policy.keys()
+            absent: Collection[int] = tracked - set(files)
+            missing = [int(ino not in tracked) for ino in files]
+        else:
+            have, want = int.from_bytes(resident, "little"), int.from_bytes(present, "little")
+            gone = (have & ~want).to_bytes(len(present), "little")
+            absent = set(compress(range(len(present)), gone)) if have & ~want else set()
+            new = want & ~have
+            lacking = new.to_bytes(len(present), "little")
+            missing = None if new == want else [lacking[ino] for ino in files]
+            del have, want, gone
         if absent:
             self.policy.remove_many(absent)  # in victims() order, as one by one would
-            tracked -= absent
-        rows = self.ns.file_rows()  # (ino, size, mtime): no per-file views
-        rows.sort(key=itemgetter(2))
-        for ino, size, _ in rows:
-            if ino not in tracked:
-                self.policy.track(ino, size, None)
-        files = [row[0] for row in rows]
-        del rows
-        owners = self._saved_owners()
-        if not owners:
-            self.orphans.update(dict.fromkeys(files))
+        if missing is None:
+            self.policy.adopt(files, sizes, spans)
+        elif any(missing):
+            self.policy.adopt(
+                array("q", compress(files, missing)), array("q", compress(sizes, missing))
+            )
+        del sizes, missing
+        live = self._load_owners(owner_pieces, owners_blob, present)
+        if not live:
+            self.orphans.extend(files, spans)
             return
-        starts: dict[int, int | None] = {}  # one /proc read per process, not per file
-        for ino in files:
-            owner = owners.get(ino)
-            if owner is not None:
-                pid = owner[0]
-                if pid not in starts:
-                    starts[pid] = self._alive(pid)
-                if starts[pid] == owner[1]:
-                    owner = self._interned.setdefault(owner, owner)
-                    self._owner[ino] = owner  # its engine outlived the remount
-                    self._owned.setdefault(owner, set()).add(ino)
-                    continue
-            self.orphans[ino] = None
+        owner = self._owner
+        self.orphans.extend(array("q", (ino for ino in files if not owner.get(ino, 0))))
+
+    def _files_by_mtime(
+        self,
+    ) -> tuple[array[int], array[int], bytes, list[tuple[int, int]] | None]:
+        """(inodes, sizes) of every live file, oldest mtime first (inode number on a
+        tie), a byte per inode number below ``next_ino``: 1 for a live file, and
+        when that order is the inode order, the runs of consecutive inodes in it
+        (from the bytes: ``slots.runs`` without its per-key work).
+        Per namespace chunk C-level byte translations; the sort only if the mtimes
+        are not already in inode order (files written one after the other)."""
+        ns = self.ns
+        end = ns.next_ino
+        inos, sizes, mtimes = array("q"), array("q"), array("q")
+        masks = []
+        cols = zip(
+            ns._mode.chunks, ns._flags.chunks, ns._size.chunks, ns._mtime.chunks, strict=True
+        )
+        for c, (modes, flags, size, mtime) in enumerate(cols):
+            base = c * NS_ROWS
+            if base >= end:
+                break
+            regular = modes.tobytes()[1::2].translate(_REGULAR)  # the mode's high byte
+            alive = flags.tobytes().translate(_ALIVE)
+            mask = (int.from_bytes(regular, "little") & int.from_bytes(alive, "little")).to_bytes(
+                NS_ROWS, "little"
+            )
+            masks.append(mask)
+            if mask.count(0) == NS_ROWS:
+                continue
+            inos.extend(compress(range(base, base + NS_ROWS), mask))
+            sizes.extend(compress(size, mask))
+            mtimes.extend(compress(mtime, mask))
+        present = b"".join(masks)[:end]
+        if not all(map(le, mtimes, islice(mtimes, 1, None))):
+            order = sorted(range(len(inos)), key=mtimes.__getitem__)
+            inos = array("q", map(inos.__getitem__, order))
+            sizes = array("q", map(sizes.__getitem__, order))
+            return inos, sizes, present, None
+        spans, done, pos = [], 0, present.find(1)
+        while pos >= 0:
+            stop = present.find(0, pos)
+            stop = len(present) if stop < 0 else stop
+            spans.append((done, done + stop - pos))
+            done += stop - pos
+            pos = present.find(1, stop)
+        return inos, sizes, present, spans
+
+    def _recover_pieces(self, pieces: list[bytes]) -> None:
+        """Resume from the version 2 image of the last checkpoint (or adopt what
+        it can from another policy's); never fails the mount."""
+        try:
+            self.policy.recover_pieces(pieces)
+            return
+        except ValueError as e:
+            reason = str(e)
+        if self.policy.recover_foreign(b"".join(pieces)):
+            log.info("eviction state of another policy adopted (%s)", reason)
+            return
+        log.warning("saved eviction state unusable (%s); starting afresh", reason)
+        self.policy.reset()
 
     def _recover_policy(self, saved: bytes) -> None:
         """Resume from the saved image; from another policy's image (the pool was
@@ -175,23 +368,135 @@ class Evictor:
         log.warning("saved eviction state unusable (%s); starting afresh", reason)
         self.policy.reset()
 
-    def _saved_owners(self) -> dict[int, tuple[int, int]]:
-        raw = self.ns.blobs.get(OWNERS_BLOB, b"")
+    def _load_owners(self, pieces: list[bytes], blob: bytes | None, present: bytes) -> int:
+        """Restore who owns which file from the checkpoint (or an older pool's blob),
+        keeping only processes still alive (one /proc read each) and files that are
+        still there; returns how many processes own files."""
+        saved = SlotColumn("H")
+        procs_: list[tuple[int, int] | None] = [None]
+        try:
+            if pieces:
+                procs_ = self._decode_owners(pieces, saved)
+            elif blob:
+                procs_ = self._decode_owners_blob(blob, saved)
+        except ValueError as e:
+            log.warning("saved file owners unusable (%s); every file starts as an orphan", e)
+            return 0
+        live = {}
+        for number, proc in enumerate(procs_):
+            if proc is not None and self._alive(proc[0]) == proc[1]:
+                live[number] = proc
+        if not live:
+            return 0
+        for c, chunk in enumerate(saved.chunks):
+            if chunk is None or chunk.count(0) == ROWS:
+                continue
+            for i, number in enumerate(chunk):
+                proc = live.get(number) if number else None
+                ino = (c << SHIFT) + i
+                if proc is not None and ino < len(present) and present[ino]:
+                    self._own(ino, proc)  # its engine outlived the remount
+        return len(self._proc_ids)
+
+    @staticmethod
+    def _decode_owners(pieces: list[bytes], column: SlotColumn) -> list[tuple[int, int] | None]:
+        procs_: list[tuple[int, int] | None] | None = None
+        for piece in pieces:
+            if len(piece) < OWNERS_PIECE.size + 4:
+                raise ValueError("owners piece too short")
+            body, (crc,) = piece[:-4], struct.unpack("<I", piece[-4:])
+            if zlib.crc32(body) != crc:
+                raise ValueError("owners piece checksum mismatch")
+            part, index, count = OWNERS_PIECE.unpack_from(body, 0)
+            raw = body[OWNERS_PIECE.size :]
+            if part == 0:
+                pairs = array("q")
+                pairs.frombytes(raw)
+                if len(pairs) != 2 * count:
+                    raise ValueError("bad owners table")
+                procs_ = [
+                    None if pairs[2 * i] < 0 else (pairs[2 * i], pairs[2 * i + 1])
+                    for i in range(count)
+                ]
+            elif part == 1 and -(-len(raw) // (ROWS * 2)) == count and not len(raw) & 1:
+                for k in range(count):  # the last chunk may end early (zeros after)
+                    chunk = array("H")
+                    chunk.frombytes(raw[k * ROWS * 2 : (k + 1) * ROWS * 2])
+                    chunk.extend(array("H", [0]) * (ROWS - len(chunk)))
+                    column.load(index + k, chunk)
+            else:
+                raise ValueError("bad owners piece")
+        if procs_ is None:
+            raise ValueError("owners without their process table")
+        for owners in column.chunks:
+            if owners is not None and max(owners) >= len(procs_):
+                raise ValueError("owner beyond the process table")
+        return procs_
+
+    @staticmethod
+    def _decode_owners_blob(raw: bytes, column: SlotColumn) -> list[tuple[int, int] | None]:
         if len(raw) % 24:
-            log.warning("saved file owners unusable; every file starts as an orphan")
-            return {}
+            raise ValueError("bad owners blob")
         cols = array("q")
         cols.frombytes(raw)
-        return {cols[i]: (cols[i + 1], cols[i + 2]) for i in range(0, len(cols), 3)}
+        procs_: list[tuple[int, int] | None] = [None]
+        numbers: dict[tuple[int, int], int] = {}
+        for i in range(0, len(cols), 3):
+            ino, proc = cols[i], (cols[i + 1], cols[i + 2])
+            if not 0 <= ino < 1 << 40 or len(numbers) >= MAX_PROCESSES:
+                raise ValueError("bad owners blob")
+            number = numbers.get(proc)
+            if number is None:
+                number = numbers[proc] = len(procs_)
+                procs_.append(proc)
+            column.ensure_row(ino)
+            column[ino] = number
+        return procs_
+
+    def snapshot_payloads(self) -> Iterator[bytes]:
+        """Freeze the policy's and the owners' state now (O(chunks)) and return an
+        iterator over checkpoint payloads of it, encoded as they are consumed (off
+        the event loop). The blobs of an older pool are dropped: the checkpoint
+        carries these payloads instead."""
+        self.ns.blobs.pop(POLICY_BLOB, None)
+        self.ns.blobs.pop(OWNERS_BLOB, None)
+        pieces = self.policy.persist_pieces()
+        owners = self._owner.freeze()
+        table = array("q")
+        for proc in self._procs:
+            table.extend((-1, 0) if proc is None else proc)
+        tag = bytes((EVICTOR_TAG,))
+
+        def payloads() -> Iterator[bytes]:
+            for piece in pieces:
+                yield tag + PART_POLICY + piece
+            yield tag + PART_OWNERS + _owners_piece(0, 0, len(table) // 2, table.tobytes())
+            # O(chunks) scans here, as the payloads are consumed (off the event loop)
+            zero = bytes(2 * ROWS)
+            used = [c for c, ch in enumerate(owners) if ch is not None and ch.tobytes() != zero]
+            if not used:
+                return
+            last = used[-1]
+            tail = owners[last].tobytes().rstrip(b"\0")  # type: ignore[union-attr]
+            batch: list[bytes] = []
+            first = previous = used[0]
+            for c in used:
+                if batch and (c != previous + 1 or len(batch) == _BATCH):
+                    yield tag + PART_OWNERS + _owners_piece(1, first, len(batch), b"".join(batch))
+                    batch = []
+                if not batch:
+                    first = c
+                raw = owners[c].tobytes()  # type: ignore[union-attr]
+                batch.append(raw if c != last else raw[: len(tail) + (len(tail) & 1)])
+                previous = c
+            yield tag + PART_OWNERS + _owners_piece(1, first, len(batch), b"".join(batch))
+
+        return payloads()
 
     def save(self) -> None:
-        """Put the policy's state and the file owners into the namespace's blobs,
-        so the next checkpoint carries them (no journal record: checkpoints only)."""
-        self.ns.blobs[POLICY_BLOB] = self.policy.persist()
-        cols = array("q")
-        for ino, (pid, start) in self._owner.items():
-            cols.extend((ino, pid, start))
-        self.ns.blobs[OWNERS_BLOB] = cols.tobytes()
+        """Encode the state now (tests and tools): ``snapshot_payloads`` consumed
+        at once, kept where a checkpoint's load puts them (``ns.evictor_payloads``)."""
+        self.ns.evictor_payloads = list(self.snapshot_payloads())
 
     def opened(self, inode: Inode, pid: int) -> tuple[int, int] | None:
         """A live process opened the file: it is no orphan, and it is touched.
@@ -239,14 +544,7 @@ class Evictor:
         self.policy.remove(ino)
         self.orphans.pop(ino, None)
         self._fresh.pop(ino, None)
-        owner = self._owner.pop(ino, None)
-        if owner is not None:
-            owned = self._owned.get(owner)
-            if owned is not None:
-                owned.discard(ino)
-                if not owned:
-                    del self._owned[owner]
-                    self._interned.pop(owner, None)
+        self.forget_owner(ino)
 
     def _start_of(self, pid: int) -> int | None:
         """A process's start time, cached for the lifetime of the process entry:
@@ -280,22 +578,69 @@ class Evictor:
         start = self._start_of(pid)
         if start is None:
             return None
-        key = (pid, start)
-        if self._owner.get(ino) == key:
-            return key
+        return self._own(ino, (pid, start))
+
+    def _own(self, ino: int, key: tuple[int, int]) -> tuple[int, int] | None:
+        """``key`` (pid, start time) owns ``ino`` now; returns the process's one
+        shared tuple (None: more than MAX_PROCESSES processes own files)."""
+        number = self._proc_ids.get(key)
+        if number is not None and self._owner.get(ino, 0) == number:
+            return self._procs[number]
         self.forget_owner(ino)
-        key = self._interned.setdefault(key, key)  # one tuple per process, not per file
-        self._owner[ino] = key
-        self._owned.setdefault(key, set()).add(ino)
-        return key
+        if number is None:
+            if self._free_ids:
+                number = self._free_ids.pop()
+                self._procs[number] = key
+            elif len(self._procs) <= MAX_PROCESSES:
+                number = len(self._procs)
+                self._procs.append(key)
+                self._proc_files.append(0)
+            else:
+                return None
+            self._proc_ids[key] = number
+        self._owner.ensure_row(ino)
+        self._owner[ino] = number
+        self._proc_files[number] += 1
+        return self._procs[number]
+
+    def owner_of(self, ino: int) -> tuple[int, int] | None:
+        """(pid, start time) of the live process that last opened ``ino``, or None."""
+        return self._procs[self._owner.get(ino, 0)]
 
     def forget_owner(self, ino: int) -> None:
-        owner = self._owner.pop(ino, None)
-        if owner is not None and owner in self._owned:
-            self._owned[owner].discard(ino)
-            if not self._owned[owner]:
-                del self._owned[owner]
-                self._interned.pop(owner, None)
+        number = self._owner.get(ino, 0)
+        if number:
+            self._owner[ino] = 0
+            self._proc_files[number] -= 1
+            if not self._proc_files[number]:
+                self._drop_process(number)
+
+    def _drop_process(self, number: int) -> None:
+        key = self._procs[number]
+        assert key is not None
+        del self._proc_ids[key]
+        self._procs[number] = None
+        self._proc_files[number] = 0
+        self._free_ids.append(number)
+
+    def processes(self) -> list[tuple[int, int]]:
+        """The (pid, start time) of every process that owns files."""
+        return list(self._proc_ids)
+
+    def _files_of(self, number: int) -> Iterator[int]:
+        """Inodes process ``number`` owns: a C-level search of the owner column."""
+        pattern = struct.pack("<H", number)
+        left = self._proc_files[number]
+        for c, chunk in enumerate(self._owner.chunks):
+            if chunk is None or not left:
+                continue
+            raw = chunk.tobytes()
+            at = raw.find(pattern)
+            while at >= 0:
+                if not at & 1:
+                    left -= 1
+                    yield (c << SHIFT) + (at >> 1)
+                at = raw.find(pattern, at + 1)
 
     def reap(self) -> int:
         """Turn the files of processes that exited into orphans; returns how many.
@@ -305,16 +650,17 @@ class Evictor:
             return 0
         self._reaped = now
         count = 0
-        dead = [k for k in self._owned if self._alive(k[0]) != k[1]]
-        for pid, _ in dead:
+        dead = [(n, k) for k, n in self._proc_ids.items() if self._alive(k[0]) != k[1]]
+        for _, (pid, _start) in dead:
             self._starts.pop(pid, None)
-        for key in dead:
-            self._interned.pop(key, None)
-            for ino in self._owned.pop(key):
-                self._owner.pop(ino, None)
-                if ino in self.ns.inodes:
-                    self.orphans[ino] = None
+        inodes = self.ns.inodes
+        for number, _key in dead:
+            for ino in list(self._files_of(number)):
+                self._owner[ino] = 0
+                if ino in inodes:
+                    self.orphans.add(ino)
                     count += 1
+            self._drop_process(number)
         return count
 
     # ------------------------------------------------------------------ groups
@@ -423,7 +769,7 @@ class Evictor:
             len(self.policy),
             len(self.orphans),
             len(self._fresh),
-            len(self._owned),
+            len(self._proc_ids),
             self.evictions,
             self.orphan_evictions,
         )

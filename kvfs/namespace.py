@@ -90,12 +90,18 @@ INDEX_LOAD = 0.375
 """The name index's lowest load (right after it doubles): the most bytes a name costs."""
 
 
+EVICTOR_TAG = 0xE7
+"""First byte of the evictor's checkpoint payloads (``kvfs.evict``); a load keeps
+them in ``Namespace.evictor_payloads`` for the evictor (not an op tag, not TAG)."""
+
+
 class Namespace:
     """Inode table and directory tree."""
 
     def __init__(self, log: Callable[[list[Op]], None]) -> None:
         self._log = log
         self.blobs: dict[str, bytes] = {}
+        self.evictor_payloads: list[bytes] = []
         self.next_ino = ROOT_INO + 1
         # persisted columns, in image order (kvfs.nsimage)
         self._mode = Column("H")
@@ -696,6 +702,9 @@ class Namespace:
         pool written by an older release, ``encode_ops`` output."""
         if payload[:1] == bytes((TAG,)):
             load_part(self, payload)
+            return
+        if payload[:1] == bytes((EVICTOR_TAG,)):
+            self.evictor_payloads.append(payload)
             return
         for op in decode_ops(payload):
             self.apply(op)

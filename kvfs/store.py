@@ -18,6 +18,7 @@ FUSE-free and async. Concurrency contract (see ``docs/design.md``):
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import mmap
 import os
@@ -282,9 +283,9 @@ class Store:
     def _snapshot(self) -> Iterator[bytes]:
         """What a checkpoint holds: the namespace plus the evictor's learned state, as
         CKPT_DATA payloads made lazily (fuzzy; the journal replays the window)."""
-        self.evictor.save()
+        evictor = self.evictor.snapshot_payloads()  # frozen now, encoded as consumed
         self._ckpt_inodes = len(self.ns.inodes)
-        return self.ns.snapshot_payloads()
+        return itertools.chain(self.ns.snapshot_payloads(), evictor)
 
     def load(self, drop_unreadable: bool = False) -> RecoveryReport:
         """Rebuild the index from the metadata log (blocking; before serving).

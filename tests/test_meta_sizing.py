@@ -4,6 +4,7 @@ the default area holds the checkpoint of a pool whose every unit is a file."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import stat
 from collections.abc import Callable, Sequence
@@ -15,7 +16,7 @@ from kvfs.device import Device, MemoryDevice
 from kvfs.errors import UserError
 from kvfs.evict import Evictor
 from kvfs.journal import META_FULL, encode_checkpoint, half_bounds
-from kvfs.layout import phys
+from kvfs.layout import Image, phys
 from kvfs.namespace import ROOT_INO, Namespace
 from kvfs.pool import (
     CHECKPOINT_FILE_BYTES,
@@ -68,8 +69,8 @@ def checkpoint_of(names: Callable[[int], bytes], units: int, devices: int = 1) -
     for ino in range(10**9, 10**9 + FILES):  # ghosts: keys the policy evicted
         evictor.policy.track(ino, units * MiB, None)
         evictor.policy.remove(ino)
-    evictor.save()
-    data, _, _ = encode_checkpoint(ns.snapshot(), 2, 0, 1)
+    evictor_payloads = [Image(p) for p in evictor.snapshot_payloads()]  # as Store._snapshot
+    data, _, _ = encode_checkpoint(itertools.chain(ns.snapshot(), evictor_payloads), 2, 0, 1)
     return len(data)
 
 

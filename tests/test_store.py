@@ -32,7 +32,7 @@ from kvfs.layout import (
     fragment_size,
     is_fragment,
 )
-from kvfs.namespace import ROOT_INO
+from kvfs.namespace import EVICTOR_TAG, ROOT_INO
 from kvfs.pool import Pool, format_pool, open_pool
 from kvfs.store import Store, StoreConfig
 
@@ -568,7 +568,7 @@ async def test_a_pool_checkpointed_by_the_previous_release_mounts_with_every_byt
         """Which kinds of checkpoint payload a log holds."""
 
         def __init__(self) -> None:
-            self.image = self.ops = 0
+            self.image = self.ops = self.evictor = 0
 
         def reset(self) -> None:
             self.image = self.ops = 0
@@ -576,6 +576,8 @@ async def test_a_pool_checkpointed_by_the_previous_release_mounts_with_every_byt
         def checkpoint(self, payload: bytes) -> None:
             if payload[0] == TAG:
                 self.image += 1
+            elif payload[0] == EVICTOR_TAG:  # the eviction state's own payloads
+                self.evictor += 1
             else:
                 self.ops += 1
 
@@ -602,7 +604,7 @@ async def test_a_pool_checkpointed_by_the_previous_release_mounts_with_every_byt
         meta, start, size = pool.meta
         kinds = Kinds()
         found = recover(meta, start, size, pool.seed, kinds)
-        assert kinds.image and not kinds.ops
+        assert kinds.image and kinds.evictor and not kinds.ops
         generation = found.generation + 1
         old, _, _ = encode_checkpoint(ns.legacy_ops(), generation, found.seq, pool.seed)
         base, _ = half_bounds(start, size, 1 - found.half)

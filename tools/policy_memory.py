@@ -8,7 +8,8 @@
 - evictor: bytes per file of ``kvfs.evict.Evictor``'s own per-file state (owners,
   the files of each owner, the grace list) after ``created`` + ``committed`` of N
   files by 64 live processes, minus the policy's share; and of the orphan list
-  after a remount (``adopt_all``: every file starts as an orphan).
+  after a remount (``adopt_all``: every file starts as an orphan); ``owners_per_file``
+  is the same without the grace list (every grace over).
 
 ``--speed`` times a track + evict pair per policy instead (5 000 resident keys).
 
@@ -26,6 +27,7 @@ import stat
 import sys
 import time
 import tracemalloc
+from array import array
 from pathlib import Path
 from typing import Any
 
@@ -78,23 +80,45 @@ def policy_bytes(name: str, keys: list[int], churn: bool = True) -> dict[str, fl
 
 def evictor_bytes(n: int) -> dict[str, float]:
     ns = Namespace(lambda ops: None)
-    ns.inodes[ROOT_INO] = Inode(ROOT_INO, stat.S_IFDIR | 0o755, 0, 0, 2, entries={})
-    inodes = [Inode(ino, stat.S_IFREG | 0o644, 0, 0, 1, size=1 << 21) for ino in range(2, n + 2)]
-    for inode in inodes:
-        ns.inodes[inode.ino] = inode
+    ns.init_root(0, 0)
+    if hasattr(ns, "add_files"):  # the columnar namespace
+        names = [b"f%d" % i for i in range(n)]
+        first = ns.add_files(
+            ROOT_INO,
+            names,
+            stat.S_IFREG | 0o644,
+            (0, 0),
+            1 << 21,
+            array("q", range(n)),
+            array("Q", [0]) * n,
+        )
+        del names
+    else:  # an older checkout: Inode objects
+        first = ROOT_INO + 1
+        for ino in range(first, first + n):
+            ns.inodes[ino] = Inode(ino, stat.S_IFREG | 0o644, 0, 0, 1, size=1 << 21)
+    inos = range(first, first + n)
     pids = list(range(1000, 1064))
 
     def fill(policy: str) -> Any:
         evictor = Evictor(
             ns, policy=policy, alive=lambda pid: 7, thread_group=lambda tid: tid, grace=1e9
         )
-        for index, inode in enumerate(inodes):
+        for index, ino in enumerate(inos):
+            inode = ns.inodes[ino]
             evictor.created(inode, pids[index & 63])
             evictor.committed(inode, pids[index & 63])
         return evictor
 
+    def fill_expired(policy: str) -> Any:  # the same, every grace over
+        evictor = fill(policy)
+        evictor.grace = 0.0
+        evictor._fresh.clear()
+        return evictor
+
     with_policy = _measure(lambda: fill("fifo"))
-    policy_only = _measure(lambda: _fifo(inodes))
+    owners_only = _measure(lambda: fill_expired("fifo"))
+    policy_only = _measure(lambda: _fifo(inos))
 
     def remount() -> Any:
         evictor = Evictor(ns, policy="fifo", alive=lambda pid: None)
@@ -104,14 +128,15 @@ def evictor_bytes(n: int) -> dict[str, float]:
     orphans = _measure(remount) - policy_only
     return {
         "owners_and_grace_per_file": round((with_policy - policy_only) / n, 1),
+        "owners_per_file": round((owners_only - policy_only) / n, 1),
         "orphans_per_file_after_mount": round(orphans / n, 1),
     }
 
 
-def _fifo(inodes: list[Inode]) -> Any:
+def _fifo(inos: range) -> Any:
     policy = make_policy("fifo")
-    for inode in inodes:
-        policy.track(inode.ino, inode.size, None)
+    for ino in inos:
+        policy.track(ino, 1 << 21, None)
     return policy
 
 

@@ -27,6 +27,7 @@ measurements: ``docs/eviction.md``.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Collection, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -112,6 +113,23 @@ class EvictionPolicy(Protocol):
         ``new``. A chunk rewritten after its eviction is a new inode on a mount;
         without this, no ghost ever hits there. No-op unless ``old`` is remembered
         and ``new`` is unknown."""
+
+    def persist_pieces(self) -> Iterator[bytes]:
+        """Freeze the state now and return an iterator over the pieces of its image
+        (``persist()`` is their concatenation), encoded as they are consumed."""
+
+    def recover_pieces(self, pieces: list[bytes]) -> None:
+        """``recover`` of an image given as the pieces ``persist_pieces`` yielded."""
+
+    def adopt(
+        self, keys: array[int], sizes: array[int], spans: list[tuple[int, int]] | None = None
+    ) -> None:
+        """``track(key, size, None)`` for each of ``keys`` (distinct, untracked) in
+        order, in bulk where the policy can (a first mount)."""
+
+    def resident_mask(self, n: int) -> bytes | None:
+        """``n`` bytes, 1 where key ``i`` is tracked; None if the policy cannot say
+        at C speed (the caller then uses ``keys()``)."""
 
     def recover_foreign(self, data: bytes) -> bool:
         """Adopt what it can from another policy's valid image (resident keys, their

@@ -27,6 +27,7 @@ by the loop expert, the recency expert taking its residents in order.
 from __future__ import annotations
 
 import math
+from array import array
 from collections import OrderedDict
 from collections.abc import Collection, Hashable, Iterator
 
@@ -157,12 +158,31 @@ class AdaptivePolicy:
 
     def persist(self) -> bytes:
         """One image: the loop expert's lists and ghosts, then the recency list."""
-        loop = img.decode(self.loop.persist(), img.KIND_KVFS, _LOOP_LISTS)
-        recency = img.decode(self.recency.persist(), img.KIND_PREFIX_LRU, 1)
+        loop = img.decode(self.loop.persist_v1(), img.KIND_KVFS, _LOOP_LISTS)
+        recency = img.decode(self.recency.persist_v1(), img.KIND_PREFIX_LRU, 1)
         lists = [*loop.lists, *recency.lists]
         return img.encode(
             self._kind, loop.clock, loop.horizon, lists, loop.ghost_keys, loop.ghost_last
         )
+
+    def persist_pieces(self) -> Iterator[bytes]:
+        """The image as one piece (encoded now: O(keys), as in the 0.2 release)."""
+        return iter([self.persist()])
+
+    def recover_pieces(self, pieces: list[bytes]) -> None:
+        """``recover`` of the image ``persist_pieces`` gave."""
+        self.recover(b"".join(pieces))
+
+    def resident_mask(self, n: int) -> bytes | None:
+        """The residents (both experts hold the same keys)."""
+        return self.recency.resident_mask(n)
+
+    def adopt(
+        self, keys: array[int], sizes: array[int], spans: list[tuple[int, int]] | None = None
+    ) -> None:
+        """``track(key, size, None)`` per key, oldest first."""
+        for key, size in zip(keys, sizes, strict=True):
+            self.track(key, size, None)
 
     def recover(self, data: bytes) -> None:
         """Replace the state by an image of this policy; ValueError changes nothing."""

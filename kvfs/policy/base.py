@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from array import array
-from collections.abc import Collection
-from itertools import compress
+from collections.abc import Collection, Iterator
 from typing import TYPE_CHECKING, ClassVar
 
 from kvfs.policy import PolicyStatistics
 from kvfs.policy import image as img
-from kvfs.policy.slots import NO_KEY, SlotTable
+from kvfs.policy.slots import DIRECT, MASK, NO_KEY, ROWS, SHIFT, SlotTable
 
 if TYPE_CHECKING:
     from kvfs.policy.image import Columns, Image
@@ -25,7 +24,7 @@ class LinkedPolicy:
     _kind: ClassVar[int] = 0
     _lists: ClassVar[tuple[int, ...]] = (ORDER,)  # persisted lists, in image order
     _slot_lists: ClassVar[int] = 1  # lists including unpersisted ones (the ghost)
-    _columns: ClassVar[tuple[str, ...]] = ("q",)  # typecodes; column 0 is the size
+    _columns: ClassVar[tuple[str, ...]] = ("I",)  # typecodes (widened on overflow); 0: size
 
     def __init__(self) -> None:
         self._slots = SlotTable(self._slot_lists, self._columns)
@@ -38,10 +37,13 @@ class LinkedPolicy:
 
     def _slot(self, key: object) -> int | None:
         """Return the slot of resident ``key``, or None."""
-        slot = self._slots.index.get(key)  # type: ignore[call-overload]
-        if slot is None or self._slots.owner[slot] not in self._lists:
+        if not isinstance(key, int):
             return None
-        return int(slot)
+        table = self._slots
+        slot = table.find(key)
+        if slot is None or table.owner.chunks[slot >> SHIFT][slot & MASK] not in self._lists:  # type: ignore[index]
+            return None
+        return slot
 
     def __contains__(self, key: object) -> bool:
         return self._slot(key) is not None
@@ -51,20 +53,21 @@ class LinkedPolicy:
 
     def keys(self) -> set[int]:
         """Return the tracked keys (a new set, in no particular order)."""
-        table, lists = self._slots, len(self._slots.count)  # sentinels hold no key
-        resident = map(self._lists.__contains__, table.owner[lists:])
-        return set(compress(table.key[lists:], resident))
+        return set(self._slots.keys_where(self._lists))
 
     def rekey(self, old: int, new: int) -> None:
         """Give the remembered (ghost) key ``old`` the key ``new``; no-op for
         policies without ghosts, a resident or unknown ``old`` or a known ``new``."""
         table = self._slots
-        slot = table.index.get(old)
-        if slot is None or table.owner[slot] in self._lists or new in table.index or new < 0:
+        slot = table.find(old) if old >= 0 else None
+        if (
+            slot is None
+            or table.owner[slot] in self._lists
+            or new < 0
+            or table.find(new) is not None
+        ):
             return
-        del table.index[old]
-        table.key[slot] = new
-        table.index[new] = slot
+        table.move_key(slot, new)
 
     def size_of(self, key: int) -> int:
         """Return the size of resident ``key`` (0 if it is not resident)."""
@@ -74,7 +77,7 @@ class LinkedPolicy:
     def keys_in_image_order(self) -> list[int]:
         """Return the resident keys list by list, oldest first (as ``persist`` does)."""
         table = self._slots
-        return [table.key[slot] for lst in self._lists for slot in table.slot_list(lst)]
+        return [table.key_of(slot) for lst in self._lists for slot in table.slot_list(lst)]
 
     def remove_many(self, keys: Collection[int]) -> None:
         """``remove()`` each of ``keys`` in the order a fresh ``victims()`` lists them."""
@@ -92,7 +95,7 @@ class LinkedPolicy:
 
     def _add(self, key: int, size: int) -> int:
         """Make ``key`` resident (in no list yet) with ``size``; return its slot."""
-        slot = self._slots.index.get(key)
+        slot = self._slots.find(key)
         if slot is None:
             slot = self._slots.new(key)
             self._init_slot(slot)
@@ -140,8 +143,8 @@ class LinkedPolicy:
     # -- persistence ---------------------------------------------------------------
 
     def _key_columns(self, slots: list[int]) -> tuple[array[int], array[int], array[int]]:
-        """Return the (predecessor or -1, last access clock, flags) columns to persist
-        for ``slots``."""
+        """Return the (predecessor or -1, last access clock, flags) columns of a
+        version 1 image for ``slots``."""
         n = len(slots)
         return array("q", [NO_KEY]) * n, array("q", [0]) * n, array("q", [0]) * n
 
@@ -150,40 +153,127 @@ class LinkedPolicy:
         return 0, 0
 
     def _ghost_items(self) -> tuple[array[int], array[int]]:
-        """Return the columns (evicted key, its last use clock) to persist."""
+        """Return the columns (evicted key, its last use clock) of a version 1 image."""
         return array("q"), array("q")
 
-    def persist(self) -> bytes:
-        """Encode the state as an image (``kvfs.policy.image``, ``docs/format.md``)."""
+    def _extra_scalars(self) -> list[int]:
+        """The policy's own counters a version 2 image keeps (``_set_extra``)."""
+        return []
+
+    def _set_extra(self, values: list[int]) -> None:
+        """Restore what ``_extra_scalars`` returned."""
+
+    def persist_v1(self) -> bytes:
+        """Encode the state as a version 1 image (the 0.2 release's format, read by
+        ``recover``; O(keys) in Python: only the adaptive policy and tests use it)."""
         clock, horizon = self._scalars()
         table = self._slots
         lists: list[Columns] = []
         for lst in self._lists:
             slots = table.slot_list(lst)
-            keys = array("q", map(table.key.__getitem__, slots))
+            keys = array("q", map(table.key_of, slots))
             sizes = array("q", map(self._size.__getitem__, slots))
             lists.append((keys, sizes, *self._key_columns(slots)))
         return img.encode(self._kind, clock, horizon, lists, *self._ghost_items())
 
+    def persist_pieces(self) -> Iterator[bytes]:
+        """Freeze the state now (O(chunks): copy-on-write columns) and return an
+        iterator over the pieces of its version 2 image, which reads only the frozen
+        state: the policy may go on changing while they are encoded."""
+        clock, horizon = self._scalars()
+        table = self._slots
+        scalars = [clock, horizon, self._resident, self._bytes, *self._extra_scalars()]
+        return img.encode_pieces(self._kind, table, len(self._lists), scalars)
+
+    def persist(self) -> bytes:
+        """Encode the state as an image (``kvfs.policy.image``, ``docs/format.md``)."""
+        return b"".join(self.persist_pieces())
+
     def recover(self, data: bytes) -> None:
-        """Replace the state by the one ``data`` encodes; on ValueError nothing changes."""
-        decoded = img.decode(data, self._kind, len(self._lists))
+        """Replace the state by the one ``data`` encodes (a version 2 image, or a
+        version 1 one of the 0.2 release); on ValueError nothing changes."""
+        if img.version_of(data) == 1:
+            decoded = img.decode(data, self._kind, len(self._lists))
+            self.reset()
+            self._restore(decoded)
+            return
+        self.recover_pieces(img.split_pieces(data))
+
+    def recover_pieces(self, pieces: list[bytes]) -> None:
+        """Replace the state by a version 2 image given as its pieces; on ValueError
+        nothing changes."""
+        table = self._slots
+        got = img.decode_pieces(
+            pieces, self._kind, len(table.count), len(self._lists), [c.code for c in table.columns]
+        )
         self.reset()
-        self._restore(decoded)
+        self._slots, scalars = got
+        self._bind_columns()
+        clock, horizon, self._resident, self._bytes, *extra = scalars
+        self._set_scalars(clock, horizon)
+        self._set_extra(extra)
+
+    def _bind_columns(self) -> None:
+        """Point the column attributes at ``self._slots``'s columns."""
+        self._size = self._slots.columns[0]
+
+    def _set_scalars(self, clock: int, horizon: int) -> None:
+        """Restore (clock, horizon)."""
 
     def _restore(self, decoded: Image) -> None:
-        # on a fresh table (no free slots) a bulk ``extend`` per list is exactly the
-        # per key ``_add`` + ``append`` (``_init_slot`` of the base policies sets nothing)
         for lst, (keys, sizes, *_) in zip(self._lists, decoded.lists, strict=True):
             self._restore_list(lst, keys, sizes)
 
-    def _restore_list(self, lst: int, keys: array[int], sizes: array[int]) -> int:
-        """Make ``keys`` resident at the newest end of ``lst``; return the first slot."""
-        first = self._slots.extend(lst, keys)
-        self._size[first:] = sizes
+    def _restore_list(self, lst: int, keys: array[int], sizes: array[int]) -> list[int]:
+        """Make ``keys`` resident at the newest end of ``lst``; return their slots."""
+        slots = self._slots.append_keys(lst, keys)
+        size = self._size
+        for slot, value in zip(slots, sizes, strict=True):
+            size[slot] = value
         self._bytes += sum(sizes)
         self._resident += len(keys)
-        return first
+        return slots
+
+    def adopt(
+        self, keys: array[int], sizes: array[int], spans: list[tuple[int, int]] | None = None
+    ) -> None:
+        """Track each of ``keys`` (distinct, none tracked yet), oldest first, as files
+        found at mount without a stream: exactly what ``track(key, size, None)`` per
+        key does, in bulk (C-level column writes) on a policy that never held a key
+        (a first mount of 10^7 files). ``spans``: the runs of consecutive keys
+        (``slots.runs(keys)``), if the caller knows them."""
+        fresh = not self._slots.decided and (not keys or 0 <= min(keys) <= max(keys) < DIRECT)
+        if not fresh or min(sizes, default=0) < 0 or len(keys) != len(sizes):
+            for key, size in zip(keys, sizes, strict=True):
+                self.track(key, size, None)  # type: ignore[attr-defined]
+            return
+        self._adopt_fresh(keys, sizes, spans)
+        total = sum(sizes)
+        self._bytes += total
+        self._resident += len(keys)
+        self._tracks += len(keys)
+
+    def _adopt_fresh(
+        self, keys: array[int], sizes: array[int], spans: list[tuple[int, int]] | None
+    ) -> None:
+        """``adopt`` on a fresh table: link and fill the columns (counters aside)."""
+        self._slots.adopt_keys(self._lists[0], keys, [(self._size, sizes)], spans)
+
+    def resident_mask(self, n: int) -> bytes | None:
+        """``bytes(n)`` with 1 where key ``i`` is resident (C-level, from the owner
+        column); None if the table maps keys through its dict."""
+        table = self._slots
+        if table.direct != DIRECT or n > DIRECT:  # (slots past DIRECT are mapped ones)
+            return None if table.decided else bytes(n)
+        is_resident = bytearray(256)
+        for lst in self._lists:
+            is_resident[lst] = 1
+        raw = b"".join(
+            bytes(ROWS) if chunk is None else chunk.tobytes().translate(is_resident)
+            for chunk in table.owner.chunks
+        )
+        raw = raw[table.lists : table.lists + n]
+        return raw + bytes(n - len(raw))
 
     def recover_foreign(self, data: bytes) -> bool:
         """Adopt the resident keys of another policy's valid image, in its victim

@@ -23,11 +23,11 @@ from __future__ import annotations
 import struct
 import zlib
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvfs.policy.slots import NO_KEY
+from kvfs.policy.slots import DIRECT, FREE, NO_KEY, ROWS, SHIFT, SlotTable
 
 FORMAT_VERSION = 1
 MAGIC = b"KVEP"
@@ -150,10 +150,13 @@ def _check_keys(lists: Sequence[Columns], ghost_keys: array[int]) -> None:
 
 def decode_any(data: bytes) -> tuple[int, Image] | None:
     """Decode an image of any kind (its header names kind and list count); return
-    (kind, image with only the lists that hold distinct keys), None if invalid."""
+    (kind, image with only the lists that hold distinct keys), None if invalid.
+    Of a version 2 image only the keys and sizes are kept (the other columns 0)."""
     kind = kind_of(data)
     if kind is None:
         return None
+    if version_of(data) == VERSION2:
+        return _decode_any_v2(data, kind)
     lists = int.from_bytes(data[6:8], "little")
     orders = ORDERS.get(kind, 0)
     try:
@@ -194,3 +197,270 @@ def encode(
 
 def _int64(column: array[int]) -> bytes:
     return (column if column.typecode == "q" else array("q", column)).tobytes()
+
+
+# -- version 2: the slot table's columns, in pieces ------------------------------------
+
+VERSION2 = 2
+PIECE = struct.Struct("<4sBBBBII")  # magic, version, kind, part, pad, index, body length
+"""Header of one version 2 piece; the piece ends with the crc32 of header and body."""
+PART_HEAD = 0
+PART_COLUMN = 1
+HEAD = struct.Struct("<HHHHIIIII")
+"""Head body: slot lists, persisted lists, columns, scalars, sparse keys, free sparse
+slots, highest chunk + 1, the direct key limit, whether it is decided; then the
+column typecodes, per slot list its count, the scalars (int64), the sparse keys and
+the free sparse slots (int64)."""
+COLUMN = struct.Struct("<Bc")  # column number, typecode; then whole chunks' raw rows
+BATCH_CHUNKS = 128
+"""Chunks per column piece at most (512 KiB of an int32 column)."""
+
+
+def version_of(data: bytes) -> int | None:
+    """The format version an image's header names (None: no image)."""
+    if len(data) < HEADER.size or data[:4] != MAGIC:
+        return None
+    return int(data[4])
+
+
+def _piece(kind: int, part: int, index: int, body: bytes) -> bytes:
+    head = PIECE.pack(MAGIC, VERSION2, kind, part, 0, index, len(body))
+    return head + body + CRC.pack(zlib.crc32(body, zlib.crc32(head)))
+
+
+def encode_pieces(
+    kind: int, table: SlotTable, persisted: int, scalars: list[int]
+) -> Iterator[bytes]:
+    """Freeze ``table`` now and return an iterator over the pieces of its image:
+    the head (geometry, list counts, ``scalars``, sparse keys), then per column its
+    chunks in batches. Chunks that hold no key (owner all free) are left out."""
+    columns = table.all_columns()
+    frozen = [column.freeze() for column in columns]
+    codes = "".join(column.code for column in columns)
+    owner = frozen[2]
+    head = HEAD.pack(
+        table.lists,
+        persisted,
+        len(columns),
+        len(scalars),
+        len(table.sparse_keys),
+        len(table.sparse_free),
+        len(owner),
+        table.direct,
+        table.decided,
+    )
+    body = b"".join(
+        (
+            head,
+            codes.encode(),
+            array("q", table.count).tobytes(),
+            array("q", scalars).tobytes(),
+            table.sparse_keys.tobytes(),
+            table.sparse_free.tobytes(),
+        )
+    )
+
+    def pieces() -> Iterator[bytes]:
+        # O(chunks) scans here, as the pieces are consumed (off the event loop)
+        empty = array("b", [FREE]) * ROWS
+        keep = [c == 0 or (ch is not None and ch != empty) for c, ch in enumerate(owner)]
+        last = max(c for c, kept in enumerate(keep) if kept)
+        last_owners = owner[last]
+        assert last_owners is not None
+        last_rows = len(last_owners.tobytes().rstrip(bytes([FREE & 0xFF])))  # then no key
+        yield _piece(kind, PART_HEAD, 0, body)
+        for number, chunks in enumerate(frozen):
+            batch: list[bytes] = []
+            first = 0
+            for c, chunk in enumerate(chunks):
+                if chunk is None or not keep[c] or len(batch) == BATCH_CHUNKS:
+                    if batch:
+                        yield _column_piece(kind, number, codes[number], first, batch)
+                        batch = []
+                    if chunk is None or not keep[c]:
+                        continue
+                if not batch:
+                    first = c
+                raw = chunk.tobytes()
+                batch.append(raw if c != last else raw[: last_rows * chunk.itemsize])
+            if batch:
+                yield _column_piece(kind, number, codes[number], first, batch)
+
+    return pieces()
+
+
+def _column_piece(kind: int, number: int, code: str, first: int, batch: list[bytes]) -> bytes:
+    return _piece(kind, PART_COLUMN, first, COLUMN.pack(number, code.encode()) + b"".join(batch))
+
+
+def split_pieces(data: bytes) -> list[bytes]:
+    """Cut a joined version 2 image into its pieces (ValueError if it is none)."""
+    pieces, pos = [], 0
+    while pos < len(data):
+        if pos + PIECE.size > len(data):
+            raise ValueError("truncated policy image")
+        n = PIECE.unpack_from(data, pos)[6]
+        end = pos + PIECE.size + n + CRC.size
+        if end > len(data):
+            raise ValueError("truncated policy image")
+        pieces.append(data[pos:end])
+        pos = end
+    return pieces
+
+
+def decode_pieces(
+    pieces: Sequence[bytes],
+    kind: int,
+    lists: int | None = None,
+    persisted: int | None = None,
+    codes: Sequence[str] | None = None,
+) -> tuple[SlotTable, list[int]]:
+    """Validate version 2 pieces of policy ``kind`` (``lists`` slot lists of which
+    ``persisted`` are resident ones, ``codes`` the policy's own column typecodes)
+    and return (a new slot table holding them, the scalars; None: whatever the
+    image says, for an image of another policy); ValueError on any
+    defect. The checks are C-level per chunk: checksums, geometry, owners, link
+    ranges, list counts and sparse keys."""
+    head_body: bytes | None = None
+    columns: list[tuple[int, int, str, bytes]] = []
+    for piece in pieces:
+        if len(piece) < PIECE.size + CRC.size:
+            raise ValueError("policy image piece too short")
+        magic, version, got_kind, part, _pad, index, n = PIECE.unpack_from(piece, 0)
+        if magic != MAGIC or version != VERSION2 or len(piece) != PIECE.size + n + CRC.size:
+            raise ValueError(f"not a version {VERSION2} policy image piece")
+        body = piece[PIECE.size : PIECE.size + n]
+        (crc,) = CRC.unpack_from(piece, PIECE.size + n)
+        if zlib.crc32(body, zlib.crc32(piece[: PIECE.size])) != crc:
+            raise ValueError("policy image checksum mismatch")
+        if got_kind != kind:
+            raise ValueError("policy image belongs to another policy")
+        if part == PART_HEAD:
+            if head_body is not None:
+                raise ValueError("policy image with two heads")
+            head_body = body
+        elif part == PART_COLUMN and len(body) >= COLUMN.size:
+            number, code = COLUMN.unpack_from(body, 0)
+            columns.append((number, index, code.decode(errors="replace"), body[COLUMN.size :]))
+        else:
+            raise ValueError("unknown policy image piece")
+    if head_body is None:
+        raise ValueError("policy image without its head")
+    if len(head_body) < HEAD.size:
+        raise ValueError("truncated policy image head")
+    got_lists, got_persisted, ncols, nscalars, nsparse, nfree, nchunks, direct, decided = (
+        HEAD.unpack_from(head_body, 0)
+    )
+    if lists is None or persisted is None or codes is None:
+        lists, persisted = got_lists, got_persisted
+        codes = head_body[HEAD.size + 3 : HEAD.size + ncols].decode(errors="replace")
+    if got_lists != lists or got_persisted != persisted or ncols != len(codes) + 3:
+        raise ValueError("policy image belongs to another policy")
+    if not 0 < persisted <= lists or not set(codes) <= set("bBiIq"):
+        raise ValueError("bad policy image head")
+    pos = HEAD.size
+    want = HEAD.size + ncols + 8 * (lists + nscalars + nsparse + nfree)
+    if len(head_body) != want:
+        raise ValueError("policy image head of the wrong length")
+    got_codes = head_body[pos : pos + ncols].decode(errors="replace")
+    pos += ncols
+
+    def take(count: int) -> array[int]:
+        nonlocal pos
+        values = array("q")
+        values.frombytes(head_body[pos : pos + 8 * count])
+        pos += 8 * count
+        return values
+
+    counts, scalars, sparse_keys, sparse_free = (
+        take(lists),
+        take(nscalars),
+        take(nsparse),
+        take(nfree),
+    )
+    table = SlotTable(lists, tuple(codes))
+    if direct not in (0, DIRECT) or decided > 1 or (direct == 0 and not decided):
+        raise ValueError("bad key geometry in policy image")
+    table.direct, table.decided = direct, bool(decided)
+    table.sparse_base = direct + lists
+    all_columns = table.all_columns()
+    for number, first, code, raw in columns:
+        if number >= ncols or code not in "bBiIq" or code != got_codes[number]:
+            raise ValueError("bad column in policy image")
+        if number == 2 and code != "b":
+            raise ValueError("bad owner column in policy image")
+        size = array(code).itemsize
+        step = ROWS * size
+        if not raw or len(raw) % size or first + -(-len(raw) // step) > nchunks:
+            raise ValueError("bad column chunk in policy image")
+        for i in range(0, len(raw), step):  # the last chunk may end early (no keys after)
+            chunk = array(code)
+            chunk.frombytes(raw[i : i + step])
+            if len(chunk) < ROWS:
+                chunk.extend(array(code, [all_columns[number].fill]) * (ROWS - len(chunk)))
+            all_columns[number].load(first + i // step, chunk)
+    owner = table.owner
+    rows = nchunks * ROWS
+    sparse_base = table.sparse_base
+    if nchunks == 0 or len(owner.chunks) > nchunks or (nsparse and sparse_base + nsparse > rows):
+        raise ValueError("bad geometry in policy image")
+    allowed = bytes(range(lists)) + bytes([FREE & 0xFF])
+    found = [0] * lists
+    for c, owners in enumerate(owner.chunks):
+        if owners is None:
+            continue
+        for column in all_columns:
+            column.ensure_row(c << SHIFT)
+        raw = owners.tobytes()
+        tail = sparse_base + nsparse - (c << SHIFT)  # rows from here on hold no key
+        if tail < ROWS and raw[max(tail, 0) :].translate(None, bytes([FREE & 0xFF])):
+            raise ValueError("policy image: a slot beyond the keys has an owner")
+        if raw.translate(None, allowed):
+            raise ValueError("bad list owner in policy image")
+        for lst in range(lists):
+            found[lst] += raw.count(lst)
+        for column in (table.prev, table.next):
+            links = column.chunks[c]
+            assert links is not None
+            if min(links) < 0 or max(links) >= rows:
+                raise ValueError("bad link in policy image")
+    for lst in range(lists):
+        if owner.get(lst, FREE) != lst:
+            raise ValueError("bad list head in policy image")
+        found[lst] -= 1  # the sentinel
+    if found != list(counts):
+        raise ValueError("policy image list counts do not match its owners")
+    live = [key for key in sparse_keys if key != NO_KEY]
+    if len(set(live)) != len(live) or any(key < direct for key in live):
+        raise ValueError("bad sparse key in policy image")
+    table.sparse_keys = sparse_keys
+    table.sparse_free = sparse_free
+    table.index = {key: sparse_base + i for i, key in enumerate(sparse_keys) if key != NO_KEY}
+    for i, key in enumerate(sparse_keys):
+        if (key == NO_KEY) != (owner.get(sparse_base + i, FREE) == FREE):
+            raise ValueError("policy image: a sparse slot's key and owner disagree")
+    if not set(sparse_free) <= {sparse_base + i for i, k in enumerate(sparse_keys) if k == NO_KEY}:
+        raise ValueError("bad free sparse slot in policy image")
+    for column in all_columns:
+        column.ensure_row(0)
+    for i in range(len(table.count)):
+        table.count[i] = counts[i]
+    return table, list(scalars)
+
+
+def _decode_any_v2(data: bytes, kind: int) -> tuple[int, Image] | None:
+    try:
+        table, scalars = decode_pieces(split_pieces(data), kind)
+    except ValueError:
+        return None
+    persisted = HEAD.unpack_from(data, PIECE.size)[1]
+    lists: list[Columns] = []
+    size = table.columns[0]
+    for lst in range(persisted):
+        slots = table.slot_list(lst)
+        n = len(slots)
+        zeros = array("q", [0]) * n
+        keys = array("q", map(table.key_of, slots))
+        sizes = array("q", map(size.__getitem__, slots))
+        lists.append((keys, sizes, array("q", [NO_KEY]) * n, zeros, zeros))
+    return kind, Image(scalars[0], scalars[1], lists, array("q"), array("q"))

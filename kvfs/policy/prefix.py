@@ -5,6 +5,7 @@ Design, ablations and measurements in ``docs/eviction.md``.
 
 from __future__ import annotations
 
+import struct
 from array import array
 from collections import OrderedDict
 from collections.abc import Collection, Hashable, Iterator
@@ -36,6 +37,7 @@ _SHARE_MAX = 0.95
 _SOON = 4  # a probation ghost hit counts if its gap is under horizon / _SOON
 _PEAK_DECAY = 16  # the byte high-water mark forgets 1/65536 per new key
 _GHOST_MIN = 1024  # evicted keys remembered at least, whatever the resident count
+_FLOAT, _FLOAT_BITS = struct.Struct("<d"), struct.Struct("<q")
 RULES = frozenset({"dead-first", "cold-main", "chain-order", "lirs-admit", "adapt"})
 """Rules an ablation may switch off (``KvfsPolicy(without=...)``, docs/eviction.md)."""
 
@@ -93,7 +95,7 @@ class KvfsPolicy(LinkedPolicy):
     _kind = img.KIND_KVFS
     _lists = (_DEAD, _PROBATION, _MAIN)
     _slot_lists = 4  # and the ghost list
-    _columns = ("q", "q", "q", "q", "q")  # size, predecessor, successor, last use, gap<<1|flags
+    _columns = ("I", "i", "i", "I", "I")  # size, predecessor, successor, last use, gap<<1|flags
 
     def __init__(
         self,
@@ -116,8 +118,7 @@ class KvfsPolicy(LinkedPolicy):
         self.main_share = main_share
         self.cold_factor = cold_factor
         self.admit_factor = admit_factor
-        columns = self._slots.columns
-        self._pred, self._succ, self._last, self._info = columns[1:]
+        self._bind_columns()
         self._streams: OrderedDict[Hashable, int] = OrderedDict()
         self._clock = 0
         self._horizon = 0
@@ -144,6 +145,30 @@ class KvfsPolicy(LinkedPolicy):
             return True
         return super().recover_foreign(data)
 
+    def _bind_columns(self) -> None:
+        super()._bind_columns()
+        self._pred, self._succ, self._last, self._info = self._slots.columns[1:]
+
+    def _adopt_fresh(
+        self, keys: array[int], sizes: array[int], spans: list[tuple[int, int]] | None
+    ) -> None:
+        # per key, track(key, size, None) on a fresh policy: clock + 1, last use =
+        # clock, no chain, newest of probation; the byte high-water mark follows the
+        # bytes (they only grow), so it ends at the total
+        n, clock = len(keys), self._clock
+        lasts = array("q", range(clock + 1, clock + n + 1))
+        fills = [
+            (self._size, sizes),
+            (self._pred, NO_KEY),
+            (self._succ, NO_KEY),
+            (self._last, lasts),
+        ]
+        self._slots.adopt_keys(_PROBATION, keys, fills, spans)  # type: ignore[arg-type]
+        total = sum(sizes)
+        self._clock += n
+        self._seg_bytes[_PROBATION] += total
+        self._peak = max(self._bytes + total, self._peak)
+
     def _init_slot(self, slot: int) -> None:
         self._pred[slot] = NO_KEY
         self._succ[slot] = NO_KEY
@@ -159,7 +184,7 @@ class KvfsPolicy(LinkedPolicy):
             self._resize(slot, size)
             self._use(slot, self._observe(slot, stream))
             return
-        ghost = self._slots.index.get(key)  # resident keys were handled above
+        ghost = self._slots.find(key)  # resident keys were handled above
         if ghost is not None:
             self._slots.unlink(ghost)
             self._ghost_hit(self._size[ghost], size, self._clock + 1 - self._last[ghost])
@@ -246,22 +271,22 @@ class KvfsPolicy(LinkedPolicy):
             super().remove_many(keys)
             return
         table = self._slots
-        key_of = table.key
-        dead = [key_of[slot] for slot in table.slot_list(_DEAD) if key_of[slot] in keys]
+        key_of = table.key_of
+        dead = [key_of(slot) for slot in table.slot_list(_DEAD) if key_of(slot) in keys]
         main_cold: list[int] = []
         main_rest: list[int] = []
         cold = True
         for slot in table.slot_list(_MAIN):
             cold = cold and self._is_cold(slot)
-            if key_of[slot] in keys:
-                (main_cold if cold else main_rest).append(key_of[slot])
+            if key_of(slot) in keys:
+                (main_cold if cold else main_rest).append(key_of(slot))
         excess: list[int] = []
         rest: list[int] = []
         within, main_bytes = True, self._seg_bytes[_MAIN]
         for slot in table.slot_list(_PROBATION):
             within = within and self._within_share(main_bytes, self._size[slot])
-            if key_of[slot] in keys:
-                (excess if within else rest).append(key_of[slot])
+            if key_of(slot) in keys:
+                (excess if within else rest).append(key_of(slot))
         for key in dead + main_cold + excess + main_rest + rest:
             self.remove(key)
 
@@ -275,16 +300,21 @@ class KvfsPolicy(LinkedPolicy):
             dead_keys=count[_DEAD],
             ghost_keys=count[_GHOST],
             promotions=self._promotions,
-            chain_links=sum(info & _CONFIRMED for info in self._info),
+            chain_links=sum(
+                sum(map(_CONFIRMED.__and__, chunk)) for chunk in self._info.chunks if chunk
+            ),
             horizon=self._horizon,
         )
 
     # -- chain learning ----------------------------------------------------------------
 
     def _observe(self, slot: int, stream: Hashable) -> int | None:
-        """Advance the clock; return the slot of the stream's previous key if it precedes."""
+        """Advance the clock; return the slot of the stream's previous key if it precedes.
+        No stream (``None``: files adopted at mount) learns no chain."""
         self._clock += 1
-        key = self._slots.key[slot]
+        if stream is None:
+            return None
+        key = self._slots.key_of(slot)
         prev = self._streams.pop(stream, None)
         self._streams[stream] = key
         if len(self._streams) > _STREAM_MEMORY:
@@ -305,9 +335,9 @@ class KvfsPolicy(LinkedPolicy):
 
     def _unchain(self, slot: int) -> None:
         """Drop ``slot``'s chain links; mark its successor dead if the link is confirmed."""
-        key = self._slots.key[slot]
+        key = self._slots.key_of(slot)
         pred, self._pred[slot] = self._pred[slot], NO_KEY
-        pred_slot = self._slots.index.get(pred) if pred != NO_KEY else None
+        pred_slot = self._slots.find(pred) if pred != NO_KEY else None
         if pred_slot is not None and self._succ[pred_slot] == key:
             self._succ[pred_slot] = NO_KEY
         succ, self._succ[slot] = self._succ[slot], NO_KEY
@@ -400,9 +430,9 @@ class KvfsPolicy(LinkedPolicy):
         return gap > 0 and self._clock - self._last[slot] > self._cold * gap
 
     def _cold_main(self) -> Iterator[int]:
-        index = self._slots.index
+        find = self._slots.find
         for key in self._slots.walk(_MAIN):
-            if not self._is_cold(index[key]):
+            if not self._is_cold(find(key)):  # type: ignore[arg-type]
                 return
             yield key
 
@@ -412,9 +442,9 @@ class KvfsPolicy(LinkedPolicy):
         The very expression of :meth:`_main_admits`, so that a key admitted to main
         because of free share is always followed by a probation eviction.
         """
-        index, seg = self._slots.index, self._seg_bytes
+        find, seg = self._slots.find, self._seg_bytes
         for key in self._slots.walk(_PROBATION):
-            if not self._within_share(seg[_MAIN], self._size[index[key]]):
+            if not self._within_share(seg[_MAIN], self._size[find(key)]):  # type: ignore[index]
                 return
             yield key
 
@@ -443,41 +473,56 @@ class KvfsPolicy(LinkedPolicy):
         table = self._slots
         slots = table.slot_list(_GHOST)
         return (
-            array("q", map(table.key.__getitem__, slots)),
+            array("q", map(table.key_of, slots)),
             array("q", map(self._last.__getitem__, slots)),
         )
 
+    def _set_scalars(self, clock: int, horizon: int) -> None:
+        self._clock, self._horizon = clock, horizon
+
+    def _extra_scalars(self) -> list[int]:
+        # the adaptive thresholds too (floats as their int64 bit patterns)
+        share, cold = (_FLOAT_BITS.unpack(_FLOAT.pack(x))[0] for x in (self._share, self._cold))
+        return [*self._seg_bytes, self._promotions, self._evictions, self._peak, share, cold]
+
+    def _set_extra(self, values: list[int]) -> None:
+        n = self._slot_lists
+        if len(values) != n + 5:
+            raise ValueError("policy image: wrong scalar count")
+        self._seg_bytes = list(values[:n])
+        self._promotions, self._evictions, self._peak = values[n : n + 3]
+        share, cold = (_FLOAT.unpack(_FLOAT_BITS.pack(v))[0] for v in values[n + 3 :])
+        if not (0.0 <= share <= 1.0 and _COLD_MIN <= cold <= _COLD_MAX):
+            raise ValueError("policy image: thresholds out of range")
+        self._share, self._cold = share, cold
+
     def _restore(self, decoded: Image) -> None:
-        # Bulk, column-wise: the same slots, links and columns as ``_add`` + ``append``
-        # per row, then one new ghost slot per first sighting of a ghost key.
+        # a version 1 image: per row ``_add`` + ``append``, then one new ghost slot
+        # per first sighting of a ghost key, then the successors from the predecessors
         self._clock, self._horizon = decoded.clock, decoded.horizon
         table = self._slots
+        pred, succ, last, info = self._pred, self._succ, self._last, self._info
         for lst, (keys, sizes, preds, lasts, flags) in zip(self._lists, decoded.lists, strict=True):
-            first = self._restore_list(lst, keys, sizes)
+            slots = self._restore_list(lst, keys, sizes)
             self._seg_bytes[lst] += sum(sizes)
-            self._pred[first:] = preds
-            self._succ[first:] = array("q", [NO_KEY]) * len(keys)  # _init_slot
-            self._last[first:] = lasts
-            self._info[first:] = flags
-        ghost_keys, ghost_last = decoded.ghost_keys, decoded.ghost_last
-        fresh = dict.fromkeys(ghost_keys)
-        if len(fresh) != len(ghost_keys) or not table.index.keys().isdisjoint(fresh):
-            # only a forged image repeats keys: keep the first sighting of each
-            kept: dict[int, int] = {}
-            for key, last in zip(ghost_keys, ghost_last, strict=True):
-                if key not in table.index and key not in kept:
-                    kept[key] = last
-            ghost_keys, ghost_last = array("q", kept), array("q", kept.values())
-        first = table.extend(_GHOST, ghost_keys)
-        self._pred[first:] = array("q", [NO_KEY]) * len(ghost_keys)
-        self._succ[first:] = array("q", [NO_KEY]) * len(ghost_keys)
-        self._last[first:] = ghost_last
-        index = table.index
+            for slot, p, t, f in zip(slots, preds, lasts, flags, strict=True):
+                pred[slot] = p
+                succ[slot] = NO_KEY  # _init_slot
+                last[slot] = t
+                info[slot] = f
+        kept: dict[int, int] = {}
+        for key, t in zip(decoded.ghost_keys, decoded.ghost_last, strict=True):
+            if table.find(key) is None and key not in kept:  # a forged image repeats keys
+                kept[key] = t
+        slots = table.append_keys(_GHOST, array("q", kept))
+        for slot, t in zip(slots, kept.values(), strict=True):
+            pred[slot] = succ[slot] = NO_KEY
+            last[slot] = t
         for keys, _sizes, preds, _lasts, _flags in decoded.lists:
             if not preds or max(preds) == NO_KEY:
                 continue  # no learned chains in this list
-            for pred, key in zip(preds, keys, strict=True):
-                if pred != NO_KEY:
-                    pred_slot = index.get(pred)
+            for p, key in zip(preds, keys, strict=True):
+                if p != NO_KEY:
+                    pred_slot = table.find(p)
                     if pred_slot is not None:
-                        self._succ[pred_slot] = key
+                        succ[pred_slot] = key

@@ -37,11 +37,11 @@ class PrefixLRUPolicy(FIFOPolicy):
 
     name = "prefix-lru"
     _kind = img.KIND_PREFIX_LRU
-    _columns = ("q", "q")  # size, predecessor key + 1 (0: none)
+    _columns = ("I", "I")  # size, predecessor key + 1 (0: none)
 
     def __init__(self) -> None:
         super().__init__()
-        self._pred = self._slots.columns[1]
+        self._bind_columns()
         self._streams: OrderedDict[Hashable, int] = OrderedDict()
 
     def track(self, key: int, size: int, stream: Hashable) -> None:
@@ -70,7 +70,7 @@ class PrefixLRUPolicy(FIFOPolicy):
         """Return the slot to file ``slot`` before (its predecessor), or None."""
         if stream is None:  # no stream (e.g. files adopted at mount): no chain
             return None
-        key = self._slots.key[slot]
+        key = self._slots.key_of(slot)
         prev = self._streams.pop(stream, None)
         self._streams[stream] = key
         if len(self._streams) > STREAM_MEMORY:
@@ -92,7 +92,12 @@ class PrefixLRUPolicy(FIFOPolicy):
         preds = array("q", (self._pred[slot] - 1 for slot in slots))
         return preds, array("q", [0]) * n, array("q", [0]) * n
 
+    def _bind_columns(self) -> None:
+        super()._bind_columns()
+        self._pred = self._slots.columns[1]
+
     def _restore(self, decoded: Image) -> None:
+        pred = self._pred
         for lst, (keys, sizes, preds, *_) in zip(self._lists, decoded.lists, strict=True):
-            first = self._restore_list(lst, keys, sizes)
-            self._pred[first:] = array("q", (pred + 1 for pred in preds))
+            for slot, p in zip(self._restore_list(lst, keys, sizes), preds, strict=True):
+                pred[slot] = p + 1

@@ -1,87 +1,313 @@
-"""The slot table shared by the policies: per-key state as parallel typed arrays.
+"""The slot table shared by the policies: per-key state as chunked typed columns.
 
-No per-key Python objects except one dict entry (key -> slot): every other field is
-one entry of a typed ``array`` column, and the lists a policy keeps (LRU order,
-probation, main, ghosts, ...) are intrusive circular doubly linked lists threaded
-through the ``prev``/``next`` columns, so moving a key between lists is O(1) and
-allocates nothing.  Pure and synchronous.
+No per-key Python objects: a key below :data:`DIRECT` (an inode number: the
+namespace hands them out densely) *is* its slot (``key + lists``), so a file costs
+only its entries in the typed columns -- no dict entry, no int object.  Other keys
+(64-bit hashes in the simulators) get a slot from a dict, in a region above the
+direct one.  The lists a policy keeps (LRU order, probation, main, ghosts, ...) are
+intrusive circular doubly linked lists threaded through the ``prev``/``next``
+columns, so moving a key between lists is O(1) and allocates nothing.
+
+Columns are :class:`SlotColumn`: chunks of :data:`ROWS` rows allocated when first
+written, copy-on-write after :meth:`SlotColumn.freeze` (a checkpoint takes the
+state in O(chunks) and encodes it off the event loop), and *widening*: a column
+starts at the narrowest typecode its policy names (``i``/``I``: 4 bytes) and turns
+into int64 the first time a value does not fit (a sparse key, a clock past 2**32),
+so values are exactly what a dict of ints would hold.  Pure and synchronous.
 """
 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
+from itertools import compress
 
 NO_KEY = -1
 """'No key' in key-valued columns and in persisted columns."""
 FREE = -1
-"""Owner of a slot that is in no list."""
+"""Owner of a slot that holds no key."""
+LOOSE = -2
+"""Owner of a slot that holds a key but is in no list (between two list moves)."""
 LINK = "i"
 """Typecode of the link columns: int32, so a table holds at most 2**31 - 1 slots."""
+SHIFT = 10
+ROWS = 1 << SHIFT
+"""Rows per column chunk: the unit of allocation and of copy-on-write."""
+MASK = ROWS - 1
+DIRECT = 1 << 26
+"""Keys below this are their own slot (offset by the sentinels); others go through
+a dict (``SlotTable.index``) to slots from ``DIRECT + lists`` up -- unless the first
+key a table sees is such a key (hashes, in the simulators): then every key goes
+through the dict, to slots from ``lists`` up."""
+
+
+def runs(keys: array[int]) -> list[tuple[int, int]]:
+    """(i, j) of each maximal run ``keys[i:j]`` of consecutive numbers, in order.
+    Galloping C-level slice comparisons with ``range`` arrays: O(run length) at C
+    speed plus O(log) Python steps per run (a namespace's files are long runs of
+    inode numbers)."""
+    n = len(keys)
+    out: list[tuple[int, int]] = []
+    code = keys.typecode
+    i = 0
+    while i < n:
+        first = keys[i]
+        if i + 1 == n or keys[i + 1] != first + 1:
+            out.append((i, i + 1))
+            i += 1
+            continue
+        good, step = 2, 4  # keys[i : i + good] is a run
+        while i + good < n:
+            k = min(step, n - i)
+            expected = array(code, range(first + good, first + k))
+            if keys[i + good : i + k] != expected:
+                break
+            good, step = k, 2 * k
+        else:
+            out.append((i, n))
+            break
+        # keys[i : i + k] is not a run: bisect the boundary, comparing with slices
+        # of ``expected`` (rows good0 .. k of the run it would be)
+        good0, bad = good, k
+        while bad - good > 1:
+            mid = (good + bad) // 2
+            if keys[i + good : i + mid] == expected[good - good0 : mid - good0]:
+                good = mid
+            else:
+                bad = mid
+        out.append((i, i + good))
+        i += good
+    return out
+
+
+def _pieces(
+    spans: list[tuple[int, int]], keys: array[int], offset: int
+) -> Iterator[tuple[int, int]]:
+    """The runs ``spans`` of consecutive ``keys`` cut where ``key + offset`` enters
+    another chunk."""
+    for i, j in spans:
+        while i < j:
+            k = min(j - i, ROWS - ((keys[i] + offset) & MASK))
+            yield i, i + k
+            i += k
+
+
+class SlotColumn:
+    """An integer column indexed by slot: chunks allocated on first write (filled
+    with ``fill``), shared after :meth:`freeze` until written, widened to int64 on
+    the first value that does not fit."""
+
+    __slots__ = ("chunks", "code", "fill", "shared")
+
+    def __init__(self, code: str, fill: int = 0) -> None:
+        self.code = code
+        self.fill = fill
+        self.chunks: list[array[int] | None] = []
+        self.shared = bytearray()
+
+    def __getitem__(self, i: int) -> int:
+        return self.chunks[i >> SHIFT][i & MASK]  # type: ignore[index]
+
+    def get(self, i: int, default: int) -> int:
+        """Row ``i``, or ``default`` where no chunk holds it."""
+        c = i >> SHIFT
+        if c >= len(self.chunks):
+            return default
+        chunk = self.chunks[c]
+        return default if chunk is None else chunk[i & MASK]
+
+    def __setitem__(self, i: int, value: int) -> None:
+        c = i >> SHIFT
+        if self.shared[c]:
+            self._own(c)
+        try:
+            self.chunks[c][i & MASK] = value  # type: ignore[index]
+        except OverflowError:
+            self.widen()
+            self.chunks[c][i & MASK] = value  # type: ignore[index]
+
+    def _own(self, c: int) -> None:
+        chunk = self.chunks[c]
+        self.chunks[c] = None if chunk is None else chunk[:]
+        self.shared[c] = 0
+
+    def ensure(self, rows: int) -> None:
+        """Chunks exist (allocated) for rows ``0 .. rows-1``."""
+        last = (rows - 1) >> SHIFT
+        while len(self.chunks) <= last:
+            self.chunks.append(None)
+            self.shared.append(0)
+        for c in range(last + 1):
+            if self.chunks[c] is None:
+                self.allocate(c)
+
+    def ensure_row(self, i: int) -> None:
+        """The chunk of row ``i`` exists."""
+        c = i >> SHIFT
+        if c >= len(self.chunks):
+            self.chunks.extend([None] * (c + 1 - len(self.chunks)))
+            self.shared.extend(bytes(c + 1 - len(self.shared)))
+        if self.chunks[c] is None:
+            self.allocate(c)
+
+    def allocate(self, c: int) -> None:
+        self.chunks[c] = array(self.code, [self.fill]) * ROWS
+        self.shared[c] = 0
+
+    def writable(self, c: int) -> array[int]:
+        """Chunk ``c`` (existing) for direct writes, copied first if shared."""
+        if self.shared[c]:
+            self._own(c)
+        return self.chunks[c]  # type: ignore[return-value]
+
+    def widen(self) -> None:
+        """Make every chunk int64 (a value did not fit)."""
+        self.code = "q"
+        self.chunks = [None if ch is None else array("q", ch) for ch in self.chunks]
+        self.shared = bytearray(len(self.chunks))
+
+    def freeze(self) -> list[array[int] | None]:
+        """The chunks as they are now; later writes copy a chunk before changing it."""
+        self.shared = bytearray(b"\1") * len(self.chunks)
+        return list(self.chunks)
+
+    def load(self, c: int, chunk: array[int]) -> None:
+        """Install a decoded chunk (widening the column or the chunk to agree)."""
+        if chunk.typecode != self.code:
+            if chunk.typecode == "q":
+                self.widen()
+            else:
+                chunk = array(self.code, chunk)
+        if c >= len(self.chunks):
+            self.chunks.extend([None] * (c + 1 - len(self.chunks)))
+            self.shared.extend(bytes(c + 1 - len(self.shared)))
+        self.chunks[c] = chunk
+        self.shared[c] = 0
+
+    def nbytes(self) -> int:
+        return sum(len(ch) * ch.itemsize for ch in self.chunks if ch is not None)
 
 
 class SlotTable:
-    """Per-key state as parallel arrays indexed by slot, plus intrusive circular lists.
+    """Per-key state as chunked columns indexed by slot, plus intrusive circular lists.
 
-    ``index`` maps a key to its slot; every other per-key field is one entry of a
-    typed column (the policy names each column's typecode), so a key costs one dict
-    entry, one int object (the slot), 8 bytes of key, 2 x 4 bytes of links, one
-    byte of list id and the columns' widths.  Slots ``0 .. lists-1`` are the lists' sentinels; freed
-    slots are reused (a free-slot stack), so the arrays never shrink but never grow
-    beyond the peak number of keys.  A slot is in at most one list (``owner``).
+    Slots ``0 .. lists-1`` are the lists' sentinels; key ``k < DIRECT`` has slot
+    ``k + lists``; other keys are mapped by ``index`` to slots from ``sparse_base``
+    up (freed ones reused).  ``owner`` is the list a slot is in, :data:`LOOSE` for
+    a key in no list and :data:`FREE` for no key.  A slot is in at most one list.
+    ``columns`` are the policy's own per-key fields (typecodes it names), 0 for a
+    new key.
     """
 
-    def __init__(self, lists: int, columns: Sequence[str]) -> None:
+    def __init__(self, lists: int, columns: tuple[str, ...]) -> None:
+        self.lists = lists
+        self.direct = DIRECT
+        """Keys below this are their own slot (``key + lists``); DIRECT or 0."""
+        self.decided = False
+        self.sparse_base = DIRECT + lists
         self.index: dict[int, int] = {}
-        self.key = array("q", [NO_KEY] * lists)
-        self.prev = array(LINK, range(lists))
-        self.next = array(LINK, range(lists))
-        self.owner = array("b", range(lists))
-        self.columns = [array(code, [0] * lists) for code in columns]
+        self.sparse_keys = array("q")  # key of slot sparse_base + i (NO_KEY: free)
+        self.sparse_free = array("q")
+        self.prev = SlotColumn(LINK)
+        self.next = SlotColumn(LINK)
+        self.owner = SlotColumn("b", FREE)
+        self.columns = [SlotColumn(code) for code in columns]
         self.count = [0] * lists
-        self.free = array(LINK)
+        for column in self.all_columns():
+            column.ensure_row(0)
+        for lst in range(lists):
+            self.prev[lst] = self.next[lst] = self.owner[lst] = lst
+
+    def all_columns(self) -> list[SlotColumn]:
+        """Every column in persisted order: prev, next, owner, then the policy's."""
+        return [self.prev, self.next, self.owner, *self.columns]
+
+    # -- keys and slots ------------------------------------------------------------------
+
+    def find(self, key: int) -> int | None:
+        """Return the slot holding ``key`` (in a list or loose), or None."""
+        if 0 <= key < self.direct:
+            slot = key + self.lists
+            chunks = self.owner.chunks  # (inlined SlotColumn.get: the hottest path)
+            c = slot >> SHIFT
+            if c < len(chunks):
+                chunk = chunks[c]
+                if chunk is not None and chunk[slot & MASK] != FREE:
+                    return slot
+            return None
+        return self.index.get(key)
+
+    def key_of(self, slot: int) -> int:
+        if slot < self.sparse_base:
+            return slot - self.lists
+        return self.sparse_keys[slot - self.sparse_base]
 
     def new(self, key: int) -> int:
-        """Allocate a slot for ``key`` (in no list, every column 0) and index it."""
-        if self.free:
-            slot = self.free.pop()
-            self.key[slot] = key
+        """Give ``key`` (holding no slot) a slot: loose, every column 0."""
+        if not self.decided:
+            self.decided = True
+            if not 0 <= key < DIRECT:  # hashes: no direct region at all
+                self.direct, self.sparse_base = 0, self.lists
+        if 0 <= key < self.direct:
+            slot = key + self.lists
+        elif self.sparse_free:
+            slot = self.sparse_free.pop()
+            self.sparse_keys[slot - self.sparse_base] = key
+            self.index[key] = slot
         else:
-            slot = len(self.key)
-            self.key.append(key)
-            self.prev.append(slot)
-            self.next.append(slot)
-            self.owner.append(FREE)
-            for column in self.columns:
-                column.append(0)
-        self.index[key] = slot
+            slot = self.sparse_base + len(self.sparse_keys)
+            self.sparse_keys.append(key)
+            self.index[key] = slot
+        c = slot >> SHIFT
+        chunks = self.owner.chunks
+        if c >= len(chunks) or chunks[c] is None:
+            for column in self.all_columns():
+                column.ensure_row(slot)
+        self.owner[slot] = LOOSE
         return slot
 
-    def extend(self, lst: int, keys: array[int]) -> int:
-        """Give each of ``keys`` (none indexed yet) a new slot at the end of the arrays,
-        every column 0, linked in order at the newest end of ``lst``: what ``new`` and
-        ``append`` per key do on a table without free slots, with C-level bulk
-        operations. Returns the first new slot (slots are consecutive)."""
-        first, n = len(self.key), len(keys)
-        if not n:
-            return first
-        self.key.extend(keys)
-        self.index.update(zip(keys, range(first, first + n), strict=True))
-        tail = self.prev[lst]
-        self.prev.append(tail)
-        self.prev.extend(range(first, first + n - 1))
-        self.next.extend(range(first + 1, first + n))
-        self.next.append(lst)
-        self.next[tail] = first
-        self.prev[lst] = first + n - 1
-        self.owner.extend(array("b", [lst]) * n)
+    def release(self, slot: int) -> None:
+        """Free ``slot`` (loose): its key holds no slot any more, its columns are 0."""
+        if slot >= self.sparse_base:
+            i = slot - self.sparse_base
+            del self.index[self.sparse_keys[i]]
+            self.sparse_keys[i] = NO_KEY
+            self.sparse_free.append(slot)
         for column in self.columns:
-            column.extend(array(column.typecode, [0]) * n)
-        self.count[lst] += n
-        return first
+            column[slot] = 0
+        self.owner[slot] = FREE
+
+    def move_key(self, slot: int, key: int) -> int:
+        """Give the loose or listed ``slot``'s state to ``key`` (holding no slot): a
+        new slot with the same columns, in the same place of the same list."""
+        new = self.new(key)
+        for column in self.columns:
+            column[new] = column[slot]
+        lst = self.owner[slot]
+        if lst >= 0:
+            self.insert_before(slot, new, lst)
+            self.unlink(slot)
+        self.release(slot)
+        return new
+
+    def keys_where(self, lists: tuple[int, ...]) -> Iterator[int]:
+        """Keys of the slots in any of ``lists`` (slot order, not list order)."""
+        wanted = lists.__contains__
+        base = self.lists
+        for c, chunk in enumerate(self.owner.chunks):
+            if chunk is None:
+                continue
+            first = c << SHIFT
+            if first >= self.sparse_base + len(self.sparse_keys):
+                break
+            for slot in compress(range(first, first + ROWS), map(wanted, chunk)):
+                if slot >= base:
+                    yield self.key_of(slot)
+
+    # -- lists ----------------------------------------------------------------------------
 
     def slot_list(self, lst: int) -> list[int]:
-        """Return one list's slots oldest first (``slots`` as a list, faster)."""
+        """Return one list's slots oldest first."""
         out: list[int] = []
         nxt = self.next
         slot = nxt[lst]
@@ -90,21 +316,14 @@ class SlotTable:
             slot = nxt[slot]
         return out
 
-    def release(self, slot: int) -> None:
-        """Unindex the key of ``slot`` (in no list) and free the slot."""
-        del self.index[self.key[slot]]
-        self.key[slot] = NO_KEY
-        for column in self.columns:
-            column[slot] = 0
-        self.free.append(slot)
-
     def insert_before(self, anchor: int, slot: int, lst: int) -> None:
-        """Link ``slot`` (in no list) right before ``anchor``, a member or sentinel of ``lst``."""
-        before = self.prev[anchor]
-        self.prev[slot] = before
-        self.next[slot] = anchor
-        self.next[before] = slot
-        self.prev[anchor] = slot
+        """Link ``slot`` (loose) right before ``anchor``, a member or sentinel of ``lst``."""
+        prev, nxt = self.prev, self.next
+        before = prev.chunks[anchor >> SHIFT][anchor & MASK]  # type: ignore[index]
+        prev[slot] = before
+        nxt[slot] = anchor
+        nxt[before] = slot
+        prev[anchor] = slot
         self.owner[slot] = lst
         self.count[lst] += 1
 
@@ -112,13 +331,95 @@ class SlotTable:
         """Link ``slot`` at the newest end of list ``lst``."""
         self.insert_before(lst, slot, lst)
 
+    def append_keys(self, lst: int, keys: array[int]) -> list[int]:
+        """Give each of ``keys`` (holding no slot) a new slot linked in order at the
+        newest end of ``lst``; returns the slots. What ``new`` + ``append`` per key
+        do, with the chunks made writable once (bulk adoption at mount)."""
+        slots = [self.new(key) for key in keys]
+        if not slots:
+            return slots
+        prev, nxt, owner = self.prev, self.next, self.owner
+        for column in (prev, nxt, owner):
+            for c in {slot >> SHIFT for slot in slots}:
+                column.writable(c)
+        pc, nc, oc = prev.chunks, nxt.chunks, owner.chunks
+        before = prev[lst]
+        for slot in slots:
+            c, i = slot >> SHIFT, slot & MASK
+            pc[c][i] = before  # type: ignore[index]
+            oc[c][i] = lst  # type: ignore[index]
+            nc[before >> SHIFT][before & MASK] = slot  # type: ignore[index]
+            before = slot
+        nxt[before] = lst
+        prev[lst] = before
+        self.count[lst] += len(slots)
+        return slots
+
+    def adopt_keys(
+        self,
+        lst: int,
+        keys: array[int],
+        fills: list[tuple[SlotColumn, int | array[int]]],
+        spans: list[tuple[int, int]] | None = None,
+    ) -> None:
+        """On a table that never held a key: give each of ``keys`` (distinct, below
+        ``DIRECT``) its slot, linked in order at the newest end of ``lst``, and set
+        each ``fills`` column to its constant or to its value per key (aligned with
+        ``keys``). What ``new`` + ``append`` + column writes per key do, as C-level
+        slice writes per run of consecutive keys (a first mount of 10^7 files);
+        ``spans``: those runs (``runs(keys)``) if the caller knows them."""
+        assert not self.decided
+        n = len(keys)
+        if not n:
+            return
+        if min(keys) < 0 or max(keys) >= DIRECT:
+            raise ValueError("adopt_keys: keys must be direct")
+        self.decided = True
+        base = self.lists
+        columns = self.all_columns()
+        prev, nxt, owner = self.prev, self.next, self.owner
+        before = prev[lst]
+        for i, j in _pieces(runs(keys) if spans is None else spans, keys, base):
+            start = keys[i] + base
+            c, pos = start >> SHIFT, start & MASK
+            k = j - i  # slots start .. start + k - 1, all in chunk c
+            for column in columns:
+                column.ensure_row(start)
+            nxt[before] = start
+            links = array(LINK, range(start - 1, start + k - 1))
+            links[0] = before
+            prev.writable(c)[pos : pos + k] = links
+            nxt.writable(c)[pos : pos + k] = array(LINK, range(start + 1, start + k + 1))
+            owner.writable(c)[pos : pos + k] = array("b", [lst]) * k
+            for column, source in fills:
+                try:
+                    if isinstance(source, int):
+                        values = array(column.code, [source]) * k
+                    else:
+                        values = source[i:j]
+                        if values.typecode != column.code:
+                            values = array(column.code, values)
+                except OverflowError:
+                    column.widen()
+                    values = (
+                        array(column.code, [source]) * k if isinstance(source, int) else source[i:j]
+                    )
+                    values = array(column.code, values)
+                column.writable(c)[pos : pos + k] = values
+            before = start + k - 1
+        nxt[before] = lst
+        prev[lst] = before
+        self.count[lst] += n
+
     def unlink(self, slot: int) -> int:
-        """Take ``slot`` out of its list and return the list."""
-        before, after = self.prev[slot], self.next[slot]
-        self.next[before] = after
-        self.prev[after] = before
-        lst = self.owner[slot]
-        self.owner[slot] = FREE
+        """Take ``slot`` out of its list (it becomes loose) and return the list."""
+        prev, nxt = self.prev, self.next
+        c, i = slot >> SHIFT, slot & MASK
+        before, after = prev.chunks[c][i], nxt.chunks[c][i]  # type: ignore[index]
+        nxt[before] = after
+        prev[after] = before
+        lst = self.owner.chunks[c][i]  # type: ignore[index]
+        self.owner[slot] = LOOSE
         self.count[lst] -= 1
         return lst
 
@@ -140,14 +441,15 @@ class SlotTable:
         If both the yielded key and its successor left the list meanwhile, the walk
         restarts from the oldest end (callers filter keys they have already seen).
         """
-        slot = self.next[lst]
+        nxt, owner = self.next, self.owner
+        slot = nxt[lst]
         while slot != lst:
-            after = self.next[slot]
-            key = self.key[slot]
+            after = nxt[slot]
+            key = self.key_of(slot)
             yield key
-            if self.owner[slot] == lst and self.key[slot] == key:
-                slot = self.next[slot]
-            elif after == lst or self.owner[after] == lst:
+            if owner[slot] == lst and self.key_of(slot) == key:
+                slot = nxt[slot]
+            elif after == lst or owner[after] == lst:
                 slot = after
             else:
-                slot = self.next[lst]
+                slot = nxt[lst]

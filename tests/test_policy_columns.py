@@ -1,0 +1,369 @@
+"""The columnar eviction state: slot columns and tables against dict models, the
+version 2 image (pieces, copy-on-write, validation, the version 1 upgrade), bulk
+adoption and the evictor's per-inode owners and orphans."""
+
+from __future__ import annotations
+
+import random
+import stat
+from array import array
+
+import pytest
+from test_policy import RELEASE_0_2_IMAGE, _add_file, _namespace_with_files, order, run_ops
+
+from kvfs.evict import OWNERS_BLOB, PART_OWNERS, PART_POLICY, POLICY_BLOB, Evictor, OrphanList
+from kvfs.inodes import F_DEAD
+from kvfs.namespace import EVICTOR_TAG, ROOT_INO, Namespace
+from kvfs.policy import POLICY_NAMES, make_policy
+from kvfs.policy import image as img
+from kvfs.policy.slots import DIRECT, FREE, LOOSE, ROWS, SlotColumn, SlotTable, runs
+
+SIZE = 1 << 20
+
+
+def test_slot_column_matches_a_dict_and_freezes_point_in_time() -> None:
+    rng = random.Random(1)
+    column = SlotColumn("i", fill=-1)
+    model: dict[int, int] = {}
+    frozen: list[tuple[list[array[int] | None], dict[int, int]]] = []
+    for step in range(20_000):
+        i = rng.randrange(5 * ROWS)
+        value = rng.choice([rng.randrange(-(2**31), 2**31), rng.randrange(2**40)])
+        if step < 10_000:
+            value = rng.randrange(-5, 1000)  # fits int32 first: widened later
+        column.ensure_row(i)
+        column[i] = value
+        model[i] = value
+        if step % 2500 == 0:
+            frozen.append((column.freeze(), dict(model)))
+    assert column.code == "q"  # a value past int32 widened it
+    for i in range(5 * ROWS):
+        assert column.get(i, -1) == model.get(i, -1)
+    for chunks, then in frozen:  # every freeze still holds its own moment
+        for i, value in then.items():
+            chunk = chunks[i // ROWS]
+            assert chunk is not None and chunk[i % ROWS] == value
+
+
+@pytest.mark.parametrize("keys", ["dense", "sparse", "mixed"])
+def test_slot_table_lists_match_a_list_model(keys: str) -> None:
+    rng = random.Random(len(keys))
+    table = SlotTable(3, ("I", "i"))
+    model: list[list[int]] = [[], [], []]
+    where: dict[int, int] = {}  # key -> list (-2: loose)
+
+    def new_key() -> int:
+        while True:
+            if keys == "dense" or (keys == "mixed" and (not where or rng.random() < 0.5)):
+                key = rng.randrange(3 * ROWS)  # the first key decides: direct slots
+            else:
+                key = rng.randrange(DIRECT, 2**62)
+            if key not in where:
+                return key
+
+    for _ in range(6000):
+        op = rng.random()
+        if op < 0.35 or not where:
+            key = new_key()
+            slot = table.new(key)
+            assert table.find(key) == slot and table.key_of(slot) == key
+            assert table.owner[slot] == LOOSE and table.columns[0][slot] == 0
+            lst = rng.randrange(3)
+            table.append(lst, slot)
+            table.columns[0][slot] = key & 0xFFFF
+            model[lst].append(key)
+            where[key] = lst
+            continue
+        key = rng.choice(sorted(where))
+        found = table.find(key)
+        assert found is not None and table.columns[0][found] == key & 0xFFFF
+        slot, lst = found, where[key]
+        if op < 0.55:  # move before another member of some list
+            table.unlink(slot)
+            model[lst].remove(key)
+            dest = rng.randrange(3)
+            if model[dest] and rng.random() < 0.7:
+                anchor = rng.choice(model[dest])
+                table.insert_before(table.find(anchor), slot, dest)  # type: ignore[arg-type]
+                model[dest].insert(model[dest].index(anchor), key)
+            else:
+                table.append(dest, slot)
+                model[dest].append(key)
+            where[key] = dest
+        elif op < 0.65:  # another key takes its place and its columns
+            new = new_key()
+            moved = table.move_key(slot, new)
+            assert table.find(key) is None and table.columns[0][moved] == key & 0xFFFF
+            table.columns[0][moved] = new & 0xFFFF
+            model[lst][model[lst].index(key)] = new
+            del where[key]
+            where[new] = lst
+        else:  # gone
+            table.unlink(slot)
+            table.release(slot)
+            model[lst].remove(key)
+            del where[key]
+            assert table.find(key) is None
+    for lst in range(3):
+        assert [table.key_of(s) for s in table.slot_list(lst)] == model[lst]
+        assert list(table.walk(lst)) == model[lst] and table.count[lst] == len(model[lst])
+    assert sorted(table.keys_where((0, 1, 2))) == sorted(where)
+    if keys == "sparse":
+        assert table.direct == 0 and len(table.index) == len(where)
+    else:
+        assert table.direct == DIRECT
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_version_2_round_trip_continues_exactly(name: str) -> None:
+    """recover(persist()) holds the same state: the same victims, the same image,
+    and for lru/fifo the same future (the same operations afterwards)."""
+    for seed in range(6):
+        rng = random.Random(seed)
+        policy = make_policy(name)
+        run_ops(policy, rng, rng.randrange(100, 1500))
+        image = policy.persist()
+        copy = make_policy(name)
+        copy.recover(image)
+        assert copy.keys() == policy.keys() and order(copy) == order(policy)
+        assert copy.statistics().bytes == policy.statistics().bytes
+        if name != "adaptive":  # adaptive restarts its weights (docs/eviction.md)
+            assert copy.persist() == image
+        if name in ("lru", "fifo"):  # the others restart their stream memory and
+            # adaptive thresholds (not persisted): their futures may differ
+            run_ops(policy, random.Random(seed + 100), 300)
+            run_ops(copy, random.Random(seed + 100), 300)
+            assert copy.persist() == policy.persist() and order(copy) == order(policy)
+
+
+@pytest.mark.parametrize("name", ["kvfs", "lru", "fifo", "prefix-lru"])
+def test_pieces_are_the_state_when_frozen_while_the_policy_changes(name: str) -> None:
+    policy = make_policy(name)
+    for key in range(2, 5000):  # dense keys: several chunks
+        policy.track(key, SIZE, key % 5)
+    before = policy.persist()
+    pieces = policy.persist_pieces()  # frozen here
+    first = next(pieces)
+    for key in range(2, 3000, 3):  # the loop goes on: every chunk changes
+        policy.remove(key)
+    for key in range(5000, 6000):
+        policy.track(key, SIZE, 7)
+    assert first + b"".join(pieces) == before
+    later = make_policy(name)
+    later.recover(before)
+    assert later.keys() == set(range(2, 5000))
+
+
+def test_damaged_version_2_images_are_refused_and_change_nothing() -> None:
+    policy = make_policy("kvfs")
+    run_ops(policy, random.Random(3), 800)
+    pieces = list(policy.persist_pieces())
+    target = make_policy("kvfs")
+    run_ops(target, random.Random(4), 200)
+    kept = target.persist()
+    rng = random.Random(5)
+    bad = [
+        pieces[1:],  # no head
+        pieces[:1],  # no columns: the list counts do not match
+        [*pieces, pieces[0]],  # two heads
+        [pieces[0][:-1] + bytes([pieces[0][-1] ^ 1]), *pieces[1:]],  # checksum
+        [pieces[0], pieces[1][:-9] + pieces[1][-4:], *pieces[2:]],  # truncated
+    ]
+    for _ in range(20):  # a flipped byte anywhere
+        i = rng.randrange(len(pieces))
+        at = rng.randrange(len(pieces[i]))
+        flipped = bytearray(pieces[i])
+        flipped[at] ^= 1 << rng.randrange(8)
+        bad.append([*pieces[:i], bytes(flipped), *pieces[i + 1 :]])
+    for damaged in bad:
+        with pytest.raises(ValueError):
+            target.recover_pieces(damaged)
+        assert target.persist() == kept
+    for other in ("lru", "fifo", "prefix-lru"):  # another policy's image: refused
+        with pytest.raises(ValueError):
+            make_policy(other).recover_pieces(pieces)
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_bulk_adopt_is_track_per_key(name: str) -> None:
+    rng = random.Random(7)
+    runs = [*range(5, 1000), 3000, 3001, 1023, 1024, 1025, *rng.sample(range(4000, 9000), 800)]
+    for keys in (runs, list(range(2, 3000)), rng.sample(range(2, 20_000), 3000)):
+        sizes = [rng.choice([1, SIZE, 5 << 32]) for _ in keys]  # a size past uint32
+        slow, fast = make_policy(name), make_policy(name)
+        for key, size in zip(keys, sizes, strict=True):
+            slow.track(key, size, None)
+        fast.adopt(array("q", keys), array("q", sizes))
+        assert fast.persist() == slow.persist()
+        assert fast.statistics() == slow.statistics()
+        assert order(fast) == order(slow) == (keys if name != "kvfs" else order(slow))
+        mask = fast.resident_mask(20_000)
+        assert mask is not None and list(array("B", mask)).count(1) == len(keys)
+        assert all(mask[key] for key in keys)
+
+
+def test_kvfs_adopts_files_oldest_first_without_chains() -> None:
+    """Files found at mount (no stream) are not a chain: the oldest goes first
+    (0.2 filed each before the previous one: newest first)."""
+    policy = make_policy("kvfs")
+    for key in range(2, 10):
+        policy.track(key, SIZE, None)
+    assert order(policy) == list(range(2, 10))
+    assert policy.statistics().chain_links == 0
+
+
+def test_orphan_list_matches_an_ordered_dict() -> None:
+    rng = random.Random(9)
+    orphans = OrphanList()
+    model: dict[int, None] = {}
+    orphans.extend(array("q", [5, 6, 7, 9, 3, 4, 100]))
+    model.update(dict.fromkeys([5, 6, 7, 9, 3, 4, 100]))
+    for _ in range(20_000):
+        ino = rng.randrange(1, 3000)
+        if rng.random() < 0.5:
+            orphans.add(ino)
+            model[ino] = None  # a member keeps its place
+        else:
+            orphans.pop(ino, None)
+            model.pop(ino, None)
+        assert (ino in orphans) == (ino in model)
+    assert list(orphans) == list(model) and len(orphans) == len(model)
+    orphans.extend(array("q", [5000, 5001, 5002]))  # onto a non-empty list
+    assert list(orphans)[-3:] == [5000, 5001, 5002]
+    with pytest.raises(ValueError):
+        orphans.add(0)
+
+
+def _evictor(ns: Namespace, alive: dict[int, int], policy: str = "kvfs") -> Evictor:
+    return Evictor(ns, policy=policy, alive=alive.get, thread_group=lambda tid: tid, grace=0)
+
+
+def _reload(ns: Namespace, evictor: Evictor) -> None:
+    """What a checkpoint and its load do with the evictor's payloads."""
+    ns.evictor_payloads = []
+    for payload in evictor.snapshot_payloads():
+        assert payload[0] == EVICTOR_TAG
+        ns.load_payload(payload)
+
+
+@pytest.mark.parametrize("name", ["kvfs", "lru", "adaptive"])
+def test_remount_drops_gone_files_and_adopts_new_ones(name: str) -> None:
+    files = {ino: SIZE for ino in range(2, 3000)}
+    ns = _namespace_with_files(files)
+    alive = {1000: 7}
+    evictor = _evictor(ns, alive, name)
+    evictor.adopt_all()
+    for ino in range(2, 3000, 7):
+        evictor.opened(ns.inodes[ino], 1000)  # owned by a live process
+    _reload(ns, evictor)
+    saved = make_policy(name)
+    saved.recover_pieces([p[2:] for p in ns.evictor_payloads if p[1:2] == PART_POLICY])
+    for ino in range(2, 3000, 5):  # gone since the checkpoint
+        ns.drop(ns.remove(ROOT_INO, b"f%d" % ino, want_dir=False))
+    for ino in range(3000, 3100):  # written since
+        _add_file(ns, ino, 7)
+    again = _evictor(ns, alive, name)
+    again.adopt_all()
+    left = {ino for ino, inode in ns.inodes.items() if not inode.is_dir}
+    assert again.policy.keys() == left
+    saved.remove_many(set(range(2, 3000, 5)))  # what adopt_all does, one by one
+    for ino in range(3000, 3100):
+        saved.track(ino, 7, None)
+    assert order(again.policy) == order(saved)
+    assert again.policy.persist() == saved.persist() or name == "adaptive"
+    owned = {ino for ino in range(2, 3000, 7) if ino in left}
+    assert list(again.orphans) == sorted(left - owned)  # mtime order (= inode here)
+    assert all(again.owner_of(ino) == (1000, 7) for ino in owned)
+    del alive[1000]
+    again._reaped = 0.0
+    assert again.reap() == len(owned) and set(again.orphans) == left
+
+
+def test_an_older_pools_blobs_are_read_once_then_payloads_replace_them() -> None:
+    """The upgrade path: the 0.2 policy image and (inode, pid, start) owner triples
+    in the namespace's blobs are adopted at mount and the next checkpoint carries
+    the new payloads instead (the blobs are dropped)."""
+    files = {5: 4096, 6: 4096, 7: 4096, 20: 8192, 21: 8192, 30: 100}
+    ns = _namespace_with_files(files)
+    ns.blobs[POLICY_BLOB] = RELEASE_0_2_IMAGE
+    ns.blobs[OWNERS_BLOB] = array("q", [5, 1000, 7, 20, 1000, 7, 21, 1001, 3]).tobytes()
+    evictor = _evictor(ns, {1000: 7, 1001: 4})  # 1001 is another process now
+    evictor.adopt_all()
+    assert POLICY_BLOB not in ns.blobs and OWNERS_BLOB not in ns.blobs
+    assert evictor.policy.statistics().chain_links == 1  # the learned chain 5 -> 6 -> 7
+    assert list(evictor.orphans) == [6, 7, 21, 30]
+    assert [evictor.owner_of(i) for i in (5, 20, 21)] == [(1000, 7), (1000, 7), None]
+    victims = order(evictor.policy)
+    _reload(ns, evictor)
+    assert {p[1:2] for p in ns.evictor_payloads} == {PART_POLICY, PART_OWNERS}
+    again = _evictor(ns, {1000: 7})
+    again.adopt_all()
+    assert order(again.policy) == victims and list(again.orphans) == [6, 7, 21, 30]
+    assert again.owner_of(5) == (1000, 7)
+
+
+@pytest.mark.parametrize("mtimes_in_inode_order", [False, True])
+def test_first_mount_adopts_in_mtime_order_and_skips_dead_rows(
+    mtimes_in_inode_order: bool,
+) -> None:
+    ns = Namespace(lambda ops: None)
+    ns.init_root(0, 0)
+    rng = random.Random(11)
+    inos = list(range(2, 2600))
+    mtimes = {ino: rng.randrange(10**6) for ino in inos}
+    if mtimes_in_inode_order:  # the runs then come from the namespace's bytes
+        mtimes = {ino: ino // 3 for ino in inos}
+    for ino in inos:
+        mode = stat.S_IFREG | 0o644
+        from kvfs.layout import Dentry, InodeRecord
+
+        ns.apply(InodeRecord(ino, mode, 0, 0, 1, ino, 0, mtimes[ino], 0, 0, array("q"), array("Q")))
+        ns.apply(Dentry(ROOT_INO, b"f%d" % ino, ino))
+    ns.make(ROOT_INO, b"dir", stat.S_IFDIR | 0o755, 0, 0)
+    for ino in inos[::9]:
+        ns.drop(ns.remove(ROOT_INO, b"f%d" % ino, want_dir=False))
+    dead = [ino for ino in inos if ns._flags[ino] & F_DEAD or ino not in ns.inodes]
+    evictor = _evictor(ns, {})
+    evictor.adopt_all()
+    left = sorted((ino for ino in inos if ino in ns.inodes), key=lambda i: (mtimes[i], i))
+    assert list(evictor.orphans) == left and not set(dead) & set(evictor.orphans)
+    assert order(evictor.policy) == left and len(evictor.orphans) == len(left)
+    assert evictor.policy.statistics().bytes == sum(left)
+
+
+def test_owner_column_overflow_leaves_files_unowned() -> None:
+    files = {ino: 1 for ino in range(2, 6)}
+    ns = _namespace_with_files(files)
+    evictor = _evictor(ns, {pid: 1 for pid in range(10)})
+    evictor._procs.extend([(10**6 + i, 0) for i in range(0xFFFF)])  # every number taken
+    evictor._proc_files.extend([1] * 0xFFFF)
+    assert evictor.opened(ns.inodes[2], 3) is None
+    assert evictor.owner_of(2) is None
+    assert FREE == -1 and LOOSE == -2
+
+
+def test_image_module_reads_both_versions() -> None:
+    assert img.version_of(RELEASE_0_2_IMAGE) == 1
+    policy = make_policy("kvfs")
+    policy.recover(RELEASE_0_2_IMAGE)
+    assert img.version_of(policy.persist()) == 2
+    kind, decoded = img.decode_any(policy.persist())  # type: ignore[misc]
+    assert kind == img.KIND_KVFS
+    assert sorted(k for keys, *_ in decoded.lists for k in keys) == [5, 7, 20, 21]
+
+
+def test_runs_are_the_maximal_runs_of_consecutive_keys() -> None:
+    rng = random.Random(13)
+    for _ in range(300):
+        keys = array("q", rng.sample(range(3000), rng.randrange(1, 80)))
+        if rng.random() < 0.5:
+            keys = array("q", sorted(keys))
+        if rng.random() < 0.3:
+            keys = array("q", range(7, 7 + rng.randrange(1, 3000)))
+        expected, start = [], 0
+        for i in range(1, len(keys)):
+            if keys[i] != keys[i - 1] + 1:
+                expected.append((start, i))
+                start = i
+        expected.append((start, len(keys)))
+        assert runs(keys) == expected
