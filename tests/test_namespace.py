@@ -556,6 +556,8 @@ def check_name_index(ns: Namespace, names: dict[tuple[int, bytes], int]) -> None
     if index.old is not None:
         swept = index.old.slots.chunks
         assert not any(swept[c >> SHIFT][c & (ROWS - 1)] for c in range(index.cursor))
+        released = swept[: index.cursor >> SHIFT]
+        assert all(c is index.old.zero for c in released), "swept chunks are freed"
     for (parent, name), ino in names.items():
         assert index.find(parent, name) == ino
         assert index.find(parent, name + b"~") == 0

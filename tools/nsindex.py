@@ -31,29 +31,45 @@ PER_DIR = 1000
 class TimedIndex(NameIndex):
     """A NameIndex that records the duration of every insert and remove."""
 
-    __slots__ = ("cpu", "depth", "times")
+    __slots__ = ("cpu", "depth", "swept", "times")
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.times = array("d")
         self.cpu = array("d")
         self.depth = 0
+        self.swept = 0
+        """The most old-table slots one call swept (incremental migration only)."""
 
     def insert(self, parent: int, name: bytes, ino: int) -> None:
         # the old one-loop rehash re-entered insert: time only the outer call
         self.depth += 1
+        at = self._sweep_at()
         c, t = time.thread_time(), time.perf_counter()
         super().insert(parent, name, ino)
         self.depth -= 1
         if not self.depth:
             self.times.append(time.perf_counter() - t)
             self.cpu.append(time.thread_time() - c)
+            self._swept(at)
 
     def remove(self, parent: int, name: bytes, ino: int) -> None:
+        at = self._sweep_at()
         c, t = time.thread_time(), time.perf_counter()
         super().remove(parent, name, ino)
         self.times.append(time.perf_counter() - t)
         self.cpu.append(time.thread_time() - c)
+        self._swept(at)
+
+    def _sweep_at(self) -> tuple[object, int]:
+        old = getattr(self, "old", None)
+        return old, getattr(self, "cursor", 0)
+
+    def _swept(self, at: tuple[object, int]) -> None:
+        old, cursor = at
+        if old is not None:
+            end = self.cursor if self.old is old else old.size  # type: ignore[attr-defined]
+            self.swept = max(self.swept, end - cursor)
 
 
 def index_bytes(index: NameIndex) -> int:
@@ -75,7 +91,8 @@ def report(what: str, index: TimedIndex, names: int) -> None:
         f"> 1 ms: {slow} (CPU {sum(1 for t in cpu if t > 1e-3)}), "
         f"p50 {pct[50] * 1e6:.1f} us, p99 {pct[99] * 1e6:.1f} us, p99.9 "
         f"{pct[99.9] * 1e6:.1f} us, p99.99 {pct[99.99] * 1e6:.1f} us, total "
-        f"{sum(ordered):.2f} s; index {index_bytes(index) / 2**20:.1f} MiB"
+        f"{sum(ordered):.2f} s; most old slots swept by one call {index.swept}; index "
+        f"{index_bytes(index) / 2**20:.1f} MiB"
         + (f" = {per_name:.1f} B/name ({names:,} names)" if names else ""),
         flush=True,
     )
@@ -106,7 +123,7 @@ def main() -> None:
         )
     report("insert", index, n + len(dirs))
     if args.remove:
-        index.times, index.cpu = array("d"), array("d")
+        index.times, index.cpu, index.swept = array("d"), array("d"), 0
         for dino, first, count in dirs:
             for i in range(first, first + count):
                 ns.drop(ns.remove(dino, b"chunk-%08d.pt" % i, want_dir=False))
