@@ -27,11 +27,14 @@ the chunks changed since the last call.
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from itertools import islice
 
 from kvfs.errors import NoSpace
-from kvfs.layout import FRAG_FLAG, HOST_MASK, fragment_field, split_fragment
+from kvfs.layout import DEV_SHIFT, FRAG_FLAG, HOST_MASK, UNIT_MASK, fragment_field, split_fragment
 
 FRAGMENT_SCAN = 8
 """Hosts with free fragments tried (those that gained room last first) before a fresh
@@ -121,6 +124,45 @@ class Allocator:
         if any(m[start : start + count]):
             raise ValueError(f"unit {dev}:{start}+{count} is claimed twice")
         self._set(dev, start, count, used=True)
+
+    def claim_firsts(self, chunks: Iterable[array[int]], skip: AbstractSet[int]) -> list[int]:
+        """Index rebuild, fast path: claim the unit named by every non-zero entry of
+        ``chunks`` (unit addresses + 1, as the namespace's first-unit column holds
+        them) at one byte store each, skipping devices in ``skip``. Fragment runs
+        are not claimed here: their addresses are returned, for :meth:`mark_used`.
+        A unit claimed twice (a corrupt index) is found afterwards by counting the
+        map's free bytes: ValueError, as :meth:`mark_used` raises."""
+        maps = self._maps
+        claimed = [0] * len(maps)
+        fragments: list[int] = []
+        zero = bytes(8)
+        try:
+            for chunk in chunks:
+                raw = chunk.tobytes()
+                if raw.count(zero) * 8 == len(raw):
+                    continue
+                for v in chunk:
+                    if v:
+                        p = v - 1
+                        if p & FRAG_FLAG:
+                            fragments.append(p)
+                            continue
+                        d = p >> DEV_SHIFT
+                        if d not in skip:
+                            maps[d][p & UNIT_MASK] = 1
+                            claimed[d] += 1
+        except IndexError as e:
+            raise ValueError(f"a unit address past its device: {e}") from e
+        for d, m in enumerate(maps):
+            free = m.count(0)
+            if self._free[d] - free != claimed[d]:
+                raise ValueError(
+                    f"device {d}: {claimed[d] - self._free[d] + free} unit(s) claimed twice"
+                )
+            self._free[d] = free
+            self._stale[d].update(range(len(self._summary[d])))
+        self._runs = sum(m.count(b"\x01\x00") + (m[:1] == b"\x00") for m in maps)
+        return fragments
 
     def free(self, dev: int, start: int, count: int = 1) -> None:
         """Free units, or ``count`` consecutive fragment fields from ``start``."""

@@ -602,6 +602,19 @@ class Namespace:
                 if p != NO_UNIT:
                     yield p, 1
 
+    def unit_columns(self) -> tuple[list[array[int]], list[tuple[int, int]]]:
+        """The same units as :meth:`unit_extents`, for a bulk claim: the first-unit
+        column's chunks (address + 1 per row, 0 none) and the extents those leave
+        out (the further units of contiguous multi-unit files, general maps)."""
+        rest = []
+        for ino, csums in self._multi.items():
+            first = self._unit0[ino] - 1
+            if len(csums) > 1:
+                rest.append((first + 1, len(csums) - 1))
+        for units, _ in self._maps.values():
+            rest.extend((p, 1) for p in units if p != NO_UNIT)
+        return self._unit0.chunks, rest
+
     def file_rows(self) -> list[tuple[int, int, int]]:
         """(inode, size, mtime_ns) of every live file, without views."""
         out = []

@@ -422,7 +422,9 @@ class Store:
         Units on a missing member are skipped: the allocator has none there."""
         missing = self._missing
         mark = self.alloc.mark_used
-        for first, count in self.ns.unit_extents():
+        firsts, rest = self.ns.unit_columns()
+        fragments = self.alloc.claim_firsts(firsts, missing)
+        for first, count in itertools.chain(((p, 1) for p in fragments), rest):
             if first >> DEV_SHIFT not in missing:
                 mark(first >> DEV_SHIFT, first & UNIT_MASK, count)
 

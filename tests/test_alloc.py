@@ -230,3 +230,38 @@ def test_random_fragment_and_unit_traffic_matches_a_model(seed: int) -> None:
         assert alloc.free_fragments == len(held) * per - alloc.fragments_used
         assert alloc.free_units == 65 - len(whole) - len(held)
         assert used_in_maps(alloc, [40, 25]) == whole | set(held)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_bulk_claim_of_first_units_equals_one_claim_at_a_time(seed: int) -> None:
+    """The mount's fast path (one byte store per file, checked by counting) leaves
+    the allocator exactly as claiming each unit with ``mark_used`` does; fragment
+    runs come back for the slow path; devices to skip are skipped."""
+    from array import array
+
+    from kvfs.layout import phys
+
+    rng = random.Random(seed)
+    sizes = [3000, 5000, 700]
+    units = {(d, u) for d in range(3) for u in rng.sample(range(sizes[d]), sizes[d] // 3)}
+    frag = phys(1, fragment_field(4999, 0, 2))
+    column = [phys(d, u) + 1 for d, u in sorted(units) if (d, u) != (1, 4999)] + [frag + 1]
+    column += [0] * 700
+    rng.shuffle(column)
+    chunks = [array("q", column[i : i + 1024]) for i in range(0, len(column), 1024)]
+    chunks.append(array("q", bytes(8 * 1024)))  # an all-zero chunk
+    bulk, slow = Allocator(sizes, 256), Allocator(sizes, 256)
+    assert bulk.claim_firsts(chunks, {2}) == [frag]
+    for d, u in units:
+        if d != 2 and (d, u) != (1, 4999):
+            slow.mark_used(d, u)
+    assert bulk._maps == slow._maps and bulk.statistics() == slow.statistics()
+    for a in (bulk, slow):  # and it goes on the same: allocate, free
+        got = a.allocate(40, 0)
+        a.free(*got[0])
+    assert bulk.statistics() == slow.statistics()
+    twice = Allocator(sizes, 256)
+    with pytest.raises(ValueError, match="claimed twice"):
+        twice.claim_firsts([array("q", [phys(0, 5) + 1, 0, phys(0, 5) + 1])], set())
+    with pytest.raises(ValueError, match="past its device"):
+        Allocator(sizes, 256).claim_firsts([array("q", [phys(2, 700) + 1])], set())
