@@ -55,9 +55,11 @@ With 300 s such a page outlived the write and a later buffered read was served i
 zeros (tests/test_mount_model.py caught it)."""
 
 
-def has_labels(inodes: Iterable[Inode]) -> bool:
-    """Whether any inode holds a ``security.*`` xattr (one pass, at mount)."""
-    return any(n.startswith(SECURITY) for i in inodes if i.xattrs for n in i.xattrs)
+def has_labels(names: Iterable[bytes]) -> bool:
+    """Whether a ``security.*`` xattr was ever stored in the pool: the namespace's
+    interned xattr names (O(distinct names), not a pass over every file at mount;
+    a name stays interned after its last use, which only errs toward ENODATA)."""
+    return any(n.startswith(SECURITY) for n in names)
 
 
 def _errors(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
@@ -89,7 +91,7 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
         self.store = store
         self.ns = store.ns
         self.timeout = timeout
-        self.labels = has_labels(store.ns.inodes.values())
+        self.labels = has_labels(store.ns.xattr_names)
         """False while no file of the pool has a ``security.*`` xattr: a get of a
         missing one is then EOPNOTSUPP, not ENODATA (see :meth:`getxattr`)."""
         self._dirs: dict[int, tuple[int, list[tuple[bytes, int]]]] = {}

@@ -163,6 +163,11 @@ class Namespace:
         )
 
     @property
+    def xattr_names(self) -> tuple[bytes, ...]:
+        """Every xattr name stored since the pool was made (interned, never removed)."""
+        return tuple(self._xnames)
+
+    @property
     def file_count(self) -> int:
         return self._live - len(self._dirs)
 

@@ -65,7 +65,7 @@ async def test_statistics_df_and_stats_never_walk_the_inodes(
         await store.make(ROOT_INO, b"d", DIR)
         for i in range(20):
             await put(store, b"f%d" % i, b"x" * (i * 1000))
-        ops = Operations(store)  # its one pass (security labels) happens at mount
+        ops = Operations(store)
         # (keys, values, items and len-free views all iterate through __iter__)
         monkeypatch.setattr(InodeTable, "__iter__", _walk)
         st = store.statistics()
