@@ -250,6 +250,10 @@ def test_bulk_claim_of_first_units_equals_one_claim_at_a_time(seed: int) -> None
     rng.shuffle(column)
     chunks = [array("q", column[i : i + 1024]) for i in range(0, len(column), 1024)]
     chunks.append(array("q", bytes(8 * 1024)))  # an all-zero chunk
+    only0 = sorted(rng.sample(range(3000, 3000 + 900), 600))  # device 0 only: the C path
+    sizes[0] += 900
+    units |= {(0, u) for u in only0}
+    chunks.append(array("q", [phys(0, u) + 1 for u in only0] + [0] * 424))
     bulk, slow = Allocator(sizes, 256), Allocator(sizes, 256)
     assert bulk.claim_firsts(chunks, {2}) == [frag]
     for d, u in units:
