@@ -345,7 +345,7 @@ class Evictor:
         try:
             self.policy.recover_pieces(pieces)
             return
-        except ValueError as e:
+        except (ValueError, OverflowError, IndexError, struct.error) as e:
             reason = str(e)
         if self.policy.recover_foreign(b"".join(pieces)):
             log.info("eviction state of another policy adopted (%s)", reason)

@@ -16,6 +16,7 @@ open, not a pool).
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Iterator
 
@@ -25,7 +26,7 @@ from kvfs.check import Report, check_index, fix_dir_links
 from kvfs.device import ALIGN, aligned_buffer
 from kvfs.errors import Corruption, DeviceError, UserError
 from kvfs.journal import ApplySink, encode_checkpoint, half_bounds, recover
-from kvfs.layout import DEV_SHIFT, FORMAT_VERSION, NO_UNIT, UNIT_MASK, Superblock, extent
+from kvfs.layout import DEV_SHIFT, FORMAT_VERSION, NO_UNIT, UNIT_MASK, Image, Superblock, extent
 from kvfs.namespace import Namespace
 from kvfs.pool import (
     Pool,
@@ -246,7 +247,11 @@ def _repair(
     for ino in report.doomed:
         ns.discard(ino)  # its names too
     fix_dir_links(ns)
-    data, _, _ = encode_checkpoint(ns.snapshot(), generation + 1, seq, pool.seed)
+    # the eviction state the check loaded goes on (files it dropped leave it at mount)
+    evictor = (Image(payload) for payload in ns.evictor_payloads)
+    data, _, _ = encode_checkpoint(
+        itertools.chain(ns.snapshot(), evictor), generation + 1, seq, pool.seed
+    )
     meta, start, size = pool.meta
     base, half_size = half_bounds(start, size, 1 - half)
     if len(data) > half_size:

@@ -671,6 +671,8 @@ class Namespace:
             self._apply_xattr(op)
         elif isinstance(op, Blob):
             self.blobs[op.name] = op.data
+        elif op.payload[:1] == bytes((EVICTOR_TAG,)):  # the evictor's, set aside
+            self.evictor_payloads.append(op.payload)
         else:  # an image part wrapped as an op (offline tools: encode_checkpoint)
             load_part(self, op.payload)
         return True

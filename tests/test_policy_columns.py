@@ -367,3 +367,21 @@ def test_runs_are_the_maximal_runs_of_consecutive_keys() -> None:
                 start = i
         expected.append((start, len(keys)))
         assert runs(keys) == expected
+
+
+def test_evictor_payloads_wrapped_as_image_ops_are_set_aside() -> None:
+    """Offline tools (fsck's repair) carry the evictor's payloads as IMAGE ops of an
+    ``encode_checkpoint``: replayed, they reach ``evictor_payloads`` too."""
+    from kvfs.layout import Image
+
+    ns = _namespace_with_files({5: 10, 6: 20})
+    evictor = _evictor(ns, {})
+    evictor.adopt_all()
+    payloads = list(evictor.snapshot_payloads())
+    fresh = _namespace_with_files({5: 10, 6: 20})
+    for payload in payloads:
+        assert fresh.apply(Image(payload))
+    assert fresh.evictor_payloads == payloads
+    again = _evictor(fresh, {})
+    again.adopt_all()
+    assert order(again.policy) == order(evictor.policy) == [5, 6]

@@ -364,6 +364,10 @@ def decode_pieces(
         raise ValueError("policy image head of the wrong length")
     got_codes = head_body[pos : pos + ncols].decode(errors="replace")
     pos += ncols
+    if got_codes[:3] != "iib" or any(
+        got not in (want, "q") for want, got in zip(codes, got_codes[3:], strict=True)
+    ):
+        raise ValueError("policy image columns of the wrong types")
 
     def take(count: int) -> array[int]:
         nonlocal pos

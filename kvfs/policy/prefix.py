@@ -85,10 +85,11 @@ class KvfsPolicy(LinkedPolicy):
     Removing a key moves its latest successor, if that link is confirmed, to the
     dead list; re-writing the key brings the successor back.
 
-    Time is a logical clock of track/touch calls.  State is kept in parallel arrays
-    (see :class:`~kvfs.policy.slots.SlotTable`): about 130 B per key in CPython, the same
-    per ghost key.
-    The adaptive thresholds are not persisted; ``recover()`` restarts them.
+    Time is a logical clock of track/touch calls.  State is kept in typed columns
+    (see :class:`~kvfs.policy.slots.SlotTable`): 29 B per inode number (resident or
+    ghost key), ~100 B more for a key that is not an inode number.
+    A version 2 image keeps the adaptive thresholds; ``recover()`` of a version 1
+    image restarts them.
     """
 
     name = "kvfs"
