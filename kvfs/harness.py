@@ -14,6 +14,10 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvfs.namespace import Namespace
 
 
 class MountFailed(RuntimeError):
@@ -130,3 +134,30 @@ def write_file(path: str | Path, data: bytes) -> None:
             view = view[os.write(fd, view) :]
     finally:
         os.close(fd)
+
+
+def fill_namespace(ns: Namespace, files: int, per_dir: int = 1000) -> list[tuple[int, int, int]]:
+    """Directories ``d00000``.. of ``per_dir`` committed one-unit files named
+    ``chunk-%08d.pt`` (file i maps unit i of device 0, checksum i * 2654435761), made
+    in bulk: the pools and namespaces of ``tools/mounttime.py``, ``nsmem.py`` and
+    ``nsindex.py``. Returns (directory inode, first file inode, files) per directory."""
+    import stat
+    from array import array
+
+    from kvfs.namespace import ROOT_INO
+
+    out = []
+    for d, first in enumerate(range(0, files, per_dir)):
+        count = min(per_dir, files - first)
+        dino = ns.make(ROOT_INO, b"d%05d" % d, stat.S_IFDIR | 0o755, 0, 0).ino
+        ino = ns.add_files(
+            dino,
+            [b"chunk-%08d.pt" % i for i in range(first, first + count)],
+            stat.S_IFREG | 0o644,
+            (0, 0),
+            1 << 20,
+            array("q", range(first, first + count)),
+            array("Q", (i * 2654435761 for i in range(first, first + count))),
+        )
+        out.append((dino, ino, count))
+    return out

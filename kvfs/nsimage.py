@@ -214,14 +214,20 @@ def _row_parts(columns: list[list[array[int]]], holey: list[int]) -> Iterator[by
         yield _part(K_ROWS, 0, 0, b"".join(batch))
 
 
+def _run_record(body: bytes, pos: int) -> tuple[int, list[tuple[int, int]], int]:
+    """The ``<IH`` (chunk, r) header and r ``<HH`` runs of a record at ``pos``:
+    (chunk, runs, where the record's data starts)."""
+    c, n = _ROWS_REC.unpack_from(body, pos)
+    pos += _ROWS_REC.size
+    runs = [_RUN.unpack_from(body, pos + i * _RUN.size) for i in range(n)]
+    return c, runs, pos + n * _RUN.size
+
+
 def _load_rows(ns: Namespace, body: bytes) -> None:
     columns = ns.persisted_columns
     pos = 0
     while pos < len(body):
-        c, n = _ROWS_REC.unpack_from(body, pos)
-        pos += _ROWS_REC.size
-        runs = [_RUN.unpack_from(body, pos + i * _RUN.size) for i in range(n)]
-        pos += n * _RUN.size
+        c, runs, pos = _run_record(body, pos)
         live = sum(length for _, length in runs)
         if any(a + length > ROWS for a, length in runs):
             raise ValueError("row run past its chunk")
@@ -279,10 +285,7 @@ def _arena_parts(chunks: list[bytearray]) -> Iterator[bytes]:
 def _load_arena_runs(ns: Namespace, body: bytes) -> None:
     pos = 0
     while pos < len(body):
-        c, n = _ROWS_REC.unpack_from(body, pos)
-        pos += _ROWS_REC.size
-        runs = [_RUN.unpack_from(body, pos + i * _RUN.size) for i in range(n)]
-        pos += n * _RUN.size
+        c, runs, pos = _run_record(body, pos)
         chunk = bytearray(ARENA_CHUNK)
         for a, length in runs:
             if a + length > ARENA_CHUNK or pos + length > len(body):

@@ -19,20 +19,18 @@ import cProfile
 import io
 import os
 import pstats
-import stat
 import statistics
 import subprocess
 import sys
 import time
-from array import array
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvfs import harness
 from kvfs.journal import encode_checkpoint, half_bounds
-from kvfs.layout import Xattr, phys
-from kvfs.namespace import ROOT_INO, Namespace
+from kvfs.layout import Xattr
+from kvfs.namespace import Namespace
 from kvfs.pool import _write, format_pool, open_pool
 from kvfs.store import Store
 
@@ -55,20 +53,9 @@ def build(image: Path, files: int, legacy: bool = False, xattr: bool = False) ->
     try:
         ns = Namespace(lambda ops: None)
         ns.init_root(0, 0)
-        for d, first in enumerate(range(0, files, PER_DIR)):
-            count = min(PER_DIR, files - first)
-            dino = ns.make(ROOT_INO, b"d%05d" % d, stat.S_IFDIR | 0o755, 0, 0).ino
-            ns.add_files(
-                dino,
-                [b"chunk-%08d.pt" % i for i in range(first, first + count)],
-                stat.S_IFREG | 0o644,
-                (0, 0),
-                UNIT,
-                array("q", range(phys(0, first), phys(0, first) + count)),
-                array("Q", (i * 2654435761 for i in range(first, first + count))),
-            )
+        for _, first, count in harness.fill_namespace(ns, files, PER_DIR):
             if xattr:
-                for ino in range(ns.next_ino - count, ns.next_ino):
+                for ino in range(first, first + count):
                     value = b"%08x" % (ino * 40503 & 0xFFFFFFFF)
                     ns.apply(Xattr(ino, b"user.vllm.kv_crc32c", value))
         ops = ns.legacy_ops() if legacy else ns.snapshot()

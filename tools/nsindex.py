@@ -13,7 +13,6 @@ name at the end of each phase.
 from __future__ import annotations
 
 import argparse
-import stat
 import sys
 import time
 from array import array
@@ -23,7 +22,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvfs.columns import NameIndex
-from kvfs.namespace import ROOT_INO, Namespace
+from kvfs.harness import fill_namespace
+from kvfs.namespace import Namespace
 
 PER_DIR = 1000
 
@@ -107,26 +107,15 @@ def main() -> None:
     ns = Namespace(lambda ops: None)
     index = ns._index = TimedIndex(ns._matches, ns._key_of)
     ns.init_root(0, 0)
-    dirs = []
-    for d, first in enumerate(range(0, n, PER_DIR)):
-        count = min(PER_DIR, n - first)
-        dino = ns.make(ROOT_INO, b"d%05d" % d, stat.S_IFDIR | 0o755, 0, 0).ino
-        dirs.append((dino, first, count))
-        ns.add_files(
-            dino,
-            [b"chunk-%08d.pt" % i for i in range(first, first + count)],
-            stat.S_IFREG | 0o644,
-            (0, 0),
-            1 << 20,
-            array("q", range(first, first + count)),
-            array("Q", range(first, first + count)),
-        )
+    dirs = fill_namespace(ns, n, PER_DIR)
     report("insert", index, n + len(dirs))
     if args.remove:
         index.times, index.cpu, index.swept = array("d"), array("d"), 0
-        for dino, first, count in dirs:
-            for i in range(first, first + count):
+        done = 0
+        for dino, _, count in dirs:
+            for i in range(done, done + count):
                 ns.drop(ns.remove(dino, b"chunk-%08d.pt" % i, want_dir=False))
+            done += count
         report("remove", index, len(dirs))
 
 

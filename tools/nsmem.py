@@ -13,16 +13,15 @@ from __future__ import annotations
 import argparse
 import gc
 import random
-import stat
 import sys
 import time
-from array import array
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kvfs.harness import fill_namespace
 from kvfs.layout import Xattr
-from kvfs.namespace import ROOT_INO, Namespace
+from kvfs.namespace import Namespace
 
 PER_DIR = 1000
 
@@ -35,20 +34,9 @@ def rss() -> int:
 def build(n: int, xattr: bool) -> Namespace:
     ns = Namespace(lambda ops: None)
     ns.init_root(0, 0)
-    for d, first in enumerate(range(0, n, PER_DIR)):
-        count = min(PER_DIR, n - first)
-        dino = ns.make(ROOT_INO, b"d%05d" % d, stat.S_IFDIR | 0o755, 0, 0).ino
-        ns.add_files(
-            dino,
-            [b"chunk-%08d.pt" % i for i in range(first, first + count)],
-            stat.S_IFREG | 0o644,
-            (0, 0),
-            1 << 20,
-            array("q", range(first, first + count)),
-            array("Q", range(first, first + count)),
-        )
+    for _, first, count in fill_namespace(ns, n, PER_DIR):
         if xattr:
-            for ino in range(ns.next_ino - count, ns.next_ino):
+            for ino in range(first, first + count):
                 ns.apply(Xattr(ino, b"user.vllm.kv_crc32c", b"%08x" % ino))
     return ns
 
