@@ -137,14 +137,12 @@ class Allocator:
         maps = self._maps
         claimed = [0] * len(maps)
         fragments: list[int] = []
-        zero = bytes(8)
         first_map = maps[0] if maps and 0 not in skip else None
         try:
             for chunk in chunks:
-                raw = chunk.tobytes()
-                if raw.count(zero) * 8 == len(raw):
-                    continue
                 values = list(filter(None, chunk))  # C speed from here on
+                if not values:
+                    continue
                 if first_map is not None and min(values) > 0 and max(values) <= FRAG_FLAG:
                     # whole units on device 0 only (the common chunk): stores at C speed
                     deque(

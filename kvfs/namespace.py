@@ -590,27 +590,11 @@ class Namespace:
                     found.append(ino)
         return found
 
-    def unit_extents(self) -> Iterator[tuple[int, int]]:
-        """(first physical unit, count) of every mapped extent of every live file:
-        one per compact file (a Python loop over the column, no views)."""
-        multi = self._multi
-        for c, chunk in enumerate(self._unit0.chunks):
-            if chunk.count(0) == len(chunk):
-                continue
-            base = c << SHIFT
-            for i, v in enumerate(chunk):
-                if v:
-                    got = multi.get(base + i)
-                    yield v - 1, 1 if got is None else len(got)
-        for units, _ in self._maps.values():
-            for p in units:
-                if p != NO_UNIT:
-                    yield p, 1
-
     def unit_columns(self) -> tuple[list[array[int]], list[tuple[int, int]]]:
-        """The same units as :meth:`unit_extents`, for a bulk claim: the first-unit
-        column's chunks (address + 1 per row, 0 none) and the extents those leave
-        out (the further units of contiguous multi-unit files, general maps)."""
+        """Every unit a live file maps, for the mount's bulk claim: the first-unit
+        column's chunks (address + 1 per row, 0 none) and, as (first, count), the
+        extents those leave out (the further units of contiguous multi-unit files,
+        general maps)."""
         rest = []
         for ino, csums in self._multi.items():
             first = self._unit0[ino] - 1

@@ -98,15 +98,6 @@ SPARSE = 0x80
 """Part-kind flag: the body is sparse chunk records, not consecutive dense chunks."""
 
 
-def _items(chunk: array[int] | bytearray) -> array[int]:
-    """A chunk as the integers it is stored in (the arena as 4-byte granules)."""
-    if isinstance(chunk, array):
-        return chunk
-    items = array("I")
-    items.frombytes(chunk)
-    return items
-
-
 def _sparse_record(c: int, items: array[int], live: int) -> bytes:
     """Chunk ``c`` as ``<IH`` (chunk, n), n ``H`` positions, n values."""
     where = array("H", (i for i, v in enumerate(items) if v))
@@ -137,15 +128,14 @@ def _chunk_parts(
         # runs of itemsize zero bytes, counted without overlap: at least the zero items
         zeros = raw.count(bytes(itemsize))
         live = -1  # not counted
-        if raw and zeros < n and sparse_items:
+        if raw and zeros < n and sparse_items and isinstance(chunk, array):
             most = (n * itemsize // 2 - _SPARSE_REC.size - 1) // (itemsize + 2)
             if zeros >= n - most:  # enough zero runs for a sparse chunk
-                items = _items(chunk)
-                live = n - items.count(0)
+                live = n - chunk.count(0)
                 if live > most:
                     live = -1
                 else:
-                    record = _sparse_record(c, items, live)
+                    record = _sparse_record(c, chunk, live)
                     sparse.append(record)
                     sparse_size += len(record)
                     if sparse_size >= BATCH:
@@ -255,13 +245,12 @@ def _arena_parts(chunks: list[bytearray]) -> Iterator[bytes]:
     the others (released names, the unused tail) as ``<IH`` (chunk, runs), the runs
     ``<HH`` (offset, length), their bytes (K_ARENA | SPARSE)."""
     gap = bytes(16)
-    dense = [c for c, chunk in enumerate(chunks) if gap not in chunk]
-    holey = frozenset(range(len(chunks))) - set(dense)
+    holey = frozenset(c for c, chunk in enumerate(chunks) if gap in chunk)
     yield from _chunk_parts(K_ARENA, 0, chunks, holey, sparse_items=False)
     batch: list[bytes] = []
     size = 0
     for c, chunk in enumerate(chunks):
-        if c in dense:
+        if c not in holey:
             continue
         runs = [(m.start(), m.end()) for m in ARENA_GAP.finditer(chunk)]
         if not runs:

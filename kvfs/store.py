@@ -282,7 +282,8 @@ class Store:
 
     def _snapshot(self) -> Iterator[bytes]:
         """What a checkpoint holds: the namespace plus the evictor's learned state, as
-        CKPT_DATA payloads made lazily (fuzzy; the journal replays the window)."""
+        CKPT_DATA payloads of both frozen now (copy-on-write) and encoded as the
+        journal consumes them; the journal replays the window after them."""
         evictor = self.evictor.snapshot_payloads()  # frozen now, encoded as consumed
         self._ckpt_inodes = len(self.ns.inodes)
         return itertools.chain(self.ns.snapshot_payloads(), evictor)
