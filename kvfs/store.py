@@ -227,6 +227,9 @@ class Store:
         self._pools: dict[int, BufferPool] = {}
         self._files: dict[int, FileState] = {}
         self._handles: dict[int, Handle] = {}
+        self._wrote: set[int] = set()
+        """Handles that have written: a killed opener's close of one of them means
+        an incomplete file, whatever commits a FLUSH or fsync made meanwhile."""
         self._pins: dict[int, dict[int, int]] = {}  # uid -> {inode: its open handles}
         self._next_fh = 1
         self._limiters = [trio.CapacityLimiter(self.cfg.queue_depth) for _ in pool.devices]
@@ -541,12 +544,20 @@ class Store:
         """A close of a handle (FUSE flush): commit what it wrote, unless its writer
         is dying from a signal. A killed writer's close is the kernel closing its
         files in ``do_exit``; its file is as incomplete as after a crash: it is
-        never committed and its last close removes it (``docs/design.md``)."""
+        never committed and its last close removes it (``docs/design.md``).
+
+        Every close() of a copy of the file's descriptor sends a FLUSH, so a commit
+        here may come while the opener is still writing: a forked child closing the
+        descriptors it inherited (``subprocess`` does, at exec) commits a prefix of
+        the file, as an fsync mid-write does. Such a prefix is never taken for the
+        whole file: a killed opener's handle that wrote makes the file incomplete
+        again, committed or not."""
         h = self._handles[fh]
         inode = self.ns.inodes.get(h.ino)
         if not h.writable or inode is None:
             return
-        if inode.flags & FLAG_WRITING and h.owner is not None and procs.killed(*h.owner):
+        unfinished = inode.flags & FLAG_WRITING or fh in self._wrote
+        if unfinished and h.owner is not None and procs.killed(*h.owner):
             st = self._state(inode.ino)
             if st.error is None:
                 log.warning(
@@ -556,6 +567,10 @@ class Store:
                     h.owner[0],
                 )
                 self._fail(st, Incomplete(f"inode {inode.ino}: writer killed mid-write"))
+                if not inode.flags & FLAG_WRITING:  # uncommitted again: its last close
+                    inode.flags |= FLAG_WRITING  # removes it, recovery drops it
+                    self.ns.commit(inode)
+                    await self.journal.wait_durable(self.journal.last_seq)
             return
         await self.commit(inode, h.pid)
 
@@ -626,6 +641,7 @@ class Store:
 
     async def release(self, fh: int) -> None:
         h = self._handles.pop(fh)
+        self._wrote.discard(fh)
         self._unpin(h)
         inode = self.ns.inodes.get(h.ino)
         if inode is None:
@@ -754,6 +770,12 @@ class Store:
         self._check_failed(st)
         if not data:
             return 0
+        if fh in self._wrote and not inode.flags & FLAG_WRITING:
+            # committed while this handle goes on writing (an fsync, or the FLUSH of
+            # another process's close): the committed prefix must not come back from
+            # a crash as the whole file, so it is uncommitted durably before it grows
+            self._begin_data_change(inode)
+            await self.journal.wait_durable(self.journal.last_seq)
         try:
             await self._write(h, inode, st, off, data)
         except (NoSpace, QuotaExceeded) as e:
@@ -763,10 +785,18 @@ class Store:
             raise
         self._writes += 1
         self._bytes_written += len(data)
+        self._wrote.add(fh)
         await self._maybe_writeback(self.ns.get(h.ino), st)
         return len(data)
 
     async def _write(self, h: Handle, inode: Inode, st: FileState, off: int, data: bytes) -> None:
+        """Copy ``data`` into dirty units. The size (and the map) grow with each piece
+        copied, before the next await: a write that spans units may wait for space
+        between them, and a commit running then (a FLUSH from any close of the file,
+        e.g. a forked child closing the fds it inherited) writes back every dirty
+        unit, sizing a partial last unit's fragments by ``inode.size``. A byte in a
+        dirty buffer past the size would be dropped there, and the unit served with
+        zeros under a checksum that matches them."""
         u_size, end = self.unit, off + len(data)
         span = range(off // u_size, (end - 1) // u_size + 1)
         claims = [sum(1 for u in span if u not in st.dirty)]
@@ -793,11 +823,11 @@ class Store:
                     self._begin_data_change(inode)  # a commit may have run during the await
                 buf[uo : uo + n] = view[pos - off : pos - off + n]
                 pos += n
+                if pos > inode.size:  # no await since the copy (see the docstring)
+                    inode.size = pos
+                    self._grow_map(inode, pos)
         finally:
             self._claimed -= claims[0]  # claimed but not needed (others got there first)
-        if end > inode.size:
-            inode.size = end
-            self._grow_map(inode, end)
         inode.mtime_ns = inode.ctime_ns = time.time_ns()
 
     def max_file_size(self, inode: Inode) -> int:

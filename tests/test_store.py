@@ -257,6 +257,57 @@ async def test_holes_read_as_zeros_and_truncate_zeroes_the_tail() -> None:
         assert await get(store, store.ns.lookup(ROOT_INO, b"sparse").ino) == expect
 
 
+async def test_a_commit_while_a_write_waits_between_units_keeps_every_byte() -> None:
+    """A FLUSH may come while a write that spans two units waits for space between
+    them: every close() of a copy of the descriptor sends one (a forked child closing
+    the descriptors it inherited). Its commit writes back every dirty unit, the one
+    that write has just filled included; that unit must be stored whole, not as a
+    tail sized by the old end of file (it was: the rest of the unit read back as
+    zeros under a checksum that matched them)."""
+    pool = memory_pool()
+    data = random.Random(7).randbytes(3 * UNIT)
+    head = UNIT + 1000  # unit 1 dirty and partial when the spanning write starts
+    async with serving(pool) as store:
+        ino, fh = await create(store, b"f")
+        await store.write(fh, 0, data[:head])
+        inode = store.ns.get(ino)
+        original, calls = store._ensure_space, []
+
+        async def ensure(target: object, units: int) -> None:
+            # each time the write waits for space, a FLUSH commits the file: at its
+            # start (unit 1 goes to the device, so the write copies it back and must
+            # claim unit 2 on its own), and between units 1 and 2
+            calls.append(units)
+            await store.commit(inode)
+            await original(target, units)  # type: ignore[arg-type]
+
+        store._ensure_space = ensure  # type: ignore[method-assign,assignment]
+        await store.write(fh, head, data[head:])
+        assert len(calls) == 2, "the write never waited between its units"
+        store._ensure_space = original  # type: ignore[method-assign]
+        await store.commit(inode)
+        await store.release(fh)
+        assert await get(store, ino) == data
+    async with serving(crash_image(pool)) as store:
+        assert await get(store, store.ns.lookup(ROOT_INO, b"f").ino) == data
+
+
+async def test_a_prefix_committed_mid_write_never_survives_a_crash_as_the_file() -> None:
+    """An fsync (or another process's FLUSH) mid-write commits a prefix, and the
+    writer goes on. A crash before its close must not bring that prefix back as the
+    whole file: the next write makes the file uncommitted, durably, first."""
+    pool = memory_pool()
+    data = random.Random(8).randbytes(2 * UNIT)
+    async with serving(pool) as store:
+        ino, fh = await create(store, b"f")
+        await store.write(fh, 0, data[:UNIT])
+        await store.commit(store.ns.get(ino))
+        await store.write(fh, UNIT, data[UNIT:])
+        image = crash_image(pool)  # the daemon dies before the writer's close
+    async with serving(image) as store:
+        assert store.ns.find(ROOT_INO, b"f") is None
+
+
 async def test_empty_committed_file_survives() -> None:
     pool = memory_pool()
     async with serving(pool) as store:
