@@ -566,7 +566,37 @@ class Worker:
             return
         with self.sh.lock:
             written = self.sh.inos.get(ino, "not written by this process")
+        bad += self.second_look(rel, ino)
         self.fail(f"bad-{label}", f"{mode} {label} of {rel} (inode {ino}: {written}): {bad}")
+
+    def second_look(self, rel: str, ino: int) -> str:
+        """Where the wrong bytes live: O_DIRECT reads come from kvfs itself (no page
+        cache), a buffered read after dropping the file's cached pages does too."""
+        parts = []
+        for how, flags in (("O_DIRECT", os.O_DIRECT), ("after fadvise DONTNEED", 0)):
+            try:
+                fd = os.open(self.p(rel), os.O_RDONLY | flags)
+            except OSError as e:
+                parts.append(f"{how}: open {e.strerror}")
+                continue
+            try:
+                if os.fstat(fd).st_ino != ino:
+                    parts.append(f"{how}: the name now holds another inode")
+                    continue
+                if not flags:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                buf = aligned(os.fstat(fd).st_size + 4096)
+                try:
+                    n = os.preadv(fd, [buf], 0)
+                    again = problem(rel, bytes(buf[:n]))
+                finally:
+                    buf.close()
+                parts.append(f"{how}: {again or 'right'}")
+            except OSError as e:
+                parts.append(f"{how}: {e!r}")
+            finally:
+                os.close(fd)
+        return " [second look: " + "; ".join(parts) + "]"
 
     def read_fd(self, fd: int, mode: str) -> bytes:
         if mode == "buffered":
