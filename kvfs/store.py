@@ -136,6 +136,8 @@ class FileState:
     lock: trio.Lock = field(default_factory=trio.Lock)
     error: KvfsError | None = None
     writers: int = 0
+    active: int = 0
+    """``write`` calls in progress: while one is, a commit is no end of the file."""
 
 
 @dataclass(frozen=True)
@@ -770,19 +772,22 @@ class Store:
         self._check_failed(st)
         if not data:
             return 0
-        if fh in self._wrote and not inode.flags & FLAG_WRITING:
-            # committed while this handle goes on writing (an fsync, or the FLUSH of
-            # another process's close): the committed prefix must not come back from
-            # a crash as the whole file, so it is uncommitted durably before it grows
-            self._begin_data_change(inode)
-            await self.journal.wait_durable(self.journal.last_seq)
+        st.active += 1
         try:
+            if fh in self._wrote and not inode.flags & FLAG_WRITING:
+                # committed while this handle goes on writing (an fsync, or the FLUSH
+                # of another process's close): the committed prefix must not come back
+                # from a crash as the whole file: uncommitted, durably, before it grows
+                self._begin_data_change(inode)
+                await self.journal.wait_durable(self.journal.last_seq)
             await self._write(h, inode, st, off, data)
         except (NoSpace, QuotaExceeded) as e:
             # the writer cannot store what it meant to: its file is incomplete (a
             # short chunk must never be served as a whole one), removed at its close
             self._fail(st, e)
             raise
+        finally:
+            st.active -= 1
         self._writes += 1
         self._bytes_written += len(data)
         self._wrote.add(fh)
@@ -1097,7 +1102,12 @@ class Store:
                         self._start_writeback(inode, st, sorted(st.dirty))
                     await st.idle.wait()
                 self._check_failed(st)
-        if self.ns.inodes.get(inode.ino) is inode and inode.flags & FLAG_WRITING:
+        # a write still in progress (the kernel sends one O_DIRECT write as many
+        # concurrent requests) means the file is not complete yet: its data is
+        # stored, but it stays WRITING until a commit with none (a FLUSH from
+        # another process's close or an fsync may come at any moment)
+        writing = st is not None and st.active > 0
+        if self.ns.inodes.get(inode.ino) is inode and inode.flags & FLAG_WRITING and not writing:
             inode.flags &= ~FLAG_WRITING
             self.ns.commit(inode)
             self.evictor.committed(inode, pid)

@@ -308,6 +308,35 @@ async def test_a_prefix_committed_mid_write_never_survives_a_crash_as_the_file()
         assert store.ns.find(ROOT_INO, b"f") is None
 
 
+async def test_a_commit_during_a_write_in_flight_leaves_the_file_uncommitted() -> None:
+    """The kernel sends one O_DIRECT write as many concurrent requests; a FLUSH from
+    another process's close may commit the file while some are still being served.
+    That commit stores the data but does not end the file: a crash right after it
+    recovers nothing rather than a file with the missing pieces as holes."""
+    pool = memory_pool()
+    data = random.Random(9).randbytes(2 * UNIT)
+    async with serving(pool) as store:
+        ino, fh = await create(store, b"f")
+        await store.write(fh, 0, data[:UNIT])
+        inode = store.ns.get(ino)
+        original, images = store._ensure_space, []
+
+        async def ensure(target: object, units: int) -> None:
+            await store.commit(inode)  # the FLUSH, while this write waits for space
+            images.append(crash_image(pool))  # the daemon dies now
+            await original(target, units)  # type: ignore[arg-type]
+
+        store._ensure_space = ensure  # type: ignore[method-assign,assignment]
+        await store.write(fh, UNIT, data[UNIT:])
+        store._ensure_space = original  # type: ignore[method-assign]
+        await store.commit(inode)
+        await store.release(fh)
+        assert await get(store, ino) == data
+    assert len(images) == 1
+    async with serving(images[0]) as store:
+        assert store.ns.find(ROOT_INO, b"f") is None
+
+
 async def test_empty_committed_file_survives() -> None:
     pool = memory_pool()
     async with serving(pool) as store:
