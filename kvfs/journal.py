@@ -236,6 +236,11 @@ class Journal:
         """The last transaction id handed out by :meth:`append`."""
         return self._txid
 
+    @property
+    def durable_seq(self) -> int:
+        """The last transaction id on stable storage."""
+        return self._durable
+
     def note_data_write(self, device_index: int) -> None:
         """A data write completed; flush that device before the next journal write."""
         self._dirty_devices.add(device_index)

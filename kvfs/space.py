@@ -161,8 +161,14 @@ class Space:
 
     # ------------------------------------------------------------------ frees
     def defer_free(self, p: int) -> None:
-        """Free unit ``p`` once everything logged so far is durable."""
-        self._deferred.append((self.journal.last_seq, p))
+        """Free unit ``p`` once everything logged so far is durable. If that is so
+        already, at once: the journal's next durable point may never come (every
+        writer waiting for room, nothing logged), and a write that counts on
+        pending frees would wait for them forever."""
+        seq = self.journal.last_seq
+        self._deferred.append((seq, p))
+        if seq <= self.journal.durable_seq:
+            self.release_frees(seq)
 
     def release_frees(self, durable: int) -> None:
         """The journal's durable point moved: TRIM, then reuse, what it released."""

@@ -337,6 +337,43 @@ async def test_a_commit_during_a_write_in_flight_leaves_the_file_uncommitted() -
         assert store.ns.find(ROOT_INO, b"f") is None
 
 
+async def test_a_unit_freed_after_the_last_durable_point_is_reusable_at_once() -> None:
+    """A free deferred while nothing is left to make durable (a commit that logs
+    nothing: it ran while a write of the file was in flight) must not wait for a
+    next group commit that may never come: every writer can be waiting for room.
+    Here a full pool, an in-place rewrite, and the FLUSH that comes while the write
+    of the second unit waits for space: the unit that commit replaced is the only
+    room there is (before, the write waited for it forever)."""
+    pool = memory_pool()
+    data = random.Random(10).randbytes(2 * UNIT)
+    async with serving(pool) as store:
+        ino = await put(store, b"f", data, chunk=UNIT)
+        left, k = store.space.available() - 1, 0
+        while left > 0:  # files of at most the largest file size: a quarter of the pool
+            n = min(left, store.max_file_size(store.ns.get(ROOT_INO)) // UNIT)
+            await put(store, b"g%d" % k, bytes(n * UNIT), chunk=UNIT)
+            left, k = left - n, k + 1
+        await wait_until(lambda: not store.space.pending_free())
+        assert store.space.available() == 1  # room for one rewritten unit, no more
+        inode = store.ns.get(ino)
+        fh = await store.open(ino, os.O_WRONLY)
+        new = random.Random(11).randbytes(2 * UNIT)
+        await store.write(fh, 0, new[:UNIT])
+        original = store._ensure_space
+
+        async def ensure(target: object, units: int) -> None:
+            await store.commit(inode)  # the FLUSH: unit 0 goes to the device, its old unit is freed
+            await original(target, units)  # type: ignore[arg-type]
+
+        store._ensure_space = ensure  # type: ignore[method-assign,assignment]
+        with trio.fail_after(10):
+            await store.write(fh, UNIT, new[UNIT:])
+        store._ensure_space = original  # type: ignore[method-assign]
+        await store.commit(inode)
+        await store.release(fh)
+        assert await get(store, ino) == new
+
+
 async def test_empty_committed_file_survives() -> None:
     pool = memory_pool()
     async with serving(pool) as store:
