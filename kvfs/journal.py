@@ -369,6 +369,9 @@ class Journal:
             staged = len(stage[0])
             count = 0
             for payload in pieces:  # each next() is short, on this (the trio) thread
+                if not payload:  # a pause: the snapshot scanned without producing
+                    await self._commit_meanwhile()
+                    continue
                 seq += 1
                 count += 1
                 entry = encode_entry(KIND_CKPT_DATA, generation, seq, payload, seed)

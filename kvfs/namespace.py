@@ -77,13 +77,22 @@ def check_name(name: bytes) -> None:
 
 class _Dir:
     """Per-directory state (directories are few): the inodes whose indexed name is
-    in it (for listing), and extra hard-link names."""
+    in it (for listing), and extra hard-link names. ``shared``: a checkpoint froze
+    ``children`` (it serializes that array later); the next change copies it first."""
 
-    __slots__ = ("children", "links")
+    __slots__ = ("children", "links", "shared")
 
     def __init__(self) -> None:
         self.children = array("I")
         self.links: dict[bytes, int] | None = None
+        self.shared = False
+
+    def own_children(self) -> array[int]:
+        """``children``, to be changed: a private copy if a checkpoint holds it."""
+        if self.shared:
+            self.children = array("I", self.children)
+            self.shared = False
+        return self.children
 
 
 INDEX_LOAD = 0.375
@@ -364,7 +373,7 @@ class Namespace:
             self._set_name(ino, name)
             self._flags[ino] |= F_NAMED
             self._index.insert(parent, name, ino)
-            children = self._dirs[parent].children
+            children = self._dirs[parent].own_children()
             self._cpos[ino] = len(children)
             children.append(ino)
             return
@@ -379,7 +388,7 @@ class Namespace:
         ino = self._index.find(parent, name)
         if ino:
             self._index.remove(parent, name, ino)
-            children = self._dirs[parent].children
+            children = self._dirs[parent].own_children()
             i = self._child_pos(children, ino)
             last = children.pop()
             if i < len(children):
@@ -728,15 +737,16 @@ class Namespace:
         self._zombies = weakref.WeakValueDictionary()
 
     def snapshot_payloads(self) -> Iterator[bytes]:
-        """Freeze the state now (O(chunks)) and yield checkpoint payloads of it; the
-        namespace may change while they are consumed."""
+        """Freeze the state now (O(chunks) + O(directories)) and yield checkpoint
+        payloads of it; the namespace may change while they are consumed. An empty
+        payload is a pause (a bounded step that produced nothing): skip it."""
         self._reclaim()  # rows dropped since: zeroed, so left out of the image
         return image_payloads(self)
 
     def snapshot(self) -> Iterator[Op]:
         """Checkpoint contents as operations for today's ``encode_checkpoint``.
         TEMPORARY GLUE (replaced when the journal takes ``snapshot_payloads``)."""
-        return (Image(p) for p in self.snapshot_payloads())
+        return (Image(p) for p in self.snapshot_payloads() if p)
 
     def legacy_ops(self) -> Iterator[Op]:
         """The state as the operations an older release checkpointed (upgrade tests
@@ -864,7 +874,7 @@ class Namespace:
         self._name_off.fill(first, array("I", map(put, names)))
         for i, name in enumerate(names):
             insert(parent, name, first + i)
-        children = self._dirs[parent].children
+        children = self._dirs[parent].own_children()
         self._cpos.fill(first, array("I", range(len(children), len(children) + n)))
         children.extend(range(first, first + n))
         self._live += n

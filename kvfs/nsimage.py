@@ -62,12 +62,29 @@ def _pairs(pid: int, items: Iterable[tuple[int, bytes]]) -> Iterator[bytes]:
         if size >= SIDE_BATCH:
             yield _part(K_SIDE, pid, 0, b"".join(batch))
             batch, size = [], 0
+        elif len(batch) % (16 * SCAN_STEP) == 0:
+            yield PAUSE
     if batch:
         yield _part(K_SIDE, pid, 0, b"".join(batch))
 
 
-def _side_tables(ns: Namespace) -> list[bytes]:
-    """The side tables serialized now (they are Python state, not chunks)."""
+PAUSE = b""
+"""An empty payload: a bounded step of a scan that produced nothing yet (consumers
+skip it; the checkpoint writer answers requests meanwhile)."""
+SCAN_STEP = 256
+"""Chunks (or side-table entries, x16) one step may scan without yielding: ~1 ms."""
+
+
+def _side_tables(ns: Namespace) -> tuple[list[bytes], Iterator[bytes]]:
+    """The side tables: the small ones serialized now, and an iterator over the big
+    ones, which reads only what this call froze: every directory's listing
+    (copy-on-write, ``_Dir.shared``) and the contiguous maps' checksum arrays (a
+    map is replaced, never changed in place). O(directories + files with a
+    contiguous multi-unit map) here, the bytes later, in bounded steps."""
+    for state in ns._dirs.values():
+        state.shared = True
+    listings = [(d, state.children) for d, state in ns._dirs.items()]
+    multi = list(ns._multi.items())
     links = (
         (d, b"".join(_LINK.pack(len(n), i) + n for n, i in state.links.items()))
         for d, state in ns._dirs.items()
@@ -78,15 +95,18 @@ def _side_tables(ns: Namespace) -> list[bytes]:
         *_pairs(S_XNAMES, enumerate(ns._xnames)),
         *_pairs(S_FREE, [(0, ns._free.tobytes())]),
         *_pairs(S_DEAD, ((i, b"") for i in [*ns._deferred, *ns._ghosts])),
-        *_pairs(S_CHILDREN, ((d, s.children.tobytes()) for d, s in ns._dirs.items())),
         *_pairs(S_LINKS, links),
         *_pairs(S_MAPS, ((i, u.tobytes() + c.tobytes()) for i, (u, c) in ns._maps.items())),
-        *_pairs(S_MULTI, ((i, c.tobytes()) for i, c in ns._multi.items())),
         *_pairs(S_BIGX, ns._big_xattrs.items()),
         *_pairs(S_AFREE, ((g, a.tobytes()) for g, a in ns._arena.free.items())),
         *_pairs(S_BLOBS, ((0, k.encode() + b"\0" + v) for k, v in ns.blobs.items())),
     ]
-    return parts
+
+    def later() -> Iterator[bytes]:
+        yield from _pairs(S_CHILDREN, ((d, a.tobytes()) for d, a in listings))
+        yield from _pairs(S_MULTI, ((i, c.tobytes()) for i, c in multi))
+
+    return parts, later()
 
 
 BATCH = 1 << 20
@@ -122,6 +142,8 @@ def _chunk_parts(
     sparse: list[bytes] = []
     first = size = sparse_size = 0
     for c, chunk in enumerate(chunks):
+        if c % SCAN_STEP == SCAN_STEP - 1:
+            yield PAUSE
         raw = b"" if c in skip else chunk.tobytes() if isinstance(chunk, array) else bytes(chunk)
         itemsize = chunk.itemsize if isinstance(chunk, array) else GRANULE
         n = len(raw) // itemsize
@@ -186,7 +208,9 @@ def _row_parts(columns: list[list[array[int]]], holey: list[int]) -> Iterator[by
     column order. So a checkpoint holds live rows only: evictions shrink it."""
     batch: list[bytes] = []
     size = 0
-    for c in holey:
+    for i, c in enumerate(holey):
+        if i % 16 == 15:  # a Python pass over a chunk's rows: ~50 us each
+            yield PAUSE
         runs = _live_runs(columns[0][c])
         if not runs:
             continue
@@ -245,21 +269,27 @@ def _arena_parts(chunks: list[bytearray]) -> Iterator[bytes]:
     the others (released names, the unused tail) as ``<IH`` (chunk, runs), the runs
     ``<HH`` (offset, length), their bytes (K_ARENA | SPARSE)."""
     gap = bytes(16)
-    holey = frozenset(c for c, chunk in enumerate(chunks) if gap in chunk)
+    found = []
+    for c, chunk in enumerate(chunks):
+        if c % SCAN_STEP == SCAN_STEP - 1:
+            yield PAUSE
+        if gap in chunk:
+            found.append(c)
+    holey = frozenset(found)
     yield from _chunk_parts(K_ARENA, 0, chunks, holey, sparse_items=False)
     batch: list[bytes] = []
     size = 0
-    for c, chunk in enumerate(chunks):
-        if c not in holey:
-            continue
-        runs = [(m.start(), m.end()) for m in ARENA_GAP.finditer(chunk)]
+    for i, c in enumerate(found):
+        if i % 16 == 15:
+            yield PAUSE
+        runs = [(m.start(), m.end()) for m in ARENA_GAP.finditer(chunks[c])]
         if not runs:
             continue
         record = b"".join(
             [
                 _ROWS_REC.pack(c, len(runs)),
                 *(_RUN.pack(a, b - a) for a, b in runs),
-                *(bytes(chunk[a:b]) for a, b in runs),
+                *(bytes(chunks[c][a:b]) for a, b in runs),
             ]
         )
         batch.append(record)
@@ -324,13 +354,18 @@ def image_payloads(ns: Namespace) -> Iterator[bytes]:
     columns = [col.freeze() for col in ns.persisted_columns]
     slots, old_slots = index.freeze()
     arena = ns._arena.freeze()
-    side = _side_tables(ns)
+    side, big_side = _side_tables(ns)
 
     def parts() -> Iterator[bytes]:
         yield _part(K_META, 0, 0, meta)
         # a mode always has file-type bits in its high byte: a row is free exactly
         # when that byte is 0 (counted at C speed over the little-endian 'H' bytes)
-        holey = [c for c, chunk in enumerate(columns[0]) if chunk.tobytes()[1::2].count(0)]
+        holey = []
+        for c, chunk in enumerate(columns[0]):
+            if c % SCAN_STEP == SCAN_STEP - 1:
+                yield PAUSE
+            if chunk.tobytes()[1::2].count(0):
+                holey.append(c)
         skip = frozenset(holey)
         for cid, chunks in enumerate(columns):
             yield from _chunk_parts(K_COLUMN, cid, chunks, skip)
@@ -339,6 +374,7 @@ def image_payloads(ns: Namespace) -> Iterator[bytes]:
         yield from _chunk_parts(K_SLOTS, 1, old_slots)
         yield from _arena_parts(arena)
         yield from side
+        yield from big_side
 
     return parts()
 

@@ -227,6 +227,34 @@ async def test_resume_checkpoints_first_then_switches_halves() -> None:
     assert work.index_of(state_of(last)) == 16
 
 
+async def test_empty_snapshot_payloads_are_pauses_not_entries() -> None:
+    """A snapshot may yield empty payloads: steps of a scan that produced nothing
+    (the namespace image bounds each step). They are skipped: the checkpoint holds
+    only the real pieces, and recovers the state."""
+    dev = RecordingDevice(DEV_SIZE)
+    work = Workload(4)
+    work.states.append({})
+    for i in range(1, 9):
+        work.txn(i)
+
+    def snapshot() -> Iterator[bytes]:
+        for piece in work.snapshot():
+            yield b""
+            yield piece
+            yield b""
+
+    pieces = sum(1 for _ in work.snapshot())
+    journal = Journal(dev, META_START, META_SIZE, [dev], snapshot, seed=SEED)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(journal.run)
+        await journal.checkpoint()
+        nursery.cancel_scope.cancel()
+    found = recover_dev(dev)
+    # CKPT_BEGIN, one CKPT_DATA per real piece, CKPT_END, COMMIT: nothing for a pause
+    assert (found.rec.seq, found.rec.transactions) == (pieces + 3, 0)
+    assert work.index_of(state_of(found)) == 8
+
+
 async def test_resume_in_place_after_a_clean_checkpoint_appends_behind_it() -> None:
     dev = RecordingDevice(DEV_SIZE)
     work = Workload(3)
@@ -523,11 +551,13 @@ async def test_a_full_half_during_a_checkpoint_holds_commits_back_never_loses_th
     idle, done = False, False
 
     def snapshot() -> Iterator[bytes]:
-        """The model's pieces, then (the gated checkpoint) empty ones until the test
-        says so, each one a gated write: the test decides how long it takes."""
+        """The model's pieces, then (the gated checkpoint) more until the test says
+        so, each one a gated write: the test decides how long it takes. (They are
+        fuzzy pieces like any: the value of "n" when the piece is made. An empty
+        payload would be a pause, which the journal writes nothing for.)"""
         yield from work.snapshot()
         while idle and not done:
-            yield b""
+            yield encode_ops([Blob("n", work.model["n"])])
 
     _, half_size = half_bounds(META_START, META_SIZE, 0)
     journal = Journal(

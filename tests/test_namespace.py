@@ -737,10 +737,18 @@ def loaded(payloads: list[bytes], txns: list[bytes] = ()) -> Namespace:  # type:
     return fresh
 
 
+@pytest.mark.parametrize("scan_step", [0, 1])
 @pytest.mark.parametrize("seed", range(3))
-def test_a_snapshot_is_the_state_when_it_was_taken(seed: int) -> None:
+def test_a_snapshot_is_the_state_when_it_was_taken(
+    seed: int, scan_step: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """freeze/copy-on-write: the payloads, consumed while the namespace changes,
-    still hold the state of the moment ``snapshot_payloads`` was called."""
+    still hold the state of the moment ``snapshot_payloads`` was called; directory
+    listings too (serialized last, copied on their first change). ``scan_step`` 1:
+    a pause after every chunk scanned (the image's steps are bounded by
+    ``SCAN_STEP`` chunks; a small namespace never reaches the real one)."""
+    if scan_step:
+        monkeypatch.setattr(nsimage, "SCAN_STEP", scan_step)
     fz = Fuzzer(200 + seed)
     for _ in range(300):
         with contextlib.suppress(KvfsError):
@@ -753,7 +761,9 @@ def test_a_snapshot_is_the_state_when_it_was_taken(seed: int) -> None:
             fz.step()
         taken.extend(itertools.islice(payloads, 1))
     taken.extend(payloads)
-    assert state_with_blobs(loaded(taken)) == before
+    pauses = taken.count(nsimage.PAUSE)
+    assert bool(pauses) == bool(scan_step)
+    assert state_with_blobs(loaded([p for p in taken if p])) == before
     assert state_with_blobs(fz.ns) != before
 
 
