@@ -207,7 +207,11 @@ class Reader:
             current = inode.unit(u)
             if sums[i] != csum:
                 if current != p:  # rewritten while we read: serve the new data
-                    results[u] = await self.unit_view(inode, u)
+                    now = self.resident(inode, self._files.get(inode.ino), u)
+                    if now is None:  # read it here: a fetch would wait for this one
+                        await self._read_run(inode, [(u, current, inode.csum(u))], results)
+                    else:
+                        results[u] = now
                     continue
                 self._quarantine(inode, u, p)
             if current == p:
