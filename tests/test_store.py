@@ -9,7 +9,7 @@ import os
 import random
 import stat
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
 import pytest
@@ -257,6 +257,28 @@ async def test_holes_read_as_zeros_and_truncate_zeroes_the_tail() -> None:
         assert await get(store, store.ns.lookup(ROOT_INO, b"sparse").ino) == expect
 
 
+@contextmanager
+def flush_while_waiting_for_space(
+    store: Store, inode: object, then: Callable[[], object] = lambda: None
+) -> Iterator[list[int]]:
+    """Every time a write waits for space, a FLUSH commits ``inode`` first (as any
+    close of a copy of its descriptor may), then ``then()`` runs; yields the units
+    each wait asked for."""
+    original, calls = store._ensure_space, []
+
+    async def ensure(target: object, units: int) -> None:
+        calls.append(units)
+        await store.commit(inode)  # type: ignore[arg-type]
+        then()
+        await original(target, units)  # type: ignore[arg-type]
+
+    store._ensure_space = ensure  # type: ignore[method-assign,assignment]
+    try:
+        yield calls
+    finally:
+        store._ensure_space = original  # type: ignore[method-assign]
+
+
 async def test_a_commit_while_a_write_waits_between_units_keeps_every_byte() -> None:
     """A FLUSH may come while a write that spans two units waits for space between
     them: every close() of a copy of the descriptor sends one (a forked child closing
@@ -271,20 +293,11 @@ async def test_a_commit_while_a_write_waits_between_units_keeps_every_byte() -> 
         ino, fh = await create(store, b"f")
         await store.write(fh, 0, data[:head])
         inode = store.ns.get(ino)
-        original, calls = store._ensure_space, []
-
-        async def ensure(target: object, units: int) -> None:
-            # each time the write waits for space, a FLUSH commits the file: at its
-            # start (unit 1 goes to the device, so the write copies it back and must
-            # claim unit 2 on its own), and between units 1 and 2
-            calls.append(units)
-            await store.commit(inode)
-            await original(target, units)  # type: ignore[arg-type]
-
-        store._ensure_space = ensure  # type: ignore[method-assign,assignment]
-        await store.write(fh, head, data[head:])
+        # a FLUSH at the write's start (unit 1 goes to the device, so the write copies
+        # it back and must claim unit 2 on its own), and between units 1 and 2
+        with flush_while_waiting_for_space(store, inode) as calls:
+            await store.write(fh, head, data[head:])
         assert len(calls) == 2, "the write never waited between its units"
-        store._ensure_space = original  # type: ignore[method-assign]
         await store.commit(inode)
         await store.release(fh)
         assert await get(store, ino) == data
@@ -319,16 +332,9 @@ async def test_a_commit_during_a_write_in_flight_leaves_the_file_uncommitted() -
         ino, fh = await create(store, b"f")
         await store.write(fh, 0, data[:UNIT])
         inode = store.ns.get(ino)
-        original, images = store._ensure_space, []
-
-        async def ensure(target: object, units: int) -> None:
-            await store.commit(inode)  # the FLUSH, while this write waits for space
-            images.append(crash_image(pool))  # the daemon dies now
-            await original(target, units)  # type: ignore[arg-type]
-
-        store._ensure_space = ensure  # type: ignore[method-assign,assignment]
-        await store.write(fh, UNIT, data[UNIT:])
-        store._ensure_space = original  # type: ignore[method-assign]
+        images: list[Pool] = []  # the daemon dies right after the FLUSH
+        with flush_while_waiting_for_space(store, inode, lambda: images.append(crash_image(pool))):
+            await store.write(fh, UNIT, data[UNIT:])
         await store.commit(inode)
         await store.release(fh)
         assert await get(store, ino) == data
@@ -359,16 +365,9 @@ async def test_a_unit_freed_after_the_last_durable_point_is_reusable_at_once() -
         fh = await store.open(ino, os.O_WRONLY)
         new = random.Random(11).randbytes(2 * UNIT)
         await store.write(fh, 0, new[:UNIT])
-        original = store._ensure_space
-
-        async def ensure(target: object, units: int) -> None:
-            await store.commit(inode)  # the FLUSH: unit 0 goes to the device, its old unit is freed
-            await original(target, units)  # type: ignore[arg-type]
-
-        store._ensure_space = ensure  # type: ignore[method-assign,assignment]
-        with trio.fail_after(10):
+        # the FLUSH: unit 0 goes to the device, its old unit is freed
+        with flush_while_waiting_for_space(store, inode), trio.fail_after(10):
             await store.write(fh, UNIT, new[UNIT:])
-        store._ensure_space = original  # type: ignore[method-assign]
         await store.commit(inode)
         await store.release(fh)
         assert await get(store, ino) == new
