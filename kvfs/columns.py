@@ -27,15 +27,66 @@ ARENA_MAX_ENTRY = 4096
 """Larger values (big xattr sets) live in a side table instead."""
 
 
+_LADDERS = {
+    "B": "B",
+    "H": "BH",
+    "I": "BHI",
+    "Q": "BHIQ",
+    "b": "b",
+    "h": "bh",
+    "i": "bhi",
+    "q": "bhiq",
+}
+"""Item codes a narrowing column's chunks may take, narrowest first, up to the
+column's declared code (unsigned and signed ladders)."""
+_RANGES = {
+    code: (0, (1 << (8 * size)) - 1)
+    if code.isupper()
+    else (-(1 << (8 * size - 1)), (1 << (8 * size - 1)) - 1)
+    for code, size in (
+        ("B", 1),
+        ("H", 2),
+        ("I", 4),
+        ("Q", 8),
+        ("b", 1),
+        ("h", 2),
+        ("i", 4),
+        ("q", 8),
+    )
+}
+
+
+def narrowest(chunk: array[int], ladder: str, *values: int) -> str:
+    """The narrowest code of ``ladder`` holding every item of ``chunk`` and
+    ``values``; OverflowError when even the widest does not."""
+    lo = min(min(chunk, default=0), *values, 0)
+    hi = max(max(chunk, default=0), *values, 0)
+    for code in ladder:
+        low, high = _RANGES[code]
+        if low <= lo and hi <= high:
+            return code
+    raise OverflowError(f"{lo}..{hi} does not fit a {ladder[-1]!r} column")
+
+
 class Column:
-    """An integer column indexed by row (inode number), zero where never written."""
+    """An integer column indexed by row (inode number), zero where never written.
 
-    __slots__ = ("chunks", "code", "shared")
+    A *narrowing* column (``narrow=True``) keeps each chunk in the narrowest item
+    code its values fit (``_LADDERS``: a column of link counts is one byte per row
+    until a count passes 255): a store that does not fit widens that one chunk
+    (``OverflowError`` from the array, caught), exact values always. Chunks never
+    written are one shared zero chunk (copy-on-write like a frozen one). Readers
+    index chunks as before; only C-level byte tricks need a fixed code, and the
+    columns they read are not narrowing."""
 
-    def __init__(self, code: str) -> None:
+    __slots__ = ("chunks", "code", "ladder", "shared", "zero")
+
+    def __init__(self, code: str, narrow: bool = False) -> None:
         self.code = code
+        self.ladder = _LADDERS[code] if narrow else code
         self.chunks: list[array[int]] = []
         self.shared = bytearray()
+        self.zero = array(self.ladder[0], bytes(ROWS * array(self.ladder[0]).itemsize))
 
     def __getitem__(self, i: int) -> int:
         return self.chunks[i >> SHIFT][i & MASK]
@@ -45,13 +96,24 @@ class Column:
         if self.shared[c]:
             self.chunks[c] = self.chunks[c][:]
             self.shared[c] = 0
-        self.chunks[c][i & MASK] = value
+        try:
+            self.chunks[c][i & MASK] = value
+        except OverflowError:
+            self._widen(c, value)[i & MASK] = value
+
+    def _widen(self, c: int, *values: int) -> array[int]:
+        """Chunk ``c`` (not shared) in a code that also holds ``values``."""
+        chunk = self.chunks[c]
+        code = narrowest(chunk, self.ladder, *values)
+        if code != chunk.typecode:
+            chunk = self.chunks[c] = array(code, chunk)
+        return chunk
 
     def ensure(self, rows: int) -> None:
         """Room for rows ``0 .. rows-1``."""
         while len(self.chunks) << SHIFT < rows:
-            self.chunks.append(array(self.code, bytes(ROWS * array(self.code).itemsize)))
-            self.shared.append(0)
+            self.chunks.append(self.zero)
+            self.shared.append(1)
 
     def writable_chunk(self, c: int) -> array[int]:
         """Chunk ``c`` for bulk writes (copied first if shared)."""
@@ -67,24 +129,49 @@ class Column:
             i = start + done
             c, pos = i >> SHIFT, i & MASK
             n = min(ROWS - pos, len(values) - done)
-            self.writable_chunk(c)[pos : pos + n] = values[done : done + n]
+            chunk, piece = self.writable_chunk(c), values[done : done + n]
+            if piece.typecode != chunk.typecode:
+                if piece.typecode not in self.ladder:
+                    raise TypeError(f"{piece.typecode!r} values for a {self.code!r} column")
+                try:
+                    piece = array(chunk.typecode, piece)
+                except OverflowError:
+                    chunk = self._widen(c, min(piece), max(piece))
+                    piece = array(chunk.typecode, piece)
+            chunk[pos : pos + n] = piece
             done += n
 
     def freeze(self) -> list[array[int]]:
         self.shared[:] = b"\1" * len(self.chunks)
         return list(self.chunks)
 
-    def load_chunk(self, c: int, raw: bytes) -> None:
-        chunk = array(self.code)
+    def load_chunk(self, c: int, raw: bytes, code: str = "") -> array[int]:
+        """Chunk ``c`` from its bytes, items of ``code`` (default: the declared
+        code, narrowed if the column narrows); returns it. With ``code`` given
+        the chunk keeps that code (a caller filling it in calls :meth:`narrow`)."""
+        if code and code not in self.ladder:
+            raise ValueError(f"column chunk of code {code!r} in a {self.code!r} column")
+        chunk = array(code or self.code)
         chunk.frombytes(raw)
         if len(chunk) != ROWS:
             raise ValueError(f"column chunk of {len(chunk)} rows")
         self.ensure((c + 1) << SHIFT)
         self.chunks[c] = chunk
         self.shared[c] = 0
+        if not code:
+            self.narrow(c)
+        return self.chunks[c]
+
+    def narrow(self, c: int) -> None:
+        """Chunk ``c`` in the narrowest code its values fit (after a bulk write)."""
+        chunk = self.chunks[c]
+        if len(self.ladder) > 1:
+            code = narrowest(chunk, self.ladder)
+            if code != chunk.typecode:
+                self.chunks[c] = array(code, chunk)
 
     def nbytes(self) -> int:
-        return sum(len(c) * c.itemsize for c in self.chunks)
+        return sum(len(c) * c.itemsize for c in self.chunks if c is not self.zero)
 
 
 class Arena:

@@ -24,7 +24,7 @@ import trio
 from kvfs import posix
 from kvfs.errors import KvfsError, NoAttribute, NotPermitted, NotSupported
 from kvfs.evict import GROUP_XATTRS, check_group_xattr
-from kvfs.namespace import Inode
+from kvfs.namespace import Inode, check_times
 from kvfs.posix import Caller
 from kvfs.store import Store
 
@@ -117,7 +117,7 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
         a.st_size = inode.size
         a.st_blksize = self.store.unit
         a.st_blocks = -(-self.store.allocated_bytes(inode) // 512)
-        a.st_atime_ns, a.st_mtime_ns, a.st_ctime_ns = inode.atime_ns, inode.mtime_ns, inode.ctime_ns
+        a.st_atime_ns, a.st_mtime_ns, a.st_ctime_ns = inode.times()
         return a
 
     def _entry(self, inode: Inode) -> pyfuse3.EntryAttributes:
@@ -152,6 +152,13 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
         self, inode: int, attr: Any, fields: Any, fh: int | None, ctx: Any
     ) -> pyfuse3.EntryAttributes:
         node = self.ns.get(inode)
+        atime, mtime, _ = node.times()
+        times = (
+            attr.st_atime_ns if fields.update_atime else atime,
+            attr.st_mtime_ns if fields.update_mtime else mtime,
+            attr.st_ctime_ns if fields.update_ctime else _now(),
+        )
+        check_times(*times)  # refused before anything changes
         if fields.update_size:
             await self.store.truncate(node, attr.st_size)
         if fields.update_mode:
@@ -165,11 +172,7 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
             # the kernel's FUSE code asks for the older rule (S_ISGID only if group-
             # executable); ext4's also drops it for a caller outside the file's group
             node.mode = posix.drop_suid_sgid(node.mode, node.gid, _caller(ctx))
-        if fields.update_atime:
-            node.atime_ns = attr.st_atime_ns
-        if fields.update_mtime:
-            node.mtime_ns = attr.st_mtime_ns
-        node.ctime_ns = attr.st_ctime_ns if fields.update_ctime else _now()
+        node.set_times(*times)
         self.ns.commit(node)
         return self._attr(node)
 

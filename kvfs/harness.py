@@ -139,8 +139,8 @@ def write_file(path: str | Path, data: bytes) -> None:
 def fill_namespace(ns: Namespace, files: int, per_dir: int = 1000) -> list[tuple[int, int, int]]:
     """Directories ``d00000``.. of ``per_dir`` committed one-unit files named
     ``chunk-%08d.pt`` (file i maps unit i of device 0, checksum i * 2654435761), made
-    in bulk: the pools and namespaces of ``tools/mounttime.py``, ``nsmem.py`` and
-    ``nsindex.py``. Returns (directory inode, first file inode, files) per directory."""
+    in bulk, with a mount's spread of times: the pools and namespaces of
+    ``tools/mounttime.py``, ``nsmem.py`` and ``nsindex.py``. Returns (directory inode, first file inode, files) per directory."""
     import stat
     from array import array
 
@@ -159,5 +159,8 @@ def fill_namespace(ns: Namespace, files: int, per_dir: int = 1000) -> list[tuple
             array("q", range(first, first + count)),
             array("Q", (i * 2654435761 for i in range(first, first + count))),
         )
+        # as written through a mount: atime is the create, 1-51 ms before the last
+        # write (mtime = ctime), so the atime column holds 4-byte distances
+        ns._atime.fill(ino, array("q", (-1_000_000 - i * 7919 % 50_000_000 for i in range(count))))
         out.append((dino, ino, count))
     return out

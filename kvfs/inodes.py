@@ -79,13 +79,26 @@ class Inode:
     def size(self, value: int) -> None:
         self._ns._size[self.ino] = value
 
+    def times(self) -> tuple[int, int, int]:
+        """(atime, mtime, ctime) in ns."""
+        return self._ns.times(self.ino)
+
+    def touch(self, now: int = 0) -> None:
+        """Content changed: mtime and ctime = ``now`` (default: the clock)."""
+        self._ns._touch_dir(self.ino, now)
+
+    def set_times(self, atime: int, mtime: int, ctime: int) -> None:
+        """All three at once (ns; InvalidArgument when the columns cannot hold them)."""
+        self._ns._set_times(self.ino, atime, mtime, ctime)
+
     @property
     def atime_ns(self) -> int:
-        return self._ns._atime[self.ino]
+        return self._ns.times(self.ino)[0]
 
     @atime_ns.setter
     def atime_ns(self, value: int) -> None:
-        self._ns._atime[self.ino] = value
+        _, mtime, ctime = self._ns.times(self.ino)
+        self._ns._set_times(self.ino, value, mtime, ctime)
 
     @property
     def mtime_ns(self) -> int:
@@ -93,15 +106,17 @@ class Inode:
 
     @mtime_ns.setter
     def mtime_ns(self, value: int) -> None:
-        self._ns._mtime[self.ino] = value
+        atime, _, ctime = self._ns.times(self.ino)
+        self._ns._set_times(self.ino, atime, value, ctime)
 
     @property
     def ctime_ns(self) -> int:
-        return self._ns._ctime[self.ino]
+        return self._ns.times(self.ino)[2]
 
     @ctime_ns.setter
     def ctime_ns(self, value: int) -> None:
-        self._ns._ctime[self.ino] = value
+        atime, mtime, _ = self._ns.times(self.ino)
+        self._ns._set_times(self.ino, atime, mtime, value)
 
     @property
     def flags(self) -> int:
@@ -189,6 +204,7 @@ class Inode:
         ns, ino = self._ns, self.ino
         c, r = ino >> SHIFT, ino & MASK
         uid, gid = ns._owners[ns._owner.chunks[c][r]]
+        mtime = ns._mtime.chunks[c][r]
         return InodeRecord(
             ino,
             ns._mode.chunks[c][r],
@@ -196,9 +212,9 @@ class Inode:
             gid,
             ns._nlink.chunks[c][r],
             ns._size.chunks[c][r],
-            ns._atime.chunks[c][r],
-            ns._mtime.chunks[c][r],
-            ns._ctime.chunks[c][r],
+            ns._atime.chunks[c][r] + mtime,
+            mtime,
+            ns._ctime.chunks[c][r] + mtime,
             ns._flags.chunks[c][r] & ~(F_INTERNAL | FLAG_GONE),
             ns._units(ino),
             ns._csums(ino),

@@ -22,8 +22,9 @@ import time
 import weakref
 from array import array
 from collections.abc import Callable, Iterator
+from operator import sub
 
-from kvfs.columns import ARENA_MAX_ENTRY, GRANULE, ROWS, SHIFT, Arena, Column, NameIndex
+from kvfs.columns import ARENA_MAX_ENTRY, GRANULE, MASK, ROWS, SHIFT, Arena, Column, NameIndex
 from kvfs.errors import (
     Exists,
     InvalidArgument,
@@ -99,6 +100,17 @@ INDEX_LOAD = 0.375
 """The name index's lowest load (right after it doubles): the most bytes a name costs."""
 
 
+_Q_MIN, _Q_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def check_times(atime: int, mtime: int, ctime: int) -> None:
+    """InvalidArgument unless the columns hold these times (ns): each one and its
+    distance from mtime within int64 (292 years)."""
+    da, dc = atime - mtime, ctime - mtime
+    if not (_Q_MIN <= da <= _Q_MAX and _Q_MIN <= dc <= _Q_MAX and _Q_MIN <= mtime <= _Q_MAX):
+        raise InvalidArgument("a time out of range, or times more than 292 years apart")
+
+
 EVICTOR_TAG = 0xE7
 """First byte of the evictor's checkpoint payloads (``kvfs.evict``); a load keeps
 them in ``Namespace.evictor_payloads`` for the evictor (not an op tag, not TAG)."""
@@ -113,22 +125,33 @@ class Namespace:
         self.evictor_payloads: list[bytes] = []
         self.next_ino = ROOT_INO + 1
         # persisted columns, in image order (kvfs.nsimage)
+        # narrow=True: each chunk in the narrowest item size its values fit
+        # (kvfs.columns.Column); mode and mtime are read as bytes / absolute values
         self._mode = Column("H")
-        self._owner = Column("H")
-        self._nlink = Column("I")
+        self._owner = Column("H", narrow=True)
+        self._nlink = Column("I", narrow=True)
         self._flags = Column("B")
-        self._size = Column("q")
-        self._atime = Column("q")
+        self._size = Column("q", narrow=True)
+        self._atime = Column("q", narrow=True)  # atime - mtime
         self._mtime = Column("q")
-        self._ctime = Column("q")
-        self._parent = Column("I")
-        self._name_off = Column("I")
+        self._ctime = Column("q", narrow=True)  # ctime - mtime
+        self._parent = Column("I", narrow=True)
+        self._name_off = Column("I", narrow=True)
         self._name_len = Column("B")
-        self._unit0 = Column("q")  # a compact map's first unit + 1 (0: none, or a side map)
+        self._unit0 = Column(
+            "q", narrow=True
+        )  # a compact map's first unit + 1 (0: none, or a side map)
         self._csum0 = Column("Q")
-        self._xattr = Column("I")
-        self._lookups = Column("I")  # runtime only: the kernel forgot everything at mount
-        self._cpos = Column("I")  # runtime only: where the row is in its parent's children
+        self._xattr = Column("I", narrow=True)
+        self._lookups = Column(
+            "I", narrow=True
+        )  # runtime only: the kernel forgot everything at mount
+        self._cpos = Column(
+            "I", narrow=True
+        )  # runtime only: where the row is in its parent's children
+        self._absolute_times = False
+        """A version 2 image is loading: atime and ctime hold absolute times until
+        :meth:`_rebase_times` (before the first replayed operation)."""
         self._arena = Arena()
         self._index = NameIndex(self._matches, self._key_of)
         self._owners: list[tuple[int, int]] = []
@@ -193,6 +216,37 @@ class Namespace:
             col.ensure(rows)
         self._rows = rows
 
+    def _set_times(self, ino: int, atime: int, mtime: int, ctime: int) -> None:
+        """Absolute times of row ``ino``: mtime as it is, atime and ctime as their
+        distance from it (a few bytes: they are close for almost every file)."""
+        check_times(atime, mtime, ctime)
+        self._atime[ino] = atime - mtime
+        self._ctime[ino] = ctime - mtime
+        self._mtime[ino] = mtime
+
+    def times(self, ino: int) -> tuple[int, int, int]:
+        """(atime, mtime, ctime) of row ``ino`` in ns."""
+        c, r = ino >> SHIFT, ino & MASK
+        mtime = self._mtime.chunks[c][r]
+        return self._atime.chunks[c][r] + mtime, mtime, self._ctime.chunks[c][r] + mtime
+
+    def _rebase_times(self) -> None:
+        """A version 2 image held absolute atimes and ctimes: make them distances
+        from mtime (once, when the image is in and before any replayed operation).
+        A distance past 292 years (not settable since) is clamped."""
+        self._absolute_times = False
+        for c, mtimes in enumerate(self._mtime.chunks):
+            for col in (self._atime, self._ctime):
+                old = col.chunks[c]
+                try:
+                    new = array("q", map(sub, old, mtimes))
+                except OverflowError:
+                    pairs = zip(old, mtimes, strict=True)
+                    new = array("q", (min(max(a - m, _Q_MIN), _Q_MAX) for a, m in pairs))
+                col.chunks[c] = new
+                col.shared[c] = 0
+                col.narrow(c)
+
     def _view(self, ino: int) -> Inode:
         view = self._views.get(ino)
         if view is None:
@@ -220,11 +274,7 @@ class Namespace:
         self._nlink[ino] = rec.nlink
         self._flags[ino] = rec.flags & ~F_INTERNAL
         self._size[ino] = rec.size
-        self._atime[ino], self._mtime[ino], self._ctime[ino] = (
-            rec.atime_ns,
-            rec.mtime_ns,
-            rec.ctime_ns,
-        )
+        self._set_times(ino, rec.atime_ns, rec.mtime_ns, rec.ctime_ns)
         self._parent[ino] = ROOT_INO if ino == ROOT_INO else 0  # the root's '..' is itself
         self._name_len[ino] = 0
         self._xattr[ino] = 0
@@ -642,6 +692,8 @@ class Namespace:
         one (a name in a directory that is already dropped: that Drop follows in
         the replay). Operations set absolute state, so replaying them over any such
         snapshot ends in the live state (``docs/design.md``, "Checkpoints")."""
+        if self._absolute_times and not isinstance(op, Image):
+            self._rebase_times()
         if isinstance(op, InodeRecord):
             self._apply_record(op)
         elif isinstance(op, Dentry):
@@ -684,11 +736,7 @@ class Namespace:
         self._nlink[ino] = rec.nlink
         self._flags[ino] = (self._flags[ino] & F_INTERNAL) | (rec.flags & ~F_INTERNAL)
         self._size[ino] = rec.size
-        self._atime[ino], self._mtime[ino], self._ctime[ino] = (
-            rec.atime_ns,
-            rec.mtime_ns,
-            rec.ctime_ns,
-        )
+        self._set_times(ino, rec.atime_ns, rec.mtime_ns, rec.ctime_ns)
         self._set_map(ino, rec.units, rec.csums)
         if stat.S_ISDIR(rec.mode) and not was_dir:
             self._dirs[ino] = _Dir()
@@ -725,6 +773,8 @@ class Namespace:
     def finish_load(self) -> None:
         """After the last checkpoint payload and transaction: rows dropped while
         something still named them are free now (nothing survives a remount)."""
+        if self._absolute_times:
+            self._rebase_times()
         for ino in [*self._deferred, *self._ghosts]:
             if self._flags[ino] & F_DEAD:
                 self._free_row(ino)
@@ -828,7 +878,7 @@ class Namespace:
         self._new_row(rec)
         self._add_name(parent, name, ino)
         dir_inode = self.inodes[parent]
-        dir_inode.mtime_ns = dir_inode.ctime_ns = now
+        dir_inode.touch(now)
         dir_inode.nlink += is_dir
         inode = self.inodes[ino]
         self._log([inode.record(), Dentry(parent, name, ino), dir_inode.record()])
@@ -860,9 +910,9 @@ class Namespace:
             (self._nlink, 1),
             (self._flags, F_NAMED),
             (self._size, size),
-            (self._atime, now),
+            (self._atime, 0),
             (self._mtime, now),
-            (self._ctime, now),
+            (self._ctime, 0),
             (self._parent, parent),
         ]
         for col, value in constant:
@@ -925,8 +975,10 @@ class Namespace:
         return [inode.record()]
 
     def _touch_dir(self, ino: int, now: int = 0) -> None:
+        """mtime and ctime of ``ino`` (a directory whose entries changed, or a file
+        whose content did) = ``now`` (default: the clock)."""
         now = now or time.time_ns()
-        self._mtime[ino] = self._ctime[ino] = now
+        self._set_times(ino, self.times(ino)[0], now, now)
 
     def rename(
         self, old_parent: int, old: bytes, new_parent: int, new: bytes, flags: int = 0

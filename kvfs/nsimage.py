@@ -21,7 +21,11 @@ if TYPE_CHECKING:
     from kvfs.namespace import Namespace
 
 TAG = 0xC5
-VERSION = 2
+VERSION = 3
+"""3: column chunks in their own item code (pid's high byte), atime and ctime as
+distances from mtime; 2 and 1 are read (full-width chunks, absolute times)."""
+CODES = "BHIQbhiq"
+"""A dense column part's item code is ``CODES[(pid >> 8) - 1]`` (version 3)."""
 _HEAD = struct.Struct("<BBHI")
 _META = struct.Struct("<IQQQQQQQ")
 _MIGRATION = struct.Struct("<QQQ")
@@ -31,7 +35,7 @@ _PAIR = struct.Struct("<QI")
 _OWNER = struct.Struct("<II")
 _LINK = struct.Struct("<BI")
 
-K_META, K_COLUMN, K_SLOTS, K_ARENA, K_SIDE, K_ROWS = 1, 2, 3, 4, 5, 6
+K_META, K_COLUMN, K_SLOTS, K_ARENA, K_SIDE, K_ROWS, K_CODED_ROWS = 1, 2, 3, 4, 5, 6, 7
 (
     S_OWNERS,
     S_XNAMES,
@@ -118,10 +122,10 @@ SPARSE = 0x80
 """Part-kind flag: the body is sparse chunk records, not consecutive dense chunks."""
 
 
-def _sparse_record(c: int, items: array[int], live: int) -> bytes:
-    """Chunk ``c`` as ``<IH`` (chunk, n), n ``H`` positions, n values."""
+def _sparse_record(c: int, items: array[int], live: int, code: str) -> bytes:
+    """Chunk ``c`` as ``<IH`` (chunk, n), n ``H`` positions, n values (``code``)."""
     where = array("H", (i for i, v in enumerate(items) if v))
-    values = array(items.typecode, (items[i] for i in where))
+    values = array(code, (items[i] for i in where))
     assert len(where) == live
     return _SPARSE_REC.pack(c, live) + where.tobytes() + values.tobytes()
 
@@ -132,15 +136,18 @@ def _chunk_parts(
     chunks: Sequence[array[int] | bytearray],
     skip: frozenset[int] = frozenset(),
     sparse_items: bool = True,
+    code: str = "",
 ) -> Iterator[bytes]:
-    """Payloads of the non-zero chunks not in ``skip``: consecutive dense chunks as
-    their raw bytes, and chunks mostly zero (empty slots, columns most files leave
-    0) as sparse records of their non-zero items (a loaded chunk starts zeroed).
-    Zero bytes are counted at C speed; items only where the bytes say the chunk may
-    be sparse."""
+    """Payloads of the non-zero chunks not in ``skip``: runs of consecutive dense
+    chunks of one item code as their raw bytes (the code in the part id's high
+    byte), and chunks mostly zero (empty slots, columns most files leave 0) as
+    sparse records of their non-zero items at the column's declared ``code`` (a
+    loaded chunk starts zeroed). Zero bytes are counted at C speed; items only
+    where the bytes say the chunk may be sparse."""
     batch: list[bytes] = []
     sparse: list[bytes] = []
     first = size = sparse_size = 0
+    batch_code = ""
     for c, chunk in enumerate(chunks):
         if c % SCAN_STEP == SCAN_STEP - 1:
             yield PAUSE
@@ -151,34 +158,41 @@ def _chunk_parts(
         zeros = raw.count(bytes(itemsize))
         live = -1  # not counted
         if raw and zeros < n and sparse_items and isinstance(chunk, array):
-            most = (n * itemsize // 2 - _SPARSE_REC.size - 1) // (itemsize + 2)
+            size_then = array(code).itemsize
+            most = (ROWS * size_then // 2 - _SPARSE_REC.size - 1) // (size_then + 2)
             if zeros >= n - most:  # enough zero runs for a sparse chunk
                 live = n - chunk.count(0)
                 if live > most:
                     live = -1
                 else:
-                    record = _sparse_record(c, chunk, live)
+                    record = _sparse_record(c, chunk, live, code)
                     sparse.append(record)
                     sparse_size += len(record)
                     if sparse_size >= BATCH:
                         yield _part(kind | SPARSE, pid, 0, b"".join(sparse))
                         sparse, sparse_size = [], 0
+        chunk_code = chunk.typecode if isinstance(chunk, array) else ""
+        if batch and (not raw or zeros == n or live >= 0 or chunk_code != batch_code):
+            yield _part(kind, _coded(pid, batch_code), first, b"".join(batch))  # a run ends
+            batch, size = [], 0
         if not raw or zeros == n or live >= 0:
-            if batch:  # a dense run ends here
-                yield _part(kind, pid, first, b"".join(batch))
-                batch, size = [], 0
             continue
         if not batch:
-            first = c
+            first, batch_code = c, chunk_code
         batch.append(raw)
         size += len(raw)
         if size >= BATCH:
-            yield _part(kind, pid, first, b"".join(batch))
+            yield _part(kind, _coded(pid, batch_code), first, b"".join(batch))
             batch, size = [], 0
     if batch:
-        yield _part(kind, pid, first, b"".join(batch))
+        yield _part(kind, _coded(pid, batch_code), first, b"".join(batch))
     if sparse:
         yield _part(kind | SPARSE, pid, 0, b"".join(sparse))
+
+
+def _coded(pid: int, code: str) -> int:
+    """A dense part's id: ``pid`` with the item code of its chunks (none: bytes)."""
+    return pid | (CODES.index(code) + 1) << 8 if code else pid
 
 
 _ROWS_REC = struct.Struct("<IH")
@@ -203,9 +217,10 @@ def _live_runs(modes: array[int]) -> list[tuple[int, int]]:
 
 
 def _row_parts(columns: list[list[array[int]]], holey: list[int]) -> Iterator[bytes]:
-    """K_ROWS payloads: each chunk with free rows as ``<IH`` (chunk, runs), the runs
-    ``<HH`` (start, length), then every persisted column's values of those rows in
-    column order. So a checkpoint holds live rows only: evictions shrink it."""
+    """K_CODED_ROWS payloads: each chunk with free rows as ``<IH`` (chunk, runs), the
+    runs ``<HH`` (start, length), a byte per persisted column (its item code there:
+    ``CODES`` index), then every column's values of those rows in column order. So
+    a checkpoint holds live rows only: evictions shrink it."""
     batch: list[bytes] = []
     size = 0
     for i, c in enumerate(holey):
@@ -215,6 +230,7 @@ def _row_parts(columns: list[list[array[int]]], holey: list[int]) -> Iterator[by
         if not runs:
             continue
         parts = [_ROWS_REC.pack(c, len(runs)), *(_RUN.pack(a, b - a) for a, b in runs)]
+        parts.append(bytes(CODES.index(col[c].typecode) for col in columns))
         for col in columns:
             chunk = col[c]
             parts.extend(chunk[a:b].tobytes() for a, b in runs)
@@ -222,10 +238,10 @@ def _row_parts(columns: list[list[array[int]]], holey: list[int]) -> Iterator[by
         batch.append(record)
         size += len(record)
         if size >= BATCH:
-            yield _part(K_ROWS, 0, 0, b"".join(batch))
+            yield _part(K_CODED_ROWS, 0, 0, b"".join(batch))
             batch, size = [], 0
     if batch:
-        yield _part(K_ROWS, 0, 0, b"".join(batch))
+        yield _part(K_CODED_ROWS, 0, 0, b"".join(batch))
 
 
 def _run_record(body: bytes, pos: int) -> tuple[int, list[tuple[int, int]], int]:
@@ -237,7 +253,9 @@ def _run_record(body: bytes, pos: int) -> tuple[int, list[tuple[int, int]], int]
     return c, runs, pos + n * _RUN.size
 
 
-def _load_rows(ns: Namespace, body: bytes) -> None:
+def _load_rows(ns: Namespace, body: bytes, coded: bool) -> None:
+    """K_ROWS (``coded`` False: every column at its declared code, versions 1-2)
+    or K_CODED_ROWS records."""
     columns = ns.persisted_columns
     pos = 0
     while pos < len(body):
@@ -245,19 +263,25 @@ def _load_rows(ns: Namespace, body: bytes) -> None:
         live = sum(length for _, length in runs)
         if any(a + length > ROWS for a, length in runs):
             raise ValueError("row run past its chunk")
-        for col in columns:
-            itemsize = array(col.code).itemsize
+        if coded:
+            codes = [CODES[k] for k in body[pos : pos + len(columns)]]
+            pos += len(columns)
+        else:
+            codes = [col.code for col in columns]
+        for col, code in zip(columns, codes, strict=True):
+            itemsize = array(code).itemsize
             end = pos + live * itemsize
             if end > len(body):
                 raise ValueError("truncated row chunk")
-            values = array(col.code)
+            values = array(code)
             values.frombytes(body[pos:end])
             pos = end
-            col.load_chunk(c, bytes(ROWS * itemsize))
-            chunk, done = col.chunks[c], 0
+            chunk, done = col.load_chunk(c, bytes(ROWS * itemsize), code), 0
             for a, length in runs:
                 chunk[a : a + length] = values[done : done + length]
                 done += length
+            if not coded:
+                col.narrow(c)
 
 
 ARENA_GAP = re.compile(rb"[^\x00]+(?:\x00{1,15}[^\x00]+)*")
@@ -352,6 +376,7 @@ def image_payloads(ns: Namespace) -> Iterator[bytes]:
         ns._arena.tail,
     ) + _MIGRATION.pack(old.size if old else 0, old.used if old else 0, index.cursor)
     columns = [col.freeze() for col in ns.persisted_columns]
+    codes = [col.code for col in ns.persisted_columns]  # sparse records' item codes
     slots, old_slots = index.freeze()
     arena = ns._arena.freeze()
     side, big_side = _side_tables(ns)
@@ -368,10 +393,10 @@ def image_payloads(ns: Namespace) -> Iterator[bytes]:
                 holey.append(c)
         skip = frozenset(holey)
         for cid, chunks in enumerate(columns):
-            yield from _chunk_parts(K_COLUMN, cid, chunks, skip)
+            yield from _chunk_parts(K_COLUMN, cid, chunks, skip, code=codes[cid])
         yield from _row_parts(columns, holey)
-        yield from _chunk_parts(K_SLOTS, 0, slots)
-        yield from _chunk_parts(K_SLOTS, 1, old_slots)
+        yield from _chunk_parts(K_SLOTS, 0, slots, code="I")
+        yield from _chunk_parts(K_SLOTS, 1, old_slots, code="I")
         yield from _arena_parts(arena)
         yield from side
         yield from big_side
@@ -386,21 +411,21 @@ def load_part(ns: Namespace, payload: bytes) -> None:
         body = payload[_HEAD.size :]
         if kind == K_META:
             _load_meta(ns, body)
-        elif kind == K_COLUMN:
-            col = ns.persisted_columns[pid]
-            step = ROWS * array(col.code).itemsize
+        elif kind in (K_COLUMN, K_SLOTS):
+            col = (
+                ns.persisted_columns[pid & 0xFF]
+                if kind == K_COLUMN
+                else ns._index.part_table(pid & 0xFF).slots
+            )
+            code = CODES[(pid >> 8) - 1] if pid >> 8 else ""  # "": version 1-2, full width
+            step = ROWS * array(code or col.code).itemsize
             for i in range(0, len(body), step):
-                col.load_chunk(index + i // step, body[i : i + step])
-        elif kind == K_SLOTS:
-            step = ROWS * 4
-            slots = ns._index.part_table(pid).slots
-            for i in range(0, len(body), step):
-                slots.load_chunk(index + i // step, body[i : i + step])
+                col.load_chunk(index + i // step, body[i : i + step], code)
         elif kind == K_ARENA:
             for i in range(0, len(body), ARENA_CHUNK):
                 ns._arena.load_chunk(index + i // ARENA_CHUNK, body[i : i + ARENA_CHUNK])
-        elif kind == K_ROWS:
-            _load_rows(ns, body)
+        elif kind in (K_ROWS, K_CODED_ROWS):
+            _load_rows(ns, body, kind == K_CODED_ROWS)
         elif kind == K_COLUMN | SPARSE or kind == K_SLOTS | SPARSE:
             col = (
                 ns.persisted_columns[pid]
@@ -409,8 +434,8 @@ def load_part(ns: Namespace, payload: bytes) -> None:
             )
             zero = bytes(ROWS * array(col.code).itemsize)
             for c, where, values in _sparse_chunks(body, col.code):
-                col.load_chunk(c, zero)
-                _expand(where, values, col.chunks[c])
+                _expand(where, values, col.load_chunk(c, zero, col.code))
+                col.narrow(c)
         elif kind == K_ARENA | SPARSE:
             _load_arena_runs(ns, body)
         elif kind == K_SIDE:
@@ -424,8 +449,8 @@ def load_part(ns: Namespace, payload: bytes) -> None:
 
 def _load_meta(ns: Namespace, body: bytes) -> None:
     version, next_ino, live, rows, isize, iused, itombs, tail = _META.unpack_from(body)
-    if version not in (1, VERSION):
-        raise Corruption(f"namespace image version {version} (this release reads 1, {VERSION})")
+    if version not in (1, 2, VERSION):
+        raise Corruption(f"namespace image version {version} (this release reads 1 to {VERSION})")
     osize = oused = cursor = 0
     if version > 1:
         osize, oused, cursor = _MIGRATION.unpack(body[_META.size :])
@@ -438,6 +463,7 @@ def _load_meta(ns: Namespace, body: bytes) -> None:
     ):
         raise Corruption("namespace image geometry")
     ns.next_ino, ns._live = next_ino, live
+    ns._absolute_times = version < 3
     ns._ensure(rows)
     if version == 1:
         ns._index.load_legacy(isize, iused, itombs)

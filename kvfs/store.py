@@ -833,7 +833,7 @@ class Store:
                     self._grow_map(inode, pos)
         finally:
             self._claimed -= claims[0]  # claimed but not needed (others got there first)
-        inode.mtime_ns = inode.ctime_ns = time.time_ns()
+        inode.touch()
 
     def max_file_size(self, inode: Inode) -> int:
         """The size ``inode`` may reach: its top-level directory's setting, else the
@@ -1125,7 +1125,7 @@ class Store:
         if inode.size:
             await self.truncate(inode, 0)
             return
-        inode.mtime_ns = inode.ctime_ns = time.time_ns()
+        inode.touch()
         self.ns.commit(inode)
 
     async def truncate(self, inode: Inode, size: int) -> None:
@@ -1149,7 +1149,7 @@ class Store:
             await self._zero_tail(inode, st, inode.size)
             inode.size = size
             self._grow_map(inode, size)
-        inode.mtime_ns = inode.ctime_ns = time.time_ns()
+        inode.touch()
         self.ns.commit(inode)
         if not st.writers:
             await self.commit(inode)

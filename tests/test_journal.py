@@ -649,17 +649,17 @@ async def test_a_durable_close_costs_its_entry_not_a_block() -> None:
 V1_IMAGES = Path(__file__).parent / "data"
 
 
-def v1_maker() -> Any:
+def v1_maker(script: str = "make_v1_images") -> Any:
     """The script that made the images (its file lists and contents)."""
-    spec = importlib.util.spec_from_file_location("make_v1_images", V1_IMAGES / "make_v1_images.py")
+    spec = importlib.util.spec_from_file_location(script, V1_IMAGES / f"{script}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def v1_device(kind: str) -> MemoryDevice:
-    raw = gzip.decompress((V1_IMAGES / f"v1-{kind}.img.gz").read_bytes())
+def v1_device(kind: str, prefix: str = "v1") -> MemoryDevice:
+    raw = gzip.decompress((V1_IMAGES / f"{prefix}-{kind}.img.gz").read_bytes())
     dev = MemoryDevice(len(raw))
     dev.data[:] = raw
     return dev

@@ -658,7 +658,7 @@ def test_a_version_1_image_with_deleted_slots_loads_and_migrates() -> None:
         slots[slots.index(ino)] = TOMB
     image = list(ns.snapshot_payloads())
     fields = list(nsimage._META.unpack_from(image[0], 8))
-    assert image[0][1] == nsimage.K_META and fields[0] == 2
+    assert image[0][1] == nsimage.K_META and fields[0] == nsimage.VERSION
     fields[0], fields[4:7] = 1, [size, 600, 150]
     v1 = [
         image[0][:8] + nsimage._META.pack(*fields),
@@ -941,3 +941,66 @@ def test_removals_from_a_big_directory_keep_listing_and_positions_right() -> Non
         step(fresh)
     assert {d: dict(fresh.directory(d).items()) for d in model} == model
     assert_positions(fresh, a, b)
+
+
+# ----------------------------------------------------------------------------- narrow chunks
+def test_a_narrowing_column_widens_one_chunk_exactly_and_keeps_frozen_copies() -> None:
+    """Each chunk takes the narrowest item code its values fit; a store that does
+    not fit widens only its chunk, exact; a value past the declared code raises and
+    changes nothing; a frozen chunk keeps its old code and values."""
+    col = columns.Column("q", narrow=True)
+    col.ensure(3 * ROWS)
+    assert {c.typecode for c in col.chunks} == {"b"} and col.nbytes() == 0
+    values = {5: -7, ROWS + 1: 300, ROWS + 2: -(1 << 40), 2 * ROWS: (1 << 63) - 1}
+    frozen = None
+    for i, v in values.items():
+        if i == ROWS + 2:
+            frozen = col.freeze()
+        col[i] = v
+    assert [c.typecode for c in col.chunks] == ["b", "q", "q"]
+    assert frozen is not None and frozen[1].typecode == "h" and frozen[1][1] == 300
+    assert frozen[1][2] == 0 and frozen[2] is col.zero
+    for i, v in values.items():
+        assert col[i] == v
+    with pytest.raises(OverflowError):
+        col[7] = 1 << 63
+    codes = [c.typecode for c in col.chunks]
+    assert codes[0] == "b" and col[5] == -7 and col[7] == 0
+    col.fill(ROWS - 2, array("q", [1 << 20] * 4))  # across two chunks, one widened
+    codes = [c.typecode for c in col.chunks]
+    assert codes[0] == "i" and col[ROWS - 1] == 1 << 20 == col[ROWS + 1]
+    assert col[5] == -7 and col[ROWS + 2] == -(1 << 40)
+    unsigned = columns.Column("I", narrow=True)
+    unsigned.ensure(ROWS)
+    with pytest.raises(OverflowError):
+        unsigned[0] = -1
+    unsigned[0] = (1 << 32) - 1
+    assert unsigned.chunks[0].typecode == "I"
+
+
+def test_wide_values_survive_the_image_and_times_are_exact() -> None:
+    """Link counts past a byte, sizes past 4 GiB, times centuries apart (each
+    widening its chunk) come back exactly from a checkpoint image; the image of a
+    namespace of ordinary files is narrower than full-width columns would be."""
+    ns = Namespace(lambda ops: None)
+    ns.init_root(0, 0)
+    for i in range(3 * ROWS):
+        ns.make(R, b"f%d" % i, FILE, 0, 0)
+    odd = ns.make(R, b"odd", FILE, 0, 0)
+    odd.size = (1 << 42) + 3
+    odd.nlink = 1000
+    odd.atime_ns, odd.mtime_ns, odd.ctime_ns = -(1 << 62), 1 << 61, (1 << 62) + 12345
+    with pytest.raises(InvalidArgument):
+        odd.atime_ns = -(1 << 62) - (1 << 61) - 1  # 2^63 + 1 ns before mtime
+    assert odd.times() == (-(1 << 62), 1 << 61, (1 << 62) + 12345)
+    before = state(ns)
+    image = list(ns.snapshot_payloads())
+    fresh = loaded(image)
+    assert state(fresh) == before
+    again = fresh.get(odd.ino)
+    assert again.times() == odd.times() and again.size == odd.size and again.nlink == 1000
+    c = odd.ino >> SHIFT
+    assert fresh._size.chunks[c].typecode == "q" and fresh._nlink.chunks[c].typecode == "H"
+    assert fresh._nlink.chunks[0].typecode == "B"
+    full = sum(ROWS * array(col.code).itemsize * len(col.chunks) for col in ns.persisted_columns)
+    assert sum(map(len, image)) < 0.75 * full

@@ -671,6 +671,40 @@ async def test_a_pool_written_by_kvfs_0_2_0_mounts_unchanged(kind: str) -> None:
             assert await get(store, by_name[name]) == data, name
 
 
+@pytest.mark.parametrize("kind", ["clean", "dirty"])
+async def test_a_pool_with_a_version_2_namespace_image_mounts_with_every_byte_and_time(
+    kind: str,
+) -> None:
+    """The bytes of real pools whose last checkpoint is a version 2 namespace image
+    (full-width columns, absolute atime/ctime; tests/data/make_nsv2_images.py):
+    every file, time, xattr and name comes back, including a record replayed over
+    the image after it (dirty), and again after this release's checkpoint and a
+    crash remount; the upgraded columns are narrow."""
+    maker = v1_maker("make_nsv2_images")
+    dev = v1_device(kind, "nsv2")
+    pool = Pool([dev], [Superblock.decode(bytes(dev.data[:4096]))])
+    sizes = maker.FILES | maker.LATER
+
+    async def check(store: Store) -> None:
+        top = files(store)
+        inner = dict(store.ns.directory(top[b"dir"]))
+        assert set(top) | set(inner) == {b"dir", *sizes}
+        for name, size in sizes.items():
+            ino = (inner if name == maker.IN_DIR else top)[name]
+            assert await get(store, ino) == maker.content(name, size), name
+            assert store.ns.get(ino).times() == maker.times(name, again=name == b"f0"), name
+        assert store.ns.get(top[b"f1"]).xattrs == {b"user.x": b"value"}
+
+    async with serving(pool) as store:
+        await check(store)
+        assert store.ns._nlink.chunks[0].typecode == "B"
+        assert store.ns._atime.chunks[0].typecode == "q"  # times far apart: exact
+        await store.journal.checkpoint()  # version 3 from here
+        await check(store)
+    async with serving(crash_image(pool)) as store:
+        await check(store)
+
+
 async def test_a_pool_checkpointed_by_the_previous_release_mounts_with_every_byte(
     tmp_path: Path,
 ) -> None:

@@ -5,6 +5,7 @@ mount-time checkpoint), and the daemon's RSS. Median of N runs.
     python tools/mounttime.py --dir /var/tmp/kvfs-mt --files 10000 100000 1000000
     python tools/mounttime.py --dir ... --files 1000000 --profile   # cProfile hot spots
     python tools/mounttime.py --dir ... --files 1000000 --runs 1 --crash 1000  # + kill -9
+    python tools/mounttime.py --dir ... --files 10000000 --runs 2 --each  # first mount, remount
 
 A pool is a sparse image (one 1 MiB unit per file, 60% full: ~1.6 TiB for 10^6 files) formatted
 with ``format_pool``; a checkpoint of a namespace filled programmatically (directories
@@ -151,6 +152,7 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the images")
     ap.add_argument("--legacy", action="store_true", help="checkpoint in the pre-0.3 op format")
     ap.add_argument("--xattr", action="store_true", help="an 8-byte xattr on every file")
+    ap.add_argument("--each", action="store_true", help="a row per mount (the first, remounts)")
     ap.add_argument(
         "--crash",
         type=int,
@@ -173,6 +175,15 @@ def main() -> None:
         built = time.perf_counter() - t0
         loads = [time_load(image)[0] for _ in range(args.runs)]
         mounts = [time_mount(image, work / "mnt") for _ in range(args.runs)]
+        if args.each:
+            for i, (took, unmount, rss, peak) in enumerate(mounts):
+                kind = "first mount" if i == 0 else "clean remount"
+                print(
+                    f"| {n:,} | {kind} {i + 1} | - | - | {took:.2f} s | {unmount:.2f} s "
+                    f"| {rss / 1024:.0f} MiB | {rss * 1024 / n:.0f} B "
+                    f"| {peak / 1024:.0f} MiB ({peak / max(rss, 1):.2f}x) |",
+                    flush=True,
+                )
         print(
             f"| {n:,} | {ckpt / 2**20:.1f} MiB | {built:.1f} s "
             f"| {statistics.median(loads):.2f} s "
