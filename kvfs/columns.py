@@ -94,20 +94,32 @@ class Column:
     def __setitem__(self, i: int, value: int) -> None:
         c = i >> SHIFT
         if self.shared[c]:
+            if not value and self.chunks[c] is self.zero:
+                return  # a zero into a chunk never written: nothing to copy
             self.chunks[c] = self.chunks[c][:]
             self.shared[c] = 0
         try:
             self.chunks[c][i & MASK] = value
         except OverflowError:
-            self._widen(c, value)[i & MASK] = value
+            self._fit(c, array("q" if value < 1 << 63 else "Q", [value]))[0][i & MASK] = value
 
-    def _widen(self, c: int, *values: int) -> array[int]:
-        """Chunk ``c`` (not shared) in a code that also holds ``values``."""
+    def _fit(self, c: int, values: array[int]) -> tuple[array[int], array[int]]:
+        """(chunk ``c``, not shared, in the narrowest code of the ladder from its own
+        up that also holds ``values``; ``values`` in that code). The chunk's items
+        fit every wider code of its ladder, so only ``values`` are tried (a
+        conversion stops at its first item out of range); OverflowError when even
+        the declared code cannot hold them."""
         chunk = self.chunks[c]
-        code = narrowest(chunk, self.ladder, *values)
-        if code != chunk.typecode:
-            chunk = self.chunks[c] = array(code, chunk)
-        return chunk
+        ladder = self.ladder
+        for code in ladder[ladder.index(chunk.typecode) :]:
+            try:
+                fitted = values if values.typecode == code else array(code, values)
+            except OverflowError:
+                continue
+            if code != chunk.typecode:
+                chunk = self.chunks[c] = array(code, chunk)
+            return chunk, fitted
+        raise OverflowError(f"a value past a {self.code!r} column")
 
     def ensure(self, rows: int) -> None:
         """Room for rows ``0 .. rows-1``."""
@@ -131,13 +143,7 @@ class Column:
             n = min(ROWS - pos, len(values) - done)
             chunk, piece = self.writable_chunk(c), values[done : done + n]
             if piece.typecode != chunk.typecode:
-                if piece.typecode not in self.ladder:
-                    raise TypeError(f"{piece.typecode!r} values for a {self.code!r} column")
-                try:
-                    piece = array(chunk.typecode, piece)
-                except OverflowError:
-                    chunk = self._widen(c, min(piece), max(piece))
-                    piece = array(chunk.typecode, piece)
+                chunk, piece = self._fit(c, piece)
             chunk[pos : pos + n] = piece
             done += n
 

@@ -140,7 +140,8 @@ def fill_namespace(ns: Namespace, files: int, per_dir: int = 1000) -> list[tuple
     """Directories ``d00000``.. of ``per_dir`` committed one-unit files named
     ``chunk-%08d.pt`` (file i maps unit i of device 0, checksum i * 2654435761), made
     in bulk, with a mount's spread of times: the pools and namespaces of
-    ``tools/mounttime.py``, ``nsmem.py`` and ``nsindex.py``. Returns (directory inode, first file inode, files) per directory."""
+    ``tools/mounttime.py``, ``nsmem.py`` and ``nsindex.py``. Returns (directory
+    inode, first file inode, files) per directory."""
     import stat
     from array import array
 

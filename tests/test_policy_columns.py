@@ -4,6 +4,7 @@ adoption and the evictor's per-inode owners and orphans."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import stat
 from array import array
@@ -346,7 +347,7 @@ def test_image_module_reads_both_versions() -> None:
     assert img.version_of(RELEASE_0_2_IMAGE) == 1
     policy = make_policy("kvfs")
     policy.recover(RELEASE_0_2_IMAGE)
-    assert img.version_of(policy.persist()) == 2
+    assert img.version_of(policy.persist()) == 3
     kind, decoded = img.decode_any(policy.persist())  # type: ignore[misc]
     assert kind == img.KIND_KVFS
     assert sorted(k for keys, *_ in decoded.lists for k in keys) == [5, 7, 20, 21]
@@ -385,3 +386,70 @@ def test_evictor_payloads_wrapped_as_image_ops_are_set_aside() -> None:
     again = _evictor(fresh, {})
     again.adopt_all()
     assert order(again.policy) == order(evictor.policy) == [5, 6]
+
+
+def _policy_v2_images() -> tuple[object, dict[str, bytes]]:
+    import gzip
+    import importlib.util
+    from pathlib import Path
+
+    data = Path(__file__).parent / "data"
+    spec = importlib.util.spec_from_file_location("mkpv2", data / "make_policy_v2_images.py")
+    assert spec is not None and spec.loader is not None
+    maker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(maker)
+    raw, images, pos = gzip.decompress((data / "policy-v2.bin.gz").read_bytes()), {}, 0
+    for name in maker.NAMES:
+        n = int.from_bytes(raw[pos : pos + 4], "little")
+        images[name] = raw[pos + 4 : pos + 4 + n]
+        pos += 4 + n
+    return maker, images
+
+
+@pytest.mark.parametrize("name", ["kvfs", "lru", "prefix-lru"])
+def test_a_version_2_policy_image_of_the_previous_release_recovers_the_same_state(
+    name: str,
+) -> None:
+    """The bytes of real version 2 images (full-width chunks): recovered, the policy
+    holds the state the same operations build today (victims, statistics but the
+    operation counters), and answers further operations exactly as a policy
+    recovered from today's version 3 image of that state; its chunks are narrowed
+    and its own image is version 3 and smaller."""
+    maker, images = _policy_v2_images()
+    old = images[name]
+    assert img.version_of(old) == 2
+    live = make_policy(name)
+    maker.workload(live)  # type: ignore[attr-defined]
+    got, today = make_policy(name), make_policy(name)
+    got.recover(old)
+    today.recover(live.persist())
+    counters = {"tracks": 0, "touches": 0, "removes": 0}  # not persisted
+
+    def stats(policy: object) -> object:
+        return dataclasses.replace(policy.statistics(), **counters)  # type: ignore[attr-defined]
+
+    assert list(got.victims()) == list(live.victims()) and stats(got) == stats(live)
+    new = got.persist()
+    assert img.version_of(new) == 3 and len(new) <= len(old)
+    if name == "kvfs":  # its chains, clocks and gaps fit a byte or two here
+        table = got._slots  # type: ignore[attr-defined]
+        codes = {c.typecode for col in table.columns for c in col.chunks if c is not None}
+        assert len(codes) > 1 and len(new) < 0.8 * len(old)
+    for policy in (got, today):
+        maker.workload(policy, seed=9, count=2000)  # type: ignore[attr-defined]
+    assert list(got.victims()) == list(today.victims()) and got.statistics() == today.statistics()
+
+
+def test_a_narrowing_slot_column_widens_one_chunk_exactly() -> None:
+    column = SlotColumn("I", narrow=True)
+    for i in (0, ROWS, 2 * ROWS):
+        column.ensure_row(i)
+    assert {c.typecode for c in column.chunks if c is not None} == {"B"}
+    column[ROWS + 3] = 70_000
+    column[2 * ROWS] = 5 << 32
+    assert [c.typecode for c in column.chunks if c is not None] == ["B", "I", "q"]
+    assert column[ROWS + 3] == 70_000 and column[2 * ROWS] == 5 << 32 and column.code == "I"
+    frozen = column.freeze()
+    column.assign(0, 10, array("q", [-1, 300]))
+    assert column.chunks[0].typecode == "q" and column[10] == -1 and column[11] == 300  # type: ignore[union-attr]
+    assert frozen[0] is not None and frozen[0].typecode == "B" and frozen[0][10] == 0

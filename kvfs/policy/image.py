@@ -155,7 +155,7 @@ def decode_any(data: bytes) -> tuple[int, Image] | None:
     kind = kind_of(data)
     if kind is None:
         return None
-    if version_of(data) == VERSION2:
+    if version_of(data) in (VERSION2, VERSION3):
         return _decode_any_v2(data, kind)
     lists = int.from_bytes(data[6:8], "little")
     orders = ORDERS.get(kind, 0)
@@ -223,8 +223,13 @@ def version_of(data: bytes) -> int | None:
     return int(data[4])
 
 
+VERSION3 = 3
+"""Pieces as version 2, except that a column piece's chunks may be in any code of
+their column's ladder (``slots._LADDERS``: the chunk's own, narrowest code)."""
+
+
 def _piece(kind: int, part: int, index: int, body: bytes) -> bytes:
-    head = PIECE.pack(MAGIC, VERSION2, kind, part, 0, index, len(body))
+    head = PIECE.pack(MAGIC, VERSION3, kind, part, 0, index, len(body))
     return head + body + CRC.pack(zlib.crc32(body, zlib.crc32(head)))
 
 
@@ -271,20 +276,24 @@ def encode_pieces(
         yield _piece(kind, PART_HEAD, 0, body)
         for number, chunks in enumerate(frozen):
             batch: list[bytes] = []
-            first = 0
+            first, code = 0, ""
             for c, chunk in enumerate(chunks):
-                if chunk is None or not keep[c] or len(batch) == BATCH_CHUNKS:
-                    if batch:
-                        yield _column_piece(kind, number, codes[number], first, batch)
-                        batch = []
-                    if chunk is None or not keep[c]:
-                        continue
+                if batch and (
+                    chunk is None
+                    or not keep[c]
+                    or chunk.typecode != code
+                    or len(batch) == BATCH_CHUNKS
+                ):
+                    yield _column_piece(kind, number, code, first, batch)
+                    batch = []
+                if chunk is None or not keep[c]:
+                    continue
                 if not batch:
-                    first = c
+                    first, code = c, chunk.typecode
                 raw = chunk.tobytes()
                 batch.append(raw if c != last else raw[: last_rows * chunk.itemsize])
             if batch:
-                yield _column_piece(kind, number, codes[number], first, batch)
+                yield _column_piece(kind, number, code, first, batch)
 
     return pieces()
 
@@ -323,12 +332,19 @@ def decode_pieces(
     ranges, list counts and sparse keys."""
     head_body: bytes | None = None
     columns: list[tuple[int, int, str, bytes]] = []
+    versions = set()
     for piece in pieces:
         if len(piece) < PIECE.size + CRC.size:
             raise ValueError("policy image piece too short")
         magic, version, got_kind, part, _pad, index, n = PIECE.unpack_from(piece, 0)
-        if magic != MAGIC or version != VERSION2 or len(piece) != PIECE.size + n + CRC.size:
-            raise ValueError(f"not a version {VERSION2} policy image piece")
+        versions.add(version)
+        if (
+            magic != MAGIC
+            or version not in (VERSION2, VERSION3)
+            or len(versions) > 1
+            or len(piece) != PIECE.size + n + CRC.size
+        ):
+            raise ValueError(f"not a version {VERSION2}-{VERSION3} policy image piece")
         body = piece[PIECE.size : PIECE.size + n]
         (crc,) = CRC.unpack_from(piece, PIECE.size + n)
         if zlib.crc32(body, zlib.crc32(piece[: PIECE.size])) != crc:
@@ -388,8 +404,12 @@ def decode_pieces(
     table.direct, table.decided = direct, bool(decided)
     table.sparse_base = direct + lists
     all_columns = table.all_columns()
+    coded = versions == {VERSION3}
     for number, first, code, raw in columns:
-        if number >= ncols or code not in "bBiIq" or code != got_codes[number]:
+        if number >= ncols or code not in "bBhHiIq" or len(code) != 1:
+            raise ValueError("bad column in policy image")
+        column = all_columns[number]
+        if code != got_codes[number] and not (coded and code in column.ladder):
             raise ValueError("bad column in policy image")
         if number == 2 and code != "b":
             raise ValueError("bad owner column in policy image")
@@ -401,8 +421,8 @@ def decode_pieces(
             chunk = array(code)
             chunk.frombytes(raw[i : i + step])
             if len(chunk) < ROWS:
-                chunk.extend(array(code, [all_columns[number].fill]) * (ROWS - len(chunk)))
-            all_columns[number].load(first + i // step, chunk)
+                chunk.extend(array(code, [column.fill]) * (ROWS - len(chunk)))
+            column.load(first + i // step, chunk, narrow=not coded)
     owner = table.owner
     rows = nchunks * ROWS
     sparse_base = table.sparse_base

@@ -92,16 +92,26 @@ def _pieces(
             i += k
 
 
+_LADDERS = {"i": "bhiq", "I": "BHIq", "q": "bhiq"}
+"""Item codes a narrowing column's chunks take, narrowest first (int64 on top)."""
+
+
 class SlotColumn:
     """An integer column indexed by slot: chunks allocated on first write (filled
     with ``fill``), shared after :meth:`freeze` until written, widened to int64 on
-    the first value that does not fit."""
+    the first value that does not fit.
 
-    __slots__ = ("chunks", "code", "fill", "shared")
+    A *narrowing* column (``narrow=True``: the policies' own fields) keeps each
+    chunk in the narrowest code of its ladder (``_LADDERS``) that holds its values
+    and widens only that chunk when a store does not fit; ``code`` stays the
+    nominal code the policy names (the image's head)."""
 
-    def __init__(self, code: str, fill: int = 0) -> None:
+    __slots__ = ("chunks", "code", "fill", "ladder", "shared")
+
+    def __init__(self, code: str, fill: int = 0, narrow: bool = False) -> None:
         self.code = code
         self.fill = fill
+        self.ladder = _LADDERS[code] if narrow else ""
         self.chunks: list[array[int] | None] = []
         self.shared = bytearray()
 
@@ -123,8 +133,59 @@ class SlotColumn:
         try:
             self.chunks[c][i & MASK] = value  # type: ignore[index]
         except OverflowError:
-            self.widen()
+            if self.ladder:
+                self._fit(c, array("q", [value]))
+            else:
+                self.widen()
             self.chunks[c][i & MASK] = value  # type: ignore[index]
+
+    def _fit(self, c: int, values: array[int]) -> tuple[array[int], array[int]]:
+        """(chunk ``c``, owned, in the narrowest code of the ladder from its own up
+        that also holds ``values``; ``values`` in that code). The chunk's items fit
+        every wider code of its ladder, so only ``values`` are tried: a conversion
+        stops at its first item out of range (OverflowError past int64)."""
+        chunk = self.chunks[c]
+        assert chunk is not None
+        ladder = self.ladder
+        for code in ladder[ladder.index(chunk.typecode) :]:
+            try:
+                fitted = values if values.typecode == code else array(code, values)
+            except OverflowError:
+                continue
+            if code != chunk.typecode:
+                chunk = self.chunks[c] = array(code, chunk)
+            return chunk, fitted
+        raise OverflowError(f"values past int64 in a {self.code!r} column")
+
+    def assign(self, c: int, pos: int, values: array[int]) -> None:
+        """Rows ``pos ..`` of chunk ``c`` (existing) = ``values`` (any int code),
+        widening the chunk (narrowing columns) or the column to hold them."""
+        chunk = self.writable(c)
+        if values.typecode != chunk.typecode:
+            if self.ladder:
+                chunk, values = self._fit(c, values)
+            else:
+                try:
+                    values = array(chunk.typecode, values)
+                except OverflowError:
+                    self.widen()
+                    chunk = self.writable(c)
+                    values = array(chunk.typecode, values)
+        chunk[pos : pos + len(values)] = values
+
+    def assign_constant(self, c: int, pos: int, k: int, value: int) -> None:
+        """Rows ``pos .. pos + k - 1`` of chunk ``c`` (existing) = ``value``."""
+        chunk = self.writable(c)
+        try:
+            one = array(chunk.typecode, [value])
+        except OverflowError:
+            if self.ladder:
+                chunk, one = self._fit(c, array("q", [value]))
+            else:
+                self.widen()
+                chunk = self.writable(c)
+                one = array(chunk.typecode, [value])
+        chunk[pos : pos + k] = one * k
 
     def _own(self, c: int) -> None:
         chunk = self.chunks[c]
@@ -151,7 +212,7 @@ class SlotColumn:
             self.allocate(c)
 
     def allocate(self, c: int) -> None:
-        self.chunks[c] = array(self.code, [self.fill]) * ROWS
+        self.chunks[c] = array(self.ladder[0] if self.ladder else self.code, [self.fill]) * ROWS
         self.shared[c] = 0
 
     def writable(self, c: int) -> array[int]:
@@ -171,9 +232,13 @@ class SlotColumn:
         self.shared = bytearray(b"\1") * len(self.chunks)
         return list(self.chunks)
 
-    def load(self, c: int, chunk: array[int]) -> None:
-        """Install a decoded chunk (widening the column or the chunk to agree)."""
-        if chunk.typecode != self.code:
+    def load(self, c: int, chunk: array[int], narrow: bool = False) -> None:
+        """Install a decoded chunk (widening the column or the chunk to agree; a
+        narrowing column keeps a chunk of its ladder as it is, and with ``narrow``
+        makes it as narrow as its values allow)."""
+        if self.ladder and chunk.typecode in self.ladder:
+            pass
+        elif chunk.typecode != self.code:
             if chunk.typecode == "q":
                 self.widen()
             else:
@@ -183,6 +248,9 @@ class SlotColumn:
             self.shared.extend(bytes(c + 1 - len(self.shared)))
         self.chunks[c] = chunk
         self.shared[c] = 0
+        if narrow and self.ladder:
+            self.chunks[c] = array(self.ladder[0], [self.fill]) * ROWS
+            self.assign(c, 0, chunk)
 
     def nbytes(self) -> int:
         return sum(len(ch) * ch.itemsize for ch in self.chunks if ch is not None)
@@ -211,7 +279,7 @@ class SlotTable:
         self.prev = SlotColumn(LINK)
         self.next = SlotColumn(LINK)
         self.owner = SlotColumn("b", FREE)
-        self.columns = [SlotColumn(code) for code in columns]
+        self.columns = [SlotColumn(code, narrow=True) for code in columns]
         self.count = [0] * lists
         for column in self.all_columns():
             column.ensure_row(0)
@@ -392,20 +460,10 @@ class SlotTable:
             nxt.writable(c)[pos : pos + k] = array(LINK, range(start + 1, start + k + 1))
             owner.writable(c)[pos : pos + k] = array("b", [lst]) * k
             for column, source in fills:
-                try:
-                    if isinstance(source, int):
-                        values = array(column.code, [source]) * k
-                    else:
-                        values = source[i:j]
-                        if values.typecode != column.code:
-                            values = array(column.code, values)
-                except OverflowError:
-                    column.widen()
-                    values = (
-                        array(column.code, [source]) * k if isinstance(source, int) else source[i:j]
-                    )
-                    values = array(column.code, values)
-                column.writable(c)[pos : pos + k] = values
+                if isinstance(source, int):
+                    column.assign_constant(c, pos, k, source)
+                else:
+                    column.assign(c, pos, source[i:j])
             before = start + k - 1
         nxt[before] = lst
         prev[lst] = before
