@@ -44,12 +44,16 @@ MIN_META = 1 << 20
 """The smallest metadata area ``--meta-size`` may ask for (two halves of 512 KiB)."""
 DEFAULT_MIN_META = 32 << 20
 """The default area is never smaller than this (small pools, many empty files)."""
-CHECKPOINT_FILE_BYTES = 320
-"""Checkpoint bytes one file costs, apart from its units: INODE record (69) and a RUN
-(20), its DENTRY (19 + a name of up to ~130 bytes: LMCache's
-``model@world@worker@hash@dtype.pt`` is ~70, vLLM's ``<hash>.bin`` ~20), the
-eviction policy's persisted state (five int64 columns and a ghost key, 56) and its
-owner (24). ``tests/test_meta_sizing.py`` encodes a real checkpoint and asserts it."""
+CHECKPOINT_FILE_BYTES = 256
+"""Checkpoint bytes one file costs, apart from its units, in the namespace image
+(version 3) with the eviction state: its row at the columns' declared widths (78;
+narrow chunks make it ~45), its name in the arena (up to ~100 bytes, 4-byte
+granules: SGLang's ``<64 hex>_<model>_0_1.bin`` is ~100, LMCache's
+``model@world@worker@hash@dtype.pt`` ~70, vLLM's ``<hash>.bin`` ~20), its name-index
+slot (4 B at 37.5-75% load: up to 11) and listing entry (4), the eviction state
+(``space.EVICTION_STATE_BYTES``: 64). Measured by ``tests/test_meta_sizing.py``
+(which asserts it): 111 (vLLM names), 168 (LMCache), 188 (SGLang) per one-unit file
+with a ghost key per file; 164 / 220 / 240 before narrow chunks (it was 320)."""
 CHECKPOINT_UNIT_BYTES = 16
 """Checkpoint bytes per mapped unit: a file of one contiguous extent stores only its
 checksums (8 per unit), one of several extents (striped over devices) its whole map

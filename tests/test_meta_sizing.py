@@ -105,9 +105,9 @@ def test_the_default_area_holds_a_full_pool_of_one_unit_files() -> None:
 def test_default_area_at_245_tb() -> None:
     """The figures docs/design.md "Limits" quotes (1 MiB units)."""
     units = 245 * 10**12 // MiB
-    assert 215e9 < default_meta_size(units, MiB) < 225e9  # files of one unit (2 MiB blocks)
-    assert 110e9 < default_meta_size(units, MiB, 2 * MiB) < 118e9  # --mean-file-size 2M
-    assert 15e9 < default_meta_size(units, MiB, 32 * MiB) < 17e9  # 32 MiB chunks
+    assert 175e9 < default_meta_size(units, MiB) < 185e9  # files of one unit (2 MiB blocks)
+    assert 92e9 < default_meta_size(units, MiB, 2 * MiB) < 98e9  # --mean-file-size 2M
+    assert 14.5e9 < default_meta_size(units, MiB, 32 * MiB) < 16e9  # 32 MiB chunks
     assert default_meta_size(100, MiB) == DEFAULT_MIN_META
     assert default_meta_size(units, MiB, MiB // 2) == default_meta_size(units, MiB)
 

@@ -346,7 +346,7 @@ def test_readdir_of_a_100k_entry_directory(kvfs_mount: KvfsMount) -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.mount_options("--meta-size", "2M")
 def test_metadata_area_full_is_enospc_not_silent_loss(kvfs_mount: KvfsMount) -> None:
-    """The 2 MiB metadata area holds ~4k inodes. In an engine-managed directory,
+    """The 2 MiB metadata area holds ~4k inodes of long names. In an engine-managed directory,
     whose files of a live process are never evicted, creating a file past that must
     fail cleanly (ENOSPC), everything accepted before must survive a clean unmount,
     and the mount must stay usable -- never accept names it cannot persist. (In a
@@ -360,7 +360,7 @@ def test_metadata_area_full_is_enospc_not_silent_loss(kvfs_mount: KvfsMount) -> 
     for i in range(12_000):  # ~3x what fits
         if time.monotonic() > deadline:
             break
-        name = f"{i:06d}.bin"
+        name = f"{i:06d}-{'n' * 180}.bin"  # long names: the area holds ~4k of them
         try:
             os.mknod(flat / name, 0o644 | stat.S_IFREG)
         except OSError as e:
