@@ -68,6 +68,21 @@ def narrowest(chunk: array[int], ladder: str, *values: int) -> str:
     raise OverflowError(f"{lo}..{hi} does not fit a {ladder[-1]!r} column")
 
 
+def fit(chunk: array[int], ladder: str, values: array[int]) -> tuple[array[int], array[int]]:
+    """(``chunk`` in the narrowest code of ``ladder`` from its own up that also holds
+    ``values``, ``values`` in that code); ``chunk`` itself when its code does.
+    The chunk's items fit every wider code of its ladder, so only ``values`` are
+    tried (a conversion stops at its first item out of range); OverflowError when
+    even the widest code cannot hold them."""
+    for code in ladder[ladder.index(chunk.typecode) :]:
+        try:
+            fitted = values if values.typecode == code else array(code, values)
+        except OverflowError:
+            continue
+        return (chunk if code == chunk.typecode else array(code, chunk)), fitted
+    raise OverflowError(f"a value past a {ladder[-1]!r} column")
+
+
 class Column:
     """An integer column indexed by row (inode number), zero where never written.
 
@@ -104,22 +119,11 @@ class Column:
             self._fit(c, array("q" if value < 1 << 63 else "Q", [value]))[0][i & MASK] = value
 
     def _fit(self, c: int, values: array[int]) -> tuple[array[int], array[int]]:
-        """(chunk ``c``, not shared, in the narrowest code of the ladder from its own
-        up that also holds ``values``; ``values`` in that code). The chunk's items
-        fit every wider code of its ladder, so only ``values`` are tried (a
-        conversion stops at its first item out of range); OverflowError when even
-        the declared code cannot hold them."""
-        chunk = self.chunks[c]
-        ladder = self.ladder
-        for code in ladder[ladder.index(chunk.typecode) :]:
-            try:
-                fitted = values if values.typecode == code else array(code, values)
-            except OverflowError:
-                continue
-            if code != chunk.typecode:
-                chunk = self.chunks[c] = array(code, chunk)
-            return chunk, fitted
-        raise OverflowError(f"a value past a {self.code!r} column")
+        """(chunk ``c``, not shared, widened to hold ``values`` too; ``values`` in
+        its code): :func:`fit`."""
+        chunk, fitted = fit(self.chunks[c], self.ladder, values)
+        self.chunks[c] = chunk
+        return chunk, fitted
 
     def ensure(self, rows: int) -> None:
         """Room for rows ``0 .. rows-1``."""

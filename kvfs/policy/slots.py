@@ -22,6 +22,8 @@ from array import array
 from collections.abc import Iterator
 from itertools import compress
 
+from kvfs.columns import fit
+
 NO_KEY = -1
 """'No key' in key-valued columns and in persisted columns."""
 FREE = -1
@@ -140,22 +142,13 @@ class SlotColumn:
             self.chunks[c][i & MASK] = value  # type: ignore[index]
 
     def _fit(self, c: int, values: array[int]) -> tuple[array[int], array[int]]:
-        """(chunk ``c``, owned, in the narrowest code of the ladder from its own up
-        that also holds ``values``; ``values`` in that code). The chunk's items fit
-        every wider code of its ladder, so only ``values`` are tried: a conversion
-        stops at its first item out of range (OverflowError past int64)."""
+        """(chunk ``c``, owned, widened along the ladder to hold ``values`` too;
+        ``values`` in its code): ``columns.fit``."""
         chunk = self.chunks[c]
         assert chunk is not None
-        ladder = self.ladder
-        for code in ladder[ladder.index(chunk.typecode) :]:
-            try:
-                fitted = values if values.typecode == code else array(code, values)
-            except OverflowError:
-                continue
-            if code != chunk.typecode:
-                chunk = self.chunks[c] = array(code, chunk)
-            return chunk, fitted
-        raise OverflowError(f"values past int64 in a {self.code!r} column")
+        chunk, fitted = fit(chunk, self.ladder, values)
+        self.chunks[c] = chunk
+        return chunk, fitted
 
     def assign(self, c: int, pos: int, values: array[int]) -> None:
         """Rows ``pos ..`` of chunk ``c`` (existing) = ``values`` (any int code),
