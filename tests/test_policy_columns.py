@@ -453,3 +453,24 @@ def test_a_narrowing_slot_column_widens_one_chunk_exactly() -> None:
     column.assign(0, 10, array("q", [-1, 300]))
     assert column.chunks[0].typecode == "q" and column[10] == -1 and column[11] == 300  # type: ignore[union-attr]
     assert frozen[0] is not None and frozen[0].typecode == "B" and frozen[0][10] == 0
+
+
+def test_inode_numbers_up_to_2_28_are_direct_and_old_tables_keep_2_26() -> None:
+    """A key below DIRECT (2^28: 2.7x10^8 inode numbers) is its own slot, no dict
+    entry; a table recovered from a version 2 image keeps that release's 2^26 and
+    maps the keys above it."""
+    from kvfs.policy.slots import LEGACY_DIRECT
+
+    table = SlotTable(2, ("I",))
+    key = (1 << 27) + 5
+    slot = table.new(key)
+    assert slot == key + 2 and not table.index and table.find(key) == slot
+    _, images = _policy_v2_images()
+    old = make_policy("lru")
+    old.recover(images["lru"])
+    assert old._slots.direct == LEGACY_DIRECT  # type: ignore[attr-defined]
+    old.track(key, 10, None)  # type: ignore[attr-defined]
+    assert key in old._slots.index and key in set(old.victims())  # type: ignore[attr-defined]
+    again = make_policy("lru")
+    again.recover(old.persist())
+    assert list(again.victims()) == list(old.victims())

@@ -263,7 +263,7 @@ class LinkedPolicy:
         """``bytes(n)`` with 1 where key ``i`` is resident (C-level, from the owner
         column); None if the table maps keys through its dict."""
         table = self._slots
-        if table.direct != DIRECT or n > DIRECT:  # (slots past DIRECT are mapped ones)
+        if not table.direct or n > table.direct:  # (slots past it are mapped ones)
             return None if table.decided else bytes(n)
         is_resident = bytearray(256)
         for lst in self._lists:

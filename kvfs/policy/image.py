@@ -27,7 +27,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvfs.policy.slots import DIRECT, FREE, NO_KEY, ROWS, SHIFT, SlotTable
+from kvfs.policy.slots import DIRECT, FREE, LEGACY_DIRECT, NO_KEY, ROWS, SHIFT, SlotTable
 
 FORMAT_VERSION = 1
 MAGIC = b"KVEP"
@@ -399,7 +399,7 @@ def decode_pieces(
         take(nfree),
     )
     table = SlotTable(lists, tuple(codes))
-    if direct not in (0, DIRECT) or decided > 1 or (direct == 0 and not decided):
+    if direct not in (0, LEGACY_DIRECT, DIRECT) or decided > 1 or (direct == 0 and not decided):
         raise ValueError("bad key geometry in policy image")
     table.direct, table.decided = direct, bool(decided)
     table.sparse_base = direct + lists

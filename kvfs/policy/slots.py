@@ -36,11 +36,14 @@ SHIFT = 10
 ROWS = 1 << SHIFT
 """Rows per column chunk: the unit of allocation and of copy-on-write."""
 MASK = ROWS - 1
-DIRECT = 1 << 26
+DIRECT = 1 << 28
 """Keys below this are their own slot (offset by the sentinels); others go through
 a dict (``SlotTable.index``) to slots from ``DIRECT + lists`` up -- unless the first
 key a table sees is such a key (hashes, in the simulators): then every key goes
 through the dict, to slots from ``lists`` up."""
+LEGACY_DIRECT = 1 << 26
+"""The limit of releases before narrow chunks (2^26: 6.7x10^7 inode numbers); a
+table recovered from their image keeps it."""
 
 
 def runs(keys: array[int]) -> list[tuple[int, int]]:
