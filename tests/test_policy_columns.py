@@ -469,7 +469,7 @@ def test_inode_numbers_up_to_2_28_are_direct_and_old_tables_keep_2_26() -> None:
     old = make_policy("lru")
     old.recover(images["lru"])
     assert old._slots.direct == LEGACY_DIRECT  # type: ignore[attr-defined]
-    old.track(key, 10, None)  # type: ignore[attr-defined]
+    old.track(key, 10, None)
     assert key in old._slots.index and key in set(old.victims())  # type: ignore[attr-defined]
     again = make_policy("lru")
     again.recover(old.persist())
