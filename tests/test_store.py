@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import trio
+import xxhash
 from test_journal import v1_device, v1_maker
 
 import kvfs.journal as journal_mod
@@ -777,3 +778,42 @@ async def test_a_pool_checkpointed_by_the_previous_release_mounts_with_every_byt
             await store.close()
     finally:
         pool.close()
+
+
+async def test_a_read_that_finds_its_unit_rewritten_meanwhile_serves_the_new_data() -> None:
+    """Regression (b215870): a fetch reads a unit's old location while the file is
+    remapped and the old location reused. The checksum fails, the unit now lives
+    elsewhere, and is in no cache: the read must read the new location itself. It
+    used to fetch it, and that fetch waited for the fetch in progress: its own."""
+    pool = memory_pool()
+    dev = pool.devices[0]
+    assert isinstance(dev, MemoryDevice)
+    old_data, new_data = b"a" * UNIT, b"b" * UNIT
+    async with serving(pool) as store:
+        a, b = await put(store, b"a", old_data), await put(store, b"b", new_data)
+        inode = store.ns.get(a)
+        pa, pb = inode.unit(0), store.ns.get(b).unit(0)
+        assert pa >> DEV_SHIFT == pb >> DEV_SHIFT == 0 and pa != pb
+        reads = store.reader._io
+
+        async def remap_then_read(d: int, work: Callable[[], object]) -> object:
+            if store.ns.get(a).unit(0) == pa:  # a's first read: remap a, reuse pa
+                units, csums = store.ns.edit_map(inode)
+                units[0], csums[0] = pb, store.ns.get(b).csum(0)
+                off = pool.unit_offset(0, pa & UNIT_MASK)
+                dev.data[off : off + UNIT] = b"x" * UNIT
+            return await reads(d, work)
+
+        store.reader._io = remap_then_read
+        store.cache.discard((a, 0))
+        with trio.fail_after(10):
+            got = bytes(await store.reader.unit_view(inode, 0))
+        assert got == new_data
+        store.reader._io = reads
+        units, csums = store.ns.edit_map(inode)  # a as it was, for a clean close
+        units[0], csums[0] = pa, xxhash.xxh3_64_intdigest(old_data)
+        off = pool.unit_offset(0, pa & UNIT_MASK)
+        dev.data[off : off + UNIT] = old_data
+        store.ns.commit(inode)
+        store.cache.discard((a, 0))
+        assert await get(store, a) == old_data
