@@ -39,48 +39,29 @@ _LADDERS = {
 }
 """Item codes a narrowing column's chunks may take, narrowest first, up to the
 column's declared code (unsigned and signed ladders)."""
-_RANGES = {
-    code: (0, (1 << (8 * size)) - 1)
-    if code.isupper()
-    else (-(1 << (8 * size - 1)), (1 << (8 * size - 1)) - 1)
-    for code, size in (
-        ("B", 1),
-        ("H", 2),
-        ("I", 4),
-        ("Q", 8),
-        ("b", 1),
-        ("h", 2),
-        ("i", 4),
-        ("q", 8),
-    )
-}
 
 
-def narrowest(chunk: array[int], ladder: str, *values: int) -> str:
-    """The narrowest code of ``ladder`` holding every item of ``chunk`` and
-    ``values``; OverflowError when even the widest does not."""
-    lo = min(min(chunk, default=0), *values, 0)
-    hi = max(max(chunk, default=0), *values, 0)
+def narrowed(values: array[int], ladder: str) -> array[int]:
+    """``values`` in the narrowest code of ``ladder`` that holds them (``values``
+    itself if that is its own code): each code is tried by converting, which stops
+    at the first item out of range; OverflowError when none holds them."""
     for code in ladder:
-        low, high = _RANGES[code]
-        if low <= lo and hi <= high:
-            return code
-    raise OverflowError(f"{lo}..{hi} does not fit a {ladder[-1]!r} column")
+        if code == values.typecode:
+            return values
+        try:
+            return array(code, values)
+        except OverflowError:
+            continue
+    raise OverflowError(f"a value past a {ladder[-1]!r} column")
 
 
 def fit(chunk: array[int], ladder: str, values: array[int]) -> tuple[array[int], array[int]]:
     """(``chunk`` in the narrowest code of ``ladder`` from its own up that also holds
-    ``values``, ``values`` in that code); ``chunk`` itself when its code does.
-    The chunk's items fit every wider code of its ladder, so only ``values`` are
-    tried (a conversion stops at its first item out of range); OverflowError when
-    even the widest code cannot hold them."""
-    for code in ladder[ladder.index(chunk.typecode) :]:
-        try:
-            fitted = values if values.typecode == code else array(code, values)
-        except OverflowError:
-            continue
-        return (chunk if code == chunk.typecode else array(code, chunk)), fitted
-    raise OverflowError(f"a value past a {ladder[-1]!r} column")
+    ``values``, ``values`` in that code); ``chunk`` itself when its code does. The
+    chunk's items fit every wider code of its ladder, so only ``values`` decide."""
+    fitted = narrowed(values, ladder[ladder.index(chunk.typecode) :])
+    code = fitted.typecode
+    return (chunk if code == chunk.typecode else array(code, chunk)), fitted
 
 
 class Column:
@@ -174,11 +155,8 @@ class Column:
 
     def narrow(self, c: int) -> None:
         """Chunk ``c`` in the narrowest code its values fit (after a bulk write)."""
-        chunk = self.chunks[c]
         if len(self.ladder) > 1:
-            code = narrowest(chunk, self.ladder)
-            if code != chunk.typecode:
-                self.chunks[c] = array(code, chunk)
+            self.chunks[c] = narrowed(self.chunks[c], self.ladder)
 
     def nbytes(self) -> int:
         return sum(len(c) * c.itemsize for c in self.chunks if c is not self.zero)

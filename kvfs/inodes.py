@@ -85,7 +85,7 @@ class Inode:
 
     def touch(self, now: int = 0) -> None:
         """Content changed: mtime and ctime = ``now`` (default: the clock)."""
-        self._ns._touch_dir(self.ino, now)
+        self._ns._touch(self.ino, now)
 
     def set_times(self, atime: int, mtime: int, ctime: int) -> None:
         """All three at once (ns; InvalidArgument when the columns cannot hold them)."""

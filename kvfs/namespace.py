@@ -138,17 +138,14 @@ class Namespace:
         self._parent = Column("I", narrow=True)
         self._name_off = Column("I", narrow=True)
         self._name_len = Column("B")
-        self._unit0 = Column(
-            "q", narrow=True
-        )  # a compact map's first unit + 1 (0: none, or a side map)
+        # a compact map's first unit + 1 (0: none, or a side map)
+        self._unit0 = Column("q", narrow=True)
         self._csum0 = Column("Q")
         self._xattr = Column("I", narrow=True)
-        self._lookups = Column(
-            "I", narrow=True
-        )  # runtime only: the kernel forgot everything at mount
-        self._cpos = Column(
-            "I", narrow=True
-        )  # runtime only: where the row is in its parent's children
+        # runtime only: the kernel forgot everything at mount
+        self._lookups = Column("I", narrow=True)
+        # runtime only: where the row is in its parent's children
+        self._cpos = Column("I", narrow=True)
         self._absolute_times = False
         """A version 2 image is loading: atime and ctime hold absolute times until
         :meth:`_rebase_times` (before the first replayed operation)."""
@@ -941,7 +938,7 @@ class Namespace:
         self._add_name(parent, name, ino)
         inode.nlink += 1
         inode.ctime_ns = time.time_ns()
-        self._touch_dir(parent)
+        self._touch(parent)
         self._log([inode.record(), Dentry(parent, name, ino), self.inodes[parent].record()])
         return inode
 
@@ -965,7 +962,7 @@ class Namespace:
     def _unlink_entry(self, parent: int, name: bytes, inode: Inode) -> list[Op]:
         self._del_name(parent, name)
         now = time.time_ns()
-        self._touch_dir(parent, now)
+        self._touch(parent, now)
         inode.ctime_ns = now
         if inode.is_dir:
             inode.nlink = 0
@@ -974,7 +971,7 @@ class Namespace:
             inode.nlink -= 1
         return [inode.record()]
 
-    def _touch_dir(self, ino: int, now: int = 0) -> None:
+    def _touch(self, ino: int, now: int = 0) -> None:
         """mtime and ctime of ``ino`` (a directory whose entries changed, or a file
         whose content did) = ``now`` (default: the clock)."""
         now = now or time.time_ns()
@@ -1015,8 +1012,8 @@ class Namespace:
         if src.is_dir and old_parent != new_parent:
             self.inodes[old_parent].nlink -= 1
             self.inodes[new_parent].nlink += 1
-        self._touch_dir(old_parent, now)
-        self._touch_dir(new_parent, now)
+        self._touch(old_parent, now)
+        self._touch(new_parent, now)
         ops += [Undentry(old_parent, old), Dentry(new_parent, new, src.ino), src.record()]
         ops.append(self.inodes[old_parent].record())
         if new_parent != old_parent:  # within one directory: its record once
@@ -1045,8 +1042,8 @@ class Namespace:
         self._add_name(p1, n1, b.ino)
         now = time.time_ns()
         a.ctime_ns = b.ctime_ns = now
-        self._touch_dir(p1, now)
-        self._touch_dir(p2, now)
+        self._touch(p1, now)
+        self._touch(p2, now)
         ops: list[Op] = [Dentry(p1, n1, b.ino), Dentry(p2, n2, a.ino), a.record(), b.record()]
         ops.append(self.inodes[p1].record())
         if p2 != p1:

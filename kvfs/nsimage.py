@@ -148,6 +148,7 @@ def _chunk_parts(
     sparse: list[bytes] = []
     first = size = sparse_size = 0
     batch_code = ""
+    declared = array(code).itemsize if code else GRANULE  # sparse records' item size
     for c, chunk in enumerate(chunks):
         if c % SCAN_STEP == SCAN_STEP - 1:
             yield PAUSE
@@ -158,8 +159,7 @@ def _chunk_parts(
         zeros = raw.count(bytes(itemsize))
         live = -1  # not counted
         if raw and zeros < n and sparse_items and isinstance(chunk, array):
-            size_then = array(code).itemsize
-            most = (ROWS * size_then // 2 - _SPARSE_REC.size - 1) // (size_then + 2)
+            most = (ROWS * declared // 2 - _SPARSE_REC.size - 1) // (declared + 2)
             if zeros >= n - most:  # enough zero runs for a sparse chunk
                 live = n - chunk.count(0)
                 if live > most:

@@ -5,11 +5,13 @@ adoption and the evictor's per-inode owners and orphans."""
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import random
 import stat
 from array import array
 
 import pytest
+from test_journal import V1_IMAGES, v1_maker
 from test_policy import RELEASE_0_2_IMAGE, _add_file, _namespace_with_files, order, run_ops
 
 from kvfs.evict import OWNERS_BLOB, PART_OWNERS, PART_POLICY, POLICY_BLOB, Evictor, OrphanList
@@ -389,16 +391,8 @@ def test_evictor_payloads_wrapped_as_image_ops_are_set_aside() -> None:
 
 
 def _policy_v2_images() -> tuple[object, dict[str, bytes]]:
-    import gzip
-    import importlib.util
-    from pathlib import Path
-
-    data = Path(__file__).parent / "data"
-    spec = importlib.util.spec_from_file_location("mkpv2", data / "make_policy_v2_images.py")
-    assert spec is not None and spec.loader is not None
-    maker = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(maker)
-    raw, images, pos = gzip.decompress((data / "policy-v2.bin.gz").read_bytes()), {}, 0
+    maker = v1_maker("make_policy_v2_images")
+    raw, images, pos = gzip.decompress((V1_IMAGES / "policy-v2.bin.gz").read_bytes()), {}, 0
     for name in maker.NAMES:
         n = int.from_bytes(raw[pos : pos + 4], "little")
         images[name] = raw[pos + 4 : pos + 4 + n]

@@ -143,6 +143,14 @@ def time_crash_mount(image: Path, mnt: Path, writes: int) -> tuple[float, int, i
     return mounted, rss, peak
 
 
+def memory_cells(rss: int, peak: int, files: int) -> str:
+    """The table's RSS, RSS per file and peak cells (KiB in)."""
+    return (
+        f"{rss / 1024:.0f} MiB | {rss * 1024 / files:.0f} B "
+        f"| {peak / 1024:.0f} MiB ({peak / max(rss, 1):.2f}x)"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default="/var/tmp/kvfs-mounttime")
@@ -180,8 +188,7 @@ def main() -> None:
                 kind = "first mount" if i == 0 else "clean remount"
                 print(
                     f"| {n:,} | {kind} {i + 1} | - | - | {took:.2f} s | {unmount:.2f} s "
-                    f"| {rss / 1024:.0f} MiB | {rss * 1024 / n:.0f} B "
-                    f"| {peak / 1024:.0f} MiB ({peak / max(rss, 1):.2f}x) |",
+                    f"| {memory_cells(rss, peak, n)} |",
                     flush=True,
                 )
         print(
@@ -198,8 +205,7 @@ def main() -> None:
             took, rss, peak = time_crash_mount(image, work / "mnt", args.crash)
             print(
                 f"| {n:,} | crash mount after {args.crash} durable creates | - | - "
-                f"| {took:.2f} s | - | {rss / 1024:.0f} MiB | {rss * 1024 / n:.0f} B "
-                f"| {peak / 1024:.0f} MiB ({peak / max(rss, 1):.2f}x) |",
+                f"| {took:.2f} s | - | {memory_cells(rss, peak, n)} |",
                 flush=True,
             )
         if args.profile:

@@ -406,7 +406,7 @@ def decode_pieces(
     all_columns = table.all_columns()
     coded = versions == {VERSION3}
     for number, first, code, raw in columns:
-        if number >= ncols or code not in "bBhHiIq" or len(code) != 1:
+        if number >= ncols or code not in "bBhHiIq":
             raise ValueError("bad column in policy image")
         column = all_columns[number]
         if code != got_codes[number] and not (coded and code in column.ladder):

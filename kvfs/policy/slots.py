@@ -22,7 +22,7 @@ from array import array
 from collections.abc import Iterator
 from itertools import compress
 
-from kvfs.columns import fit
+from kvfs.columns import fit, narrowed
 
 NO_KEY = -1
 """'No key' in key-valued columns and in persisted columns."""
@@ -138,49 +138,35 @@ class SlotColumn:
         try:
             self.chunks[c][i & MASK] = value  # type: ignore[index]
         except OverflowError:
-            if self.ladder:
-                self._fit(c, array("q", [value]))
-            else:
-                self.widen()
-            self.chunks[c][i & MASK] = value  # type: ignore[index]
+            self._holding(c, array("q", [value]))[0][i & MASK] = value
 
-    def _fit(self, c: int, values: array[int]) -> tuple[array[int], array[int]]:
-        """(chunk ``c``, owned, widened along the ladder to hold ``values`` too;
-        ``values`` in its code): ``columns.fit``."""
-        chunk = self.chunks[c]
-        assert chunk is not None
-        chunk, fitted = fit(chunk, self.ladder, values)
-        self.chunks[c] = chunk
-        return chunk, fitted
+    def _holding(self, c: int, values: array[int]) -> tuple[array[int], array[int]]:
+        """(chunk ``c`` (existing), owned and able to hold ``values``; ``values`` in
+        its code): a narrowing column widens that chunk (``columns.fit``), another
+        column widens itself to int64 if the values do not fit its code."""
+        chunk = self.writable(c)
+        if values.typecode == chunk.typecode:
+            return chunk, values
+        if self.ladder:
+            chunk, values = fit(chunk, self.ladder, values)
+            self.chunks[c] = chunk
+            return chunk, values
+        try:
+            return chunk, array(chunk.typecode, values)
+        except OverflowError:
+            self.widen()
+            chunk = self.writable(c)
+            return chunk, array(chunk.typecode, values)
 
     def assign(self, c: int, pos: int, values: array[int]) -> None:
-        """Rows ``pos ..`` of chunk ``c`` (existing) = ``values`` (any int code),
-        widening the chunk (narrowing columns) or the column to hold them."""
-        chunk = self.writable(c)
-        if values.typecode != chunk.typecode:
-            if self.ladder:
-                chunk, values = self._fit(c, values)
-            else:
-                try:
-                    values = array(chunk.typecode, values)
-                except OverflowError:
-                    self.widen()
-                    chunk = self.writable(c)
-                    values = array(chunk.typecode, values)
+        """Rows ``pos ..`` of chunk ``c`` (existing) = ``values`` (any int code)."""
+        chunk, values = self._holding(c, values)
         chunk[pos : pos + len(values)] = values
 
     def assign_constant(self, c: int, pos: int, k: int, value: int) -> None:
-        """Rows ``pos .. pos + k - 1`` of chunk ``c`` (existing) = ``value``."""
-        chunk = self.writable(c)
-        try:
-            one = array(chunk.typecode, [value])
-        except OverflowError:
-            if self.ladder:
-                chunk, one = self._fit(c, array("q", [value]))
-            else:
-                self.widen()
-                chunk = self.writable(c)
-                one = array(chunk.typecode, [value])
+        """Rows ``pos .. pos + k - 1`` of chunk ``c`` (existing) = ``value`` (one
+        conversion, then a C-level repeat)."""
+        chunk, one = self._holding(c, array("q", [value]))
         chunk[pos : pos + k] = one * k
 
     def _own(self, c: int) -> None:
@@ -245,8 +231,7 @@ class SlotColumn:
         self.chunks[c] = chunk
         self.shared[c] = 0
         if narrow and self.ladder:
-            self.chunks[c] = array(self.ladder[0], [self.fill]) * ROWS
-            self.assign(c, 0, chunk)
+            self.chunks[c] = narrowed(chunk, self.ladder)
 
     def nbytes(self) -> int:
         return sum(len(ch) * ch.itemsize for ch in self.chunks if ch is not None)
