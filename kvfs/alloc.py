@@ -7,12 +7,12 @@ millions of units — and freeing is a slice assignment. A next-fit cursor per d
 spreads writes over the device and keeps freshly freed runs coalesced: neighbours
 are merged for free because the map *is* the coalesced state.
 
-Small files and tails: a unit may be split into fragments (``layout.fragment_size``,
+Small files and tails: a unit may be split into fragments (``format.records.fragment_size``,
 4 KiB at 1 MiB units). A *host* unit is used in the unit map and has a byte per
 fragment of its own; a file's last, partial unit takes a run of fragments in a host
 with room (the first few hosts with enough free fragments are tried, then a fresh unit
 becomes a host), and a host whose last fragment is freed goes back to the unit map.
-Addresses are unit fields (``layout``): a field with ``FRAG_FLAG`` names fragments, and
+Addresses are unit fields (``kvfs.format.records``): a field with ``FRAG_FLAG`` names fragments, and
 ``free``/``mark_used`` take either form.
 
 Nothing here is persisted: at mount the map is rebuilt from the index (every unit an
@@ -36,7 +36,14 @@ from itertools import islice, repeat
 from operator import sub
 
 from kvfs.errors import NoSpace
-from kvfs.layout import DEV_SHIFT, FRAG_FLAG, HOST_MASK, UNIT_MASK, fragment_field, split_fragment
+from kvfs.format.records import (
+    DEV_SHIFT,
+    FRAG_FLAG,
+    HOST_MASK,
+    UNIT_MASK,
+    fragment_field,
+    split_fragment,
+)
 
 FRAGMENT_SCAN = 8
 """Hosts with free fragments tried (those that gained room last first) before a fresh

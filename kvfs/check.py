@@ -10,7 +10,7 @@ import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvfs.layout import (
+from kvfs.format.records import (
     DEV_SHIFT,
     FLAG_QUARANTINED,
     FLAG_WRITING,

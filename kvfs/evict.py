@@ -23,7 +23,6 @@ import itertools
 import logging
 import struct
 import time
-import zlib
 from array import array
 from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
@@ -33,10 +32,12 @@ from operator import le
 from kvfs import procs
 from kvfs.columns import ROWS as NS_ROWS
 from kvfs.errors import InvalidArgument
+from kvfs.format import owners as owners_fmt
+from kvfs.format.owners import MAX_PROCESSES, OWNERS_BLOB, PART_OWNERS, PART_POLICY, POLICY_BLOB
 from kvfs.inodes import F_DEAD
 from kvfs.namespace import EVICTOR_TAG, ROOT_INO, Inode, Namespace
 from kvfs.policy import EvictionPolicy, make_policy
-from kvfs.policy.slots import ROWS, SHIFT, SlotColumn, runs
+from kvfs.slots import ROWS, SHIFT, SlotColumn, runs
 
 log = logging.getLogger(__name__)
 
@@ -49,20 +50,6 @@ KVFS_MANAGED = "kvfs-managed"
 ENGINE_MANAGED = "engine-managed"
 POLICIES = (KVFS_MANAGED, ENGINE_MANAGED)
 REAP_INTERVAL = 0.05
-POLICY_BLOB = "eviction-policy"
-"""Blob of the version 1 policy image (pools written before the evictor's own
-checkpoint payloads): read once at mount, then dropped."""
-OWNERS_BLOB = "file-owners"
-"""(inode, pid, process start time) triples, int64: who last opened each file
-(pools written before the evictor's own checkpoint payloads)."""
-PART_POLICY = b"P"
-"""Evictor checkpoint payload: ``EVICTOR_TAG``, this byte, a policy image piece."""
-PART_OWNERS = b"O"
-"""Evictor checkpoint payload: ``EVICTOR_TAG``, this byte, an owners piece."""
-OWNERS_PIECE = struct.Struct("<BII")  # 0: process table, 1: column chunks; index; count
-MAX_PROCESSES = 0xFFFF
-"""Processes owning files at once (a file's owner is a uint16 process number)."""
-_BATCH = 64  # owner column chunks per payload (128 KiB)
 ORPHAN_SCAN = 4096
 """Orphans examined per eviction pass (keeps a pass O(1) with millions of orphans)."""
 FRESH_GRACE = 5.0
@@ -108,11 +95,6 @@ _REGULAR = bytes(int(b & 0xF0 == 0x80) for b in range(256))
 """A mode's high byte -> 1 for a regular file (S_IFREG)."""
 _ALIVE = bytes(int(not b & F_DEAD) for b in range(256))
 """Inode flags -> 1 unless dropped."""
-
-
-def _owners_piece(part: int, index: int, count: int, raw: bytes) -> bytes:
-    body = OWNERS_PIECE.pack(part, index, count) + raw
-    return body + struct.pack("<I", zlib.crc32(body))
 
 
 class OrphanList:
@@ -376,9 +358,9 @@ class Evictor:
         procs_: list[tuple[int, int] | None] = [None]
         try:
             if pieces:
-                procs_ = self._decode_owners(pieces, saved)
+                procs_ = owners_fmt.decode(pieces, saved)
             elif blob:
-                procs_ = self._decode_owners_blob(blob, saved)
+                procs_ = owners_fmt.decode_blob(blob, saved)
         except ValueError as e:
             log.warning("saved file owners unusable (%s); every file starts as an orphan", e)
             return 0
@@ -398,61 +380,6 @@ class Evictor:
                     self._own(ino, proc)  # its engine outlived the remount
         return len(self._proc_ids)
 
-    @staticmethod
-    def _decode_owners(pieces: list[bytes], column: SlotColumn) -> list[tuple[int, int] | None]:
-        procs_: list[tuple[int, int] | None] | None = None
-        for piece in pieces:
-            if len(piece) < OWNERS_PIECE.size + 4:
-                raise ValueError("owners piece too short")
-            body, (crc,) = piece[:-4], struct.unpack("<I", piece[-4:])
-            if zlib.crc32(body) != crc:
-                raise ValueError("owners piece checksum mismatch")
-            part, index, count = OWNERS_PIECE.unpack_from(body, 0)
-            raw = body[OWNERS_PIECE.size :]
-            if part == 0:
-                pairs = array("q")
-                pairs.frombytes(raw)
-                if len(pairs) != 2 * count:
-                    raise ValueError("bad owners table")
-                procs_ = [
-                    None if pairs[2 * i] < 0 else (pairs[2 * i], pairs[2 * i + 1])
-                    for i in range(count)
-                ]
-            elif part == 1 and -(-len(raw) // (ROWS * 2)) == count and not len(raw) & 1:
-                for k in range(count):  # the last chunk may end early (zeros after)
-                    chunk = array("H")
-                    chunk.frombytes(raw[k * ROWS * 2 : (k + 1) * ROWS * 2])
-                    chunk.extend(array("H", [0]) * (ROWS - len(chunk)))
-                    column.load(index + k, chunk)
-            else:
-                raise ValueError("bad owners piece")
-        if procs_ is None:
-            raise ValueError("owners without their process table")
-        for owners in column.chunks:
-            if owners is not None and max(owners) >= len(procs_):
-                raise ValueError("owner beyond the process table")
-        return procs_
-
-    @staticmethod
-    def _decode_owners_blob(raw: bytes, column: SlotColumn) -> list[tuple[int, int] | None]:
-        if len(raw) % 24:
-            raise ValueError("bad owners blob")
-        cols = array("q")
-        cols.frombytes(raw)
-        procs_: list[tuple[int, int] | None] = [None]
-        numbers: dict[tuple[int, int], int] = {}
-        for i in range(0, len(cols), 3):
-            ino, proc = cols[i], (cols[i + 1], cols[i + 2])
-            if not 0 <= ino < 1 << 40 or len(numbers) >= MAX_PROCESSES:
-                raise ValueError("bad owners blob")
-            number = numbers.get(proc)
-            if number is None:
-                number = numbers[proc] = len(procs_)
-                procs_.append(proc)
-            column.ensure_row(ino)
-            column[ino] = number
-        return procs_
-
     def snapshot_payloads(self) -> Iterator[bytes]:
         """Freeze the policy's and the owners' state now (O(chunks)) and return an
         iterator over checkpoint payloads of it, encoded as they are consumed (off
@@ -462,34 +389,14 @@ class Evictor:
         self.ns.blobs.pop(OWNERS_BLOB, None)
         pieces = self.policy.persist_pieces()
         owners = self._owner.freeze()
-        table = array("q")
-        for proc in self._procs:
-            table.extend((-1, 0) if proc is None else proc)
+        procs_ = list(self._procs)  # a copy: the pieces are encoded later
         tag = bytes((EVICTOR_TAG,))
 
         def payloads() -> Iterator[bytes]:
             for piece in pieces:
                 yield tag + PART_POLICY + piece
-            yield tag + PART_OWNERS + _owners_piece(0, 0, len(table) // 2, table.tobytes())
-            # O(chunks) scans here, as the payloads are consumed (off the event loop)
-            zero = bytes(2 * ROWS)
-            used = [c for c, ch in enumerate(owners) if ch is not None and ch.tobytes() != zero]
-            if not used:
-                return
-            last = used[-1]
-            tail = owners[last].tobytes().rstrip(b"\0")  # type: ignore[union-attr]
-            batch: list[bytes] = []
-            first = previous = used[0]
-            for c in used:
-                if batch and (c != previous + 1 or len(batch) == _BATCH):
-                    yield tag + PART_OWNERS + _owners_piece(1, first, len(batch), b"".join(batch))
-                    batch = []
-                if not batch:
-                    first = c
-                raw = owners[c].tobytes()  # type: ignore[union-attr]
-                batch.append(raw if c != last else raw[: len(tail) + (len(tail) & 1)])
-                previous = c
-            yield tag + PART_OWNERS + _owners_piece(1, first, len(batch), b"".join(batch))
+            for piece in owners_fmt.encode(procs_, owners):
+                yield tag + PART_OWNERS + piece
 
         return payloads()
 

@@ -25,8 +25,10 @@ import xxhash
 from kvfs.check import Report, check_index, fix_dir_links
 from kvfs.device import ALIGN, aligned_buffer
 from kvfs.errors import Corruption, DeviceError, UserError
-from kvfs.journal import ApplySink, encode_checkpoint, half_bounds, recover
-from kvfs.layout import DEV_SHIFT, FORMAT_VERSION, NO_UNIT, UNIT_MASK, Image, Superblock, extent
+from kvfs.format.halves import encode_checkpoint, half_bounds
+from kvfs.format.records import DEV_SHIFT, NO_UNIT, UNIT_MASK, Image, extent
+from kvfs.format.superblock import FORMAT_VERSION, Superblock
+from kvfs.journal import ApplySink, recover
 from kvfs.namespace import Namespace
 from kvfs.pool import (
     Pool,

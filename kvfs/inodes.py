@@ -15,7 +15,7 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from kvfs.columns import MASK, SHIFT
-from kvfs.layout import DEV_SHIFT, FLAG_GONE, NO_UNIT, InodeRecord
+from kvfs.format.records import DEV_SHIFT, FLAG_GONE, NO_UNIT, InodeRecord
 
 if TYPE_CHECKING:
     from kvfs.namespace import Namespace

@@ -31,10 +31,9 @@ checkpoint plus every transaction since it began (``docs/design.md``, "Checkpoin
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import trio
@@ -42,7 +41,9 @@ import trio.lowlevel
 
 from kvfs.device import ALIGN, Device, aligned_buffer
 from kvfs.errors import DeviceError
-from kvfs.layout import (
+from kvfs.format.geometry import META_FULL
+from kvfs.format.halves import half_bounds
+from kvfs.format.records import (
     ENTRY_OVERHEAD,
     ENTRY_VERSION,
     KIND_CKPT_BEGIN,
@@ -54,24 +55,10 @@ from kvfs.layout import (
     encode_entry,
     encode_ops,
 )
-from kvfs.recovery import (
-    ApplySink,
-    Damage,
-    NullSink,
-    Recovered,
-    RecoverySink,
-    half_bounds,
-    recover,
-    scan,
-)
+from kvfs.recovery import ApplySink, Damage, NullSink, Recovered, RecoverySink, recover, scan
 
 log = logging.getLogger(__name__)
 
-META_FULL = 0.75
-"""Fraction of a half a checkpoint may fill before growth is refused (ENOSPC)."""
-CKPT_OPS = 1024
-"""Operations per checkpoint entry: ~100 KiB, one ``next()`` of the snapshot, 8 ms on
-the loaded 2-core test VM (4096 took 30-48 ms there: the loop stops for one piece)."""
 CKPT_WRITE = 1 << 20
 """Checkpoint pieces are gathered into device writes of about this many bytes."""
 COMMIT_BYTES = ENTRY_OVERHEAD
@@ -96,42 +83,6 @@ class JournalStatistics:
     """Bytes of log written by group commits (TXN and COMMIT entries) this session."""
     last_checkpoint_s: float = 0.0
     """Wall time of the last completed checkpoint, snapshot to durable."""
-
-
-def checkpoint_pieces(ops: Iterable[Op], per_piece: int = 0) -> Iterator[bytes]:
-    """CKPT_DATA payloads of ``per_piece`` (default CKPT_OPS) operations each, encoded
-    lazily: the next piece is taken from ``ops`` only when asked for."""
-    per_piece = per_piece or CKPT_OPS
-    it = iter(ops)
-    while batch := list(itertools.islice(it, per_piece)):
-        yield encode_ops(batch)
-
-
-def encode_checkpoint(
-    ops: Iterable[Op], generation: int, seq: int, seed: int
-) -> tuple[bytes, int, int]:
-    """A whole checkpoint, ending in a COMMIT: (bytes, last sequence number, op count).
-    Offline tools only (format, fsck --repair, tools/mounttime.py); the journal
-    writes live checkpoints piece by piece."""
-    pieces = [encode_entry(KIND_CKPT_BEGIN, generation, seq + 1, b"", seed)]
-    seq += 1
-    count = 0
-
-    def counted() -> Iterator[Op]:
-        nonlocal count
-        for op in ops:
-            count += 1
-            yield op
-
-    for payload in checkpoint_pieces(counted()):
-        seq += 1
-        pieces.append(encode_entry(KIND_CKPT_DATA, generation, seq, payload, seed))
-    n_data = len(pieces) - 1  # CKPT_END holds the number of CKPT_DATA entries
-    seq += 1
-    pieces.append(encode_entry(KIND_CKPT_END, generation, seq, n_data.to_bytes(8, "little"), seed))
-    seq += 1
-    pieces.append(commit_entry(generation, seq, seed))
-    return b"".join(pieces), seq, count
 
 
 class _HalfWriter:
@@ -514,9 +465,6 @@ __all__ = [
     "NullSink",
     "Recovered",
     "RecoverySink",
-    "checkpoint_pieces",
-    "encode_checkpoint",
-    "half_bounds",
     "recover",
     "scan",
 ]

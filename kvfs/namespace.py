@@ -17,7 +17,6 @@ tables, and a file being written has a materialized map (:meth:`edit_map`) that
 from __future__ import annotations
 
 import stat
-import struct
 import time
 import weakref
 from array import array
@@ -38,8 +37,15 @@ from kvfs.errors import (
     NotPermitted,
     Stale,
 )
-from kvfs.inodes import F_DEAD, F_INTERNAL, F_NAMED, DirView, Inode, InodeTable, compact_kind
-from kvfs.layout import (
+from kvfs.format.nsimage import (
+    BIG_XATTR_HEAD,
+    TAG,
+    XATTR_HEAD,
+    XATTR_SET_LEN,
+    image_payloads,
+    load_part,
+)
+from kvfs.format.records import (
     FLAG_GONE,
     FLAG_WRITING,
     NO_UNIT,
@@ -53,7 +59,7 @@ from kvfs.layout import (
     Xattr,
     decode_ops,
 )
-from kvfs.nsimage import TAG, image_payloads, load_part
+from kvfs.inodes import F_DEAD, F_INTERNAL, F_NAMED, DirView, Inode, InodeTable, compact_kind
 
 ROOT_INO = 1
 NAME_MAX = 255
@@ -64,9 +70,6 @@ RENAME_EXCHANGE = 2
 
 BIG_XATTRS = 0xFFFFFFFF
 """``xattr`` column value: this inode's xattrs are in the big-xattr side table."""
-_XHEAD = struct.Struct("<HH")  # xattr name id, value length (arena sets are < 4 KiB)
-_BIG_XHEAD = struct.Struct("<HI")  # the same in the big-xattr side table
-_LEN = struct.Struct("<H")
 
 
 def check_name(name: bytes) -> None:
@@ -124,7 +127,7 @@ class Namespace:
         self.blobs: dict[str, bytes] = {}
         self.evictor_payloads: list[bytes] = []
         self.next_ino = ROOT_INO + 1
-        # persisted columns, in image order (kvfs.nsimage)
+        # persisted columns, in image order (kvfs.format.nsimage)
         # narrow=True: each chunk in the narrowest item size its values fit
         # (kvfs.columns.Column); mode and mtime are read as bytes / absolute values
         self._mode = Column("H")
@@ -495,10 +498,13 @@ class Namespace:
         if not ref:
             return None
         if ref == BIG_XATTRS:
-            raw, head = self._big_xattrs[ino], _BIG_XHEAD
+            raw, head = self._big_xattrs[ino], BIG_XATTR_HEAD
         else:
-            (n,) = _LEN.unpack(self._arena.get(ref - 1, _LEN.size))
-            raw, head = self._arena.get(ref - 1, _LEN.size + n)[_LEN.size :], _XHEAD
+            (n,) = XATTR_SET_LEN.unpack(self._arena.get(ref - 1, XATTR_SET_LEN.size))
+            raw, head = (
+                self._arena.get(ref - 1, XATTR_SET_LEN.size + n)[XATTR_SET_LEN.size :],
+                XATTR_HEAD,
+            )
         out: dict[bytes, bytes] = {}
         pos = 0
         while pos < len(raw):
@@ -521,21 +527,21 @@ class Namespace:
         if not xattrs:
             return
         items = sorted((self._xname_id(k), v) for k, v in xattrs.items())
-        size = sum(_XHEAD.size + len(v) for _, v in items)
-        if size + _LEN.size > ARENA_MAX_ENTRY:
-            self._big_xattrs[ino] = b"".join(_BIG_XHEAD.pack(k, len(v)) + v for k, v in items)
+        size = sum(XATTR_HEAD.size + len(v) for _, v in items)
+        if size + XATTR_SET_LEN.size > ARENA_MAX_ENTRY:
+            self._big_xattrs[ino] = b"".join(BIG_XATTR_HEAD.pack(k, len(v)) + v for k, v in items)
             self._xattr[ino] = BIG_XATTRS
         else:
-            raw = b"".join(_XHEAD.pack(k, len(v)) + v for k, v in items)
-            self._xattr[ino] = self._arena.put(_LEN.pack(len(raw)) + raw) + 1
+            raw = b"".join(XATTR_HEAD.pack(k, len(v)) + v for k, v in items)
+            self._xattr[ino] = self._arena.put(XATTR_SET_LEN.pack(len(raw)) + raw) + 1
 
     def _drop_xattrs(self, ino: int) -> None:
         ref = self._xattr[ino]
         if ref == BIG_XATTRS:
             del self._big_xattrs[ino]
         elif ref:
-            (n,) = _LEN.unpack(self._arena.get(ref - 1, _LEN.size))
-            self._arena.release(ref - 1, _LEN.size + n)
+            (n,) = XATTR_SET_LEN.unpack(self._arena.get(ref - 1, XATTR_SET_LEN.size))
+            self._arena.release(ref - 1, XATTR_SET_LEN.size + n)
         self._xattr[ino] = 0
 
     # ------------------------------------------------------------------ unit maps
@@ -756,7 +762,7 @@ class Namespace:
         self.__init__(self._log)  # type: ignore[misc]
 
     def load_payload(self, payload: bytes) -> None:
-        """One checkpoint payload: a columnar image part (kvfs.nsimage) or, from a
+        """One checkpoint payload: a columnar image part (kvfs.format.nsimage) or, from a
         pool written by an older release, ``encode_ops`` output."""
         if payload[:1] == bytes((TAG,)):
             load_part(self, payload)

@@ -24,7 +24,7 @@ import xxhash
 from kvfs.cache import UnitCache
 from kvfs.device import BufferPool
 from kvfs.errors import KvfsError
-from kvfs.layout import DEV_SHIFT, NO_UNIT, extent, is_fragment
+from kvfs.format.records import DEV_SHIFT, NO_UNIT, extent, is_fragment
 from kvfs.namespace import Inode
 from kvfs.pool import Pool
 

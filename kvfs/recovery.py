@@ -14,7 +14,8 @@ from typing import Protocol
 
 from kvfs.device import ALIGN, Device, aligned_buffer
 from kvfs.errors import Corruption
-from kvfs.layout import (
+from kvfs.format.halves import half_bounds
+from kvfs.format.records import (
     ENTRY_OVERHEAD,
     ENTRY_VERSION,
     KIND_CKPT_BEGIN,
@@ -149,11 +150,6 @@ class Recovered:
     """The newest checkpoint was incomplete; this is the older half."""
     damage: list[Damage] = field(default_factory=list)
     """Mid-log damage skipped over; the transactions after it were fed too."""
-
-
-def half_bounds(meta_start: int, meta_size: int, half: int) -> tuple[int, int]:
-    size = (meta_size // 2) // ALIGN * ALIGN
-    return meta_start + half * size, size
 
 
 def recover(
@@ -402,7 +398,6 @@ __all__ = [
     "NullSink",
     "Recovered",
     "RecoverySink",
-    "half_bounds",
     "recover",
     "scan",
 ]

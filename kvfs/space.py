@@ -29,10 +29,11 @@ import trio
 from kvfs.alloc import Allocator
 from kvfs.errors import DeviceError, KvfsError, NoSpace, QuotaExceeded
 from kvfs.evict import KVFS_MANAGED, Evictor
-from kvfs.journal import META_FULL, Journal
-from kvfs.layout import DEV_SHIFT, UNIT_MASK, extent, is_fragment
+from kvfs.format.geometry import CHECKPOINT_FILE_BYTES, CHECKPOINT_UNIT_BYTES, META_FULL
+from kvfs.format.records import DEV_SHIFT, UNIT_MASK, extent, is_fragment
+from kvfs.journal import Journal
 from kvfs.namespace import ROOT_INO, Inode, Namespace
-from kvfs.pool import CHECKPOINT_FILE_BYTES, CHECKPOINT_UNIT_BYTES, Pool
+from kvfs.pool import Pool
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -58,7 +59,7 @@ EVICTION_STATE_BYTES = 64
 the file and for a ghost key (the ``kvfs`` policy: 29 B each at the columns' own
 codes, less in narrow chunks), its owner (2). Measured: 22 B per tracked, owned
 file, 49 B with as many ghost keys (sparse ones, mapped); 31 / 69 B before narrow
-chunks (it was 80). See ``pool.CHECKPOINT_FILE_BYTES``."""
+chunks (it was 80). See ``format.geometry.CHECKPOINT_FILE_BYTES``."""
 
 
 def coalesce(units: list[int]) -> list[tuple[int, int, int]]:

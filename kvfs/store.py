@@ -46,8 +46,7 @@ from kvfs.errors import (
     QuotaExceeded,
 )
 from kvfs.evict import FRESH_GRACE, QUOTA_XATTR, Evictor
-from kvfs.journal import ApplySink, Journal, Recovered, recover
-from kvfs.layout import (
+from kvfs.format.records import (
     DEV_SHIFT,
     FLAG_GONE,
     FLAG_QUARANTINED,
@@ -60,6 +59,7 @@ from kvfs.layout import (
     is_fragment,
     phys,
 )
+from kvfs.journal import ApplySink, Journal, Recovered, recover
 from kvfs.namespace import ROOT_INO, Inode, Namespace
 from kvfs.pool import Pool
 from kvfs.posix import ROOT, Caller

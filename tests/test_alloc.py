@@ -8,7 +8,7 @@ import pytest
 
 from kvfs.alloc import Allocator
 from kvfs.errors import NoSpace
-from kvfs.layout import fragment_field, split_fragment
+from kvfs.format.records import fragment_field, split_fragment
 
 Unit = tuple[int, int]
 
@@ -239,7 +239,7 @@ def test_bulk_claim_of_first_units_equals_one_claim_at_a_time(seed: int) -> None
     runs come back for the slow path; devices to skip are skipped."""
     from array import array
 
-    from kvfs.layout import phys
+    from kvfs.format.records import phys
 
     rng = random.Random(seed)
     sizes = [3000, 5000, 700]

@@ -408,7 +408,7 @@ def test_kill9_torture(tmp_path: Path) -> None:
     from conftest import require_fuse
 
     from kvfs import harness
-    from kvfs.layout import allocated_size
+    from kvfs.format.records import allocated_size
 
     require_fuse()
     seed = int(os.environ.get("KVFS_CRASH_SEED", random.randrange(1 << 30)))

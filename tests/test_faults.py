@@ -189,8 +189,8 @@ def faultfs(tmp_path: Path, sizes: dict[str, int]) -> Iterator[FaultFS]:
 
 def device_of(devices: list[Path]) -> dict[str, set[int]]:
     """name -> devices holding its units (offline, from the index)."""
+    from kvfs.format.records import DEV_SHIFT, NO_UNIT
     from kvfs.fsck import offline_index
-    from kvfs.layout import DEV_SHIFT, NO_UNIT
     from kvfs.namespace import ROOT_INO
 
     ns, _ = offline_index([str(d) for d in devices])
@@ -511,7 +511,7 @@ async def test_journal_hang_fails_waiters_within_the_deadline() -> None:
 
     from kvfs.device import FaultyDevice, MemoryDevice
     from kvfs.errors import DeviceError
-    from kvfs.layout import Blob
+    from kvfs.format.records import Blob
 
     dev = FaultyDevice(MemoryDevice(4096 + 256 * 1024 + 4096))
     journal = _journal(dev, timeout=0.5)
@@ -537,8 +537,8 @@ async def test_journal_is_fail_stop_after_a_failed_write() -> None:
 
     from kvfs.device import FaultyDevice, MemoryDevice
     from kvfs.errors import DeviceError
+    from kvfs.format.records import Blob, Op
     from kvfs.journal import ApplySink, recover
-    from kvfs.layout import Blob, Op
 
     dev = FaultyDevice(MemoryDevice(4096 + 256 * 1024 + 4096))
     journal = _journal(dev)

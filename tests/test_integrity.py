@@ -25,9 +25,17 @@ from conftest import pattern, read_or_errno, require_fuse
 from conftest import write_file as write
 
 from kvfs import harness
+from kvfs.format.halves import half_bounds
+from kvfs.format.records import (
+    DEV_SHIFT,
+    KIND_CKPT_DATA,
+    KIND_TXN,
+    NO_UNIT,
+    UNIT_MASK,
+    allocated_size,
+)
 from kvfs.fsck import offline_index
-from kvfs.journal import half_bounds, recover, scan
-from kvfs.layout import DEV_SHIFT, KIND_CKPT_DATA, KIND_TXN, NO_UNIT, UNIT_MASK, allocated_size
+from kvfs.journal import recover, scan
 from kvfs.namespace import ROOT_INO, Namespace
 from kvfs.pool import open_pool
 

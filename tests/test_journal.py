@@ -22,29 +22,21 @@ import trio
 import kvfs.journal as journal_mod
 from kvfs.device import ALIGN, Device, FaultyDevice, MemoryDevice
 from kvfs.errors import Corruption, DeviceError
-from kvfs.journal import (
-    ApplySink,
-    Journal,
-    Recovered,
-    checkpoint_pieces,
-    encode_checkpoint,
-    half_bounds,
-    recover,
-    scan,
-)
-from kvfs.layout import (
+from kvfs.format.halves import checkpoint_pieces, encode_checkpoint, half_bounds
+from kvfs.format.records import (
     ENTRY_OVERHEAD,
     KIND_CKPT_END,
     KIND_TXN,
     PARSE_OK,
     Blob,
     Op,
-    Superblock,
     decode_ops,
     encode_entry,
     encode_ops,
     parse_entry,
 )
+from kvfs.format.superblock import Superblock
+from kvfs.journal import ApplySink, Journal, Recovered, recover, scan
 from kvfs.namespace import ROOT_INO, Namespace
 from kvfs.pool import Pool
 

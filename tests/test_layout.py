@@ -1,4 +1,4 @@
-"""Unit tests of kvfs.layout: every on-device record round-trips, and every
+"""Unit tests of kvfs.format.records: every on-device record round-trips, and every
 single-byte corruption is rejected (LevelDB ``log_test.cc`` style)."""
 
 from __future__ import annotations
@@ -11,9 +11,8 @@ import pytest
 import xxhash
 
 from kvfs.errors import Corruption
-from kvfs.layout import (
+from kvfs.format.records import (
     ENTRY_OVERHEAD,
-    FOREIGN_SIGNATURES,
     KIND_CKPT_BEGIN,
     KIND_PAD,
     KIND_TXN,
@@ -21,26 +20,29 @@ from kvfs.layout import (
     PARSE_END,
     PARSE_MORE,
     PARSE_OK,
-    SB_BLOCK,
-    SIGNATURE_PROBE,
     Blob,
     Dentry,
     Drop,
     InodeRecord,
-    Member,
     Op,
-    Superblock,
     Undentry,
     Xattr,
     decode_ops,
     encode_entry,
     encode_op,
     encode_ops,
-    foreign_signature,
     pad_entry,
     parse_entry,
     peek_entry,
     phys,
+)
+from kvfs.format.superblock import (
+    FOREIGN_SIGNATURES,
+    SB_BLOCK,
+    SIGNATURE_PROBE,
+    Member,
+    Superblock,
+    foreign_signature,
 )
 
 SEED = 0x1234_5678_9ABC_DEF0
@@ -374,7 +376,7 @@ def test_an_inode_without_units_encodes_as_the_general_path_does() -> None:
     rename or an unlink logs) writes the bytes the general path writes (the INODE
     head, its unit and run counts, the runs, the mapped checksums), and a record with
     checksums but no units still fails as before."""
-    from kvfs.layout import _INODE, _RUN, _inode_head, _runs
+    from kvfs.format.records import _INODE, _RUN, _inode_head, _runs
 
     def general(op: InodeRecord) -> bytes:
         runs = _runs(array("q", op.units))

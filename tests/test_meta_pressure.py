@@ -17,7 +17,7 @@ from test_store import CFG, get, memory_pool, no_leaks, serving, wait_until
 
 from kvfs.columns import ARENA_CHUNK, ROWS
 from kvfs.errors import NoSpace, NotFound
-from kvfs.journal import META_FULL
+from kvfs.format.geometry import META_FULL
 from kvfs.namespace import ROOT_INO, Inode
 from kvfs.space import META_HIGH
 from kvfs.store import Store

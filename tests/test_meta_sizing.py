@@ -11,20 +11,21 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from kvfs import pool as pool_mod
 from kvfs.device import Device, MemoryDevice
 from kvfs.errors import UserError
 from kvfs.evict import Evictor
-from kvfs.journal import META_FULL, encode_checkpoint, half_bounds
-from kvfs.layout import Image, phys
-from kvfs.namespace import ROOT_INO, Namespace
-from kvfs.pool import (
+from kvfs.format import geometry
+from kvfs.format.geometry import (
     CHECKPOINT_FILE_BYTES,
     CHECKPOINT_UNIT_BYTES,
     DEFAULT_MIN_META,
+    META_FULL,
     SPARE_FILES,
     default_meta_size,
 )
+from kvfs.format.halves import encode_checkpoint, half_bounds
+from kvfs.format.records import Image, phys
+from kvfs.namespace import ROOT_INO, Namespace
 
 MiB = 1 << 20
 FILES = 6000
@@ -113,7 +114,7 @@ def test_default_area_at_245_tb() -> None:
 
 
 class SizeOnly(Device):
-    """A device of a given size that is never read or written (``_layout`` only
+    """A device of a given size that is never read or written (``new_pool`` only
     looks at sizes)."""
 
     def __init__(self, size: int, path: str) -> None:
@@ -134,13 +135,13 @@ class SizeOnly(Device):
 
 def test_layout_sizes_and_refuses() -> None:
     devs: list[Device] = [SizeOnly(64 << 30, "big")]
-    sbs = pool_mod._layout(devs, MiB, 0, "")
+    sbs = geometry.new_pool(devs, MiB, 0, "")
     assert sbs[0].meta_size == default_meta_size((64 << 30) // MiB - 1, MiB)
-    smaller = pool_mod._layout(devs, MiB, 0, "", mean_file_size=8 * MiB)
+    smaller = geometry.new_pool(devs, MiB, 0, "", mean_file_size=8 * MiB)
     assert smaller[0].meta_size < sbs[0].meta_size
-    assert pool_mod._layout(devs, MiB, 3 * MiB, "")[0].meta_size == 3 * MiB
+    assert geometry.new_pool(devs, MiB, 3 * MiB, "")[0].meta_size == 3 * MiB
     with pytest.raises(UserError, match="at least 1 MiB"):
-        pool_mod._layout(devs, MiB, 512 << 10, "")
+        geometry.new_pool(devs, MiB, 512 << 10, "")
     tiny: list[Device] = [MemoryDevice(16 * MiB, "d0"), SizeOnly(64 << 30, "d1")]
     with pytest.raises(UserError, match="too small for the"):
-        pool_mod._layout(tiny, MiB, 0, "")
+        geometry.new_pool(tiny, MiB, 0, "")

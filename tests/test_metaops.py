@@ -20,9 +20,9 @@ from kvfs import alloc as alloc_mod
 from kvfs.alloc import Allocator
 from kvfs.errors import KvfsError, QuotaExceeded
 from kvfs.evict import QUOTA_XATTR
+from kvfs.format.records import encode_ops
 from kvfs.fs import Operations
 from kvfs.inodes import InodeTable
-from kvfs.layout import encode_ops
 from kvfs.namespace import ROOT_INO, Namespace
 from kvfs.store import Store
 

@@ -272,8 +272,9 @@ def test_refusals_name_the_missing_member_and_never_suggest_format(
 
 def transaction_offsets(devs: list[Path]) -> list[int]:
     """Byte offsets on member 1 of the transactions in the newest log half."""
-    from kvfs.journal import half_bounds, recover, scan
-    from kvfs.layout import KIND_TXN
+    from kvfs.format.halves import half_bounds
+    from kvfs.format.records import KIND_TXN
+    from kvfs.journal import recover, scan
     from kvfs.pool import open_pool
 
     p = open_pool([str(d) for d in devs])

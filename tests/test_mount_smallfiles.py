@@ -19,8 +19,8 @@ import pytest
 from conftest import KvfsMount, pattern, read_or_errno, write_file
 
 from kvfs import harness
+from kvfs.format.records import DEV_SHIFT, allocated_size, extent, is_fragment
 from kvfs.fsck import offline_index
-from kvfs.layout import DEV_SHIFT, allocated_size, extent, is_fragment
 from kvfs.namespace import ROOT_INO
 from kvfs.pool import open_pool
 

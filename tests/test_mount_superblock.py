@@ -30,8 +30,9 @@ from conftest import write_file as write
 from test_superblock import make_v1, overwrite, read_at
 
 from kvfs import harness
+from kvfs.format.records import DEV_SHIFT, NO_UNIT, UNIT_MASK
+from kvfs.format.superblock import SB_BLOCK, Superblock
 from kvfs.fsck import offline_index
-from kvfs.layout import DEV_SHIFT, NO_UNIT, SB_BLOCK, UNIT_MASK, Superblock
 
 MiB = 1 << 20
 KVFS = [sys.executable, "-m", "kvfs"]

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from kvfs import columns, nsimage
+from kvfs import columns
 from kvfs.columns import MIGRATE_STEP, ROWS, SHIFT, TOMB
 from kvfs.errors import (
     Exists,
@@ -28,7 +28,8 @@ from kvfs.errors import (
     NotPermitted,
     Stale,
 )
-from kvfs.layout import FLAG_GONE, FLAG_WRITING, NO_UNIT, Op, decode_ops, encode_ops, phys
+from kvfs.format import nsimage
+from kvfs.format.records import FLAG_GONE, FLAG_WRITING, NO_UNIT, Op, decode_ops, encode_ops, phys
 from kvfs.namespace import (
     RENAME_EXCHANGE,
     RENAME_NOREPLACE,

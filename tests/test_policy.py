@@ -10,8 +10,10 @@ from typing import Any
 
 import pytest
 
-from kvfs.evict import PART_POLICY, POLICY_BLOB, Evictor
-from kvfs.layout import Dentry, InodeRecord
+from kvfs.evict import Evictor
+from kvfs.format import policy_image as img
+from kvfs.format.owners import PART_POLICY, POLICY_BLOB
+from kvfs.format.records import Dentry, InodeRecord
 from kvfs.namespace import ROOT_INO, Namespace
 from kvfs.policy import (
     POLICY_NAMES,
@@ -22,7 +24,6 @@ from kvfs.policy import (
     LRUPolicy,
     make_policy,
 )
-from kvfs.policy import image as img
 
 SIZE = 100
 

@@ -14,12 +14,13 @@ import pytest
 from test_journal import V1_IMAGES, v1_maker
 from test_policy import RELEASE_0_2_IMAGE, _add_file, _namespace_with_files, order, run_ops
 
-from kvfs.evict import OWNERS_BLOB, PART_OWNERS, PART_POLICY, POLICY_BLOB, Evictor, OrphanList
+from kvfs.evict import Evictor, OrphanList
+from kvfs.format import policy_image as img
+from kvfs.format.owners import OWNERS_BLOB, PART_OWNERS, PART_POLICY, POLICY_BLOB
 from kvfs.inodes import F_DEAD
 from kvfs.namespace import EVICTOR_TAG, ROOT_INO, Namespace
 from kvfs.policy import POLICY_NAMES, make_policy
-from kvfs.policy import image as img
-from kvfs.policy.slots import DIRECT, FREE, LOOSE, ROWS, SlotColumn, SlotTable, runs
+from kvfs.slots import DIRECT, FREE, LOOSE, ROWS, SlotColumn, SlotTable, runs
 
 SIZE = 1 << 20
 
@@ -318,7 +319,7 @@ def test_first_mount_adopts_in_mtime_order_and_skips_dead_rows(
         mtimes = {ino: ino // 3 for ino in inos}
     for ino in inos:
         mode = stat.S_IFREG | 0o644
-        from kvfs.layout import Dentry, InodeRecord
+        from kvfs.format.records import Dentry, InodeRecord
 
         ns.apply(InodeRecord(ino, mode, 0, 0, 1, ino, 0, mtimes[ino], 0, 0, array("q"), array("Q")))
         ns.apply(Dentry(ROOT_INO, b"f%d" % ino, ino))
@@ -375,7 +376,7 @@ def test_runs_are_the_maximal_runs_of_consecutive_keys() -> None:
 def test_evictor_payloads_wrapped_as_image_ops_are_set_aside() -> None:
     """Offline tools (fsck's repair) carry the evictor's payloads as IMAGE ops of an
     ``encode_checkpoint``: replayed, they reach ``evictor_payloads`` too."""
-    from kvfs.layout import Image
+    from kvfs.format.records import Image
 
     ns = _namespace_with_files({5: 10, 6: 20})
     evictor = _evictor(ns, {})
@@ -453,7 +454,7 @@ def test_inode_numbers_up_to_2_28_are_direct_and_old_tables_keep_2_26() -> None:
     """A key below DIRECT (2^28: 2.7x10^8 inode numbers) is its own slot, no dict
     entry; a table recovered from a version 2 image keeps that release's 2^26 and
     maps the keys above it."""
-    from kvfs.policy.slots import LEGACY_DIRECT
+    from kvfs.slots import LEGACY_DIRECT
 
     table = SlotTable(2, ("I",))
     key = (1 << 27) + 5

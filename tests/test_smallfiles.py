@@ -27,8 +27,7 @@ from test_store import (
 from kvfs.check import Report, check_index
 from kvfs.device import MemoryDevice
 from kvfs.errors import Corruption, NotFound
-from kvfs.fsck import _check_data
-from kvfs.layout import (
+from kvfs.format.records import (
     DEV_SHIFT,
     NO_UNIT,
     allocated_size,
@@ -37,6 +36,7 @@ from kvfs.layout import (
     is_fragment,
     split_fragment,
 )
+from kvfs.fsck import _check_data
 from kvfs.namespace import ROOT_INO
 from kvfs.pool import Pool
 from kvfs.store import Store

@@ -17,22 +17,22 @@ import trio
 import xxhash
 from test_journal import v1_device, v1_maker
 
-import kvfs.journal as journal_mod
 from kvfs import pool as pool_mod
 from kvfs.device import Device, FaultyDevice, MemoryDevice
 from kvfs.errors import Corruption, DeviceError, KvfsError, NoSpace, NotFound
-from kvfs.journal import recover
-from kvfs.layout import (
+from kvfs.format import geometry, nsimage
+from kvfs.format.records import (
     DEV_SHIFT,
     ENTRY_VERSION,
     FLAG_WRITING,
     NO_UNIT,
     UNIT_MASK,
-    Superblock,
     extent,
     fragment_size,
     is_fragment,
 )
+from kvfs.format.superblock import Superblock
+from kvfs.journal import recover
 from kvfs.namespace import EVICTOR_TAG, ROOT_INO
 from kvfs.pool import Pool, format_pool, open_pool
 from kvfs.store import Store, StoreConfig
@@ -49,7 +49,7 @@ CFG = StoreConfig(
 
 def memory_pool(devices: int = 1, size: int = 16 << 20, unit: int = UNIT) -> Pool:
     devs: list[Device] = [MemoryDevice(size, f"mem{i}") for i in range(devices)]
-    sbs = pool_mod._layout(devs, unit, 1 << 20, "test")
+    sbs = geometry.new_pool(devs, unit, 1 << 20, "test")
     pool_mod._write_empty_pool(devs, sbs)
     return Pool(devs, sbs)
 
@@ -594,7 +594,7 @@ async def test_requests_are_answered_and_changes_kept_while_a_checkpoint_is_made
     lookups are answered, and files created and removed meanwhile, between its first
     and its last piece. The fuzzy checkpoint plus its window recover exactly the
     live state."""
-    monkeypatch.setattr(journal_mod, "CKPT_OPS", 4)  # a dozen pieces for 40 files
+    monkeypatch.setattr(nsimage, "SCAN_STEP", 4)  # many pieces for 40 files
     pool = memory_pool()
     names = {b"f%d" % i for i in range(40)}
     events: list[str] = []
@@ -711,9 +711,9 @@ async def test_a_pool_checkpointed_by_the_previous_release_mounts_with_every_byt
 ) -> None:
     """Upgrade: a checkpoint of operations (INODE, XATTR, DENTRY, BLOB records, what
     releases before the columnar index wrote) loads into the columns."""
+    from kvfs.format.halves import encode_checkpoint, half_bounds
+    from kvfs.format.nsimage import TAG
     from kvfs.fsck import offline_index
-    from kvfs.journal import encode_checkpoint, half_bounds
-    from kvfs.nsimage import TAG
 
     class Kinds:
         """Which kinds of checkpoint payload a log holds."""

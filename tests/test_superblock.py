@@ -24,11 +24,11 @@ import xxhash
 
 from kvfs.device import MemoryDevice
 from kvfs.errors import Corruption, UserError
+from kvfs.format.geometry import new_pool
+from kvfs.format.superblock import FORMAT_VERSION, MAX_MEMBERS, SB_BLOCK, Member, Superblock
 from kvfs.fsck import EXIT_CLEAN, EXIT_CORRECTED, EXIT_UNCORRECTED, fsck, upgrade
-from kvfs.layout import FORMAT_VERSION, MAX_MEMBERS, SB_BLOCK, Member, Superblock
 from kvfs.pool import (
     Pool,
-    _layout,
     format_pool,
     inspect_pool,
     open_for_upgrade,
@@ -298,7 +298,7 @@ def test_every_single_byte_corruption_of_a_version_1_superblock_is_rejected(xor:
 def test_upgraded_keeps_identities_and_frees_only_the_last_block() -> None:
     unit = UNIT
     devs = [MemoryDevice(s) for s in (40 * MiB, 24 * MiB, 24 * MiB + 8192)]
-    new = _layout(list(devs), unit, 8 * MiB, "x")
+    new = new_pool(list(devs), unit, 8 * MiB, "x")
     old = v1_of(new)
     assert [o.data_units - n.data_units for o, n in zip(old, new, strict=True)] == [1, 1, 0]
     again = upgraded(old)
@@ -310,7 +310,7 @@ def test_upgraded_keeps_identities_and_frees_only_the_last_block() -> None:
 def test_layout_leaves_the_last_block_to_the_backup_and_uses_the_rest() -> None:
     for sizes in ([32 * MiB], [32 * MiB, 20 * MiB + 4096], [24 * MiB, 24 * MiB - 4096]):
         devs = [MemoryDevice(s) for s in sizes]
-        sbs = _layout(list(devs), UNIT, 8 * MiB, "")
+        sbs = new_pool(list(devs), UNIT, 8 * MiB, "")
         for sb in sbs:
             assert Superblock.decode(sb.encode()) == sb
             end = sb.data_start + sb.data_units * UNIT

@@ -237,8 +237,9 @@ def _mount_answers(mnt: Path) -> str | None:
 # ============================================================ 6: one flipped journal bit
 def _txn_entries(image: Path) -> list[tuple[int, int, list[object]]]:
     """The newest half's TXN entries: (absolute payload offset, payload length, ops)."""
-    from kvfs.journal import half_bounds, recover, scan
-    from kvfs.layout import KIND_TXN, decode_ops
+    from kvfs.format.halves import half_bounds
+    from kvfs.format.records import KIND_TXN, decode_ops
+    from kvfs.journal import recover, scan
     from kvfs.pool import open_pool
 
     pool = open_pool([str(image)])
@@ -275,7 +276,7 @@ def test_flipped_bit_in_a_mid_log_transaction_loses_only_that_transaction(
     Today recovery ends the log there without a word: files 3-6 vanish, fsck exits 0,
     and the mount checkpoints the truncated state. A fixed kvfs reports the damage
     (fsck exit 4, an ERROR at mount) and keeps the intact later transactions."""
-    from kvfs.layout import FLAG_WRITING, InodeRecord
+    from kvfs.format.records import FLAG_WRITING, InodeRecord
 
     mnt = kvfs_mount.path
     image = tmp_path / "pool.img"

@@ -426,6 +426,7 @@ def in_process(counts: list[int]) -> None:
     from kvfs import pool as pool_mod
     from kvfs.alloc import Allocator
     from kvfs.device import Device, MemoryDevice
+    from kvfs.format import geometry
     from kvfs.fs import Operations
     from kvfs.namespace import ROOT_INO
     from kvfs.pool import Pool
@@ -433,7 +434,7 @@ def in_process(counts: list[int]) -> None:
 
     for n in counts:
         devs: list[Device] = [MemoryDevice(64 << 20, "mem0")]
-        sbs = pool_mod._layout(devs, 64 << 10, 1 << 20, "metaops")
+        sbs = geometry.new_pool(devs, 64 << 10, 1 << 20, "metaops")
         pool_mod._write_empty_pool(devs, sbs)
         store = Store(Pool(devs, sbs), StoreConfig(cache_bytes=1 << 20))
         store.load()
@@ -493,6 +494,7 @@ def handlers(counts: list[int], rounds: int = 3) -> None:
 
     from kvfs import pool as pool_mod
     from kvfs.device import Device, MemoryDevice
+    from kvfs.format import geometry
     from kvfs.fs import Operations
     from kvfs.namespace import ROOT_INO
     from kvfs.pool import Pool
@@ -505,7 +507,7 @@ def handlers(counts: list[int], rounds: int = 3) -> None:
     async def one(n: int) -> dict[str, float]:
         meta = max(64 << 20, n * 1024)  # room for N empty files, as the mount test has
         devs: list[Device] = [MemoryDevice(4 * meta + (64 << 20), "mem0")]
-        sbs = pool_mod._layout(devs, 1 << 20, meta, "handlers")
+        sbs = geometry.new_pool(devs, 1 << 20, meta, "handlers")
         pool_mod._write_empty_pool(devs, sbs)
         store = Store(Pool(devs, sbs), StoreConfig(cache_bytes=1 << 20))
         store.load()

@@ -29,8 +29,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvfs import harness
-from kvfs.journal import encode_checkpoint, half_bounds
-from kvfs.layout import Xattr
+from kvfs.format.halves import encode_checkpoint, half_bounds
+from kvfs.format.records import Xattr
 from kvfs.namespace import Namespace
 from kvfs.pool import _write, format_pool, open_pool
 from kvfs.store import Store

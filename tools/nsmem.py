@@ -19,8 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kvfs.format.records import Xattr
 from kvfs.harness import fill_namespace
-from kvfs.layout import Xattr
 from kvfs.namespace import Namespace
 
 PER_DIR = 1000

@@ -21,7 +21,7 @@ One policy per module: :mod:`~kvfs.policy.lru`, :mod:`~kvfs.policy.fifo`,
 :mod:`~kvfs.policy.prefix` (``"kvfs"``, the prefix-aware segmented policy),
 :mod:`~kvfs.policy.prefix_lru` (``"prefix-lru"``) and :mod:`~kvfs.policy.adaptive`
 (``"adaptive"``, which follows the better of the last two); the slot table they
-share is :mod:`~kvfs.policy.slots` and the image codec :mod:`~kvfs.policy.image`.  Design and
+share is :mod:`~kvfs.slots` and the image codec :mod:`~kvfs.format.policy_image`.  Design and
 measurements: ``docs/eviction.md``.
 """
 

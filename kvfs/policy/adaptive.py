@@ -31,9 +31,9 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Collection, Hashable, Iterator
 
+from kvfs.format import policy_image as img
+from kvfs.format.policy_image import Image
 from kvfs.policy import PolicyStatistics
-from kvfs.policy import image as img
-from kvfs.policy.image import Image
 from kvfs.policy.prefix import KvfsPolicy
 from kvfs.policy.prefix_lru import PrefixLRUPolicy
 

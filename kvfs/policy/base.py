@@ -6,12 +6,12 @@ from array import array
 from collections.abc import Collection, Iterator
 from typing import TYPE_CHECKING, ClassVar
 
+from kvfs.format import policy_image as img
 from kvfs.policy import PolicyStatistics
-from kvfs.policy import image as img
-from kvfs.policy.slots import DIRECT, MASK, NO_KEY, ROWS, SHIFT, SlotTable
+from kvfs.slots import DIRECT, MASK, NO_KEY, ROWS, SHIFT, SlotTable
 
 if TYPE_CHECKING:
-    from kvfs.policy.image import Columns, Image
+    from kvfs.format.policy_image import Columns, Image
 
 ORDER = 0
 """The single list of LRU and FIFO (list ids double as sentinel slots)."""
@@ -186,7 +186,7 @@ class LinkedPolicy:
         return img.encode_pieces(self._kind, table, len(self._lists), scalars)
 
     def persist(self) -> bytes:
-        """Encode the state as an image (``kvfs.policy.image``, ``docs/format.md``)."""
+        """Encode the state as an image (``kvfs.format.policy_image``, ``docs/format.md``)."""
         return b"".join(self.persist_pieces())
 
     def recover(self, data: bytes) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterator
 
+from kvfs.format import policy_image as img
 from kvfs.policy import PolicyStatistics
-from kvfs.policy import image as img
 from kvfs.policy.base import ORDER, LinkedPolicy
 
 

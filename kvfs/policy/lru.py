@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
-from kvfs.policy import image as img
+from kvfs.format import policy_image as img
 from kvfs.policy.base import ORDER
 from kvfs.policy.fifo import FIFOPolicy
 

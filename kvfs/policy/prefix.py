@@ -5,19 +5,18 @@ Design, ablations and measurements in ``docs/eviction.md``.
 
 from __future__ import annotations
 
-import struct
 from array import array
 from collections import OrderedDict
 from collections.abc import Collection, Hashable, Iterator
 from typing import TYPE_CHECKING
 
+from kvfs.format import policy_image as img
 from kvfs.policy import PolicyStatistics
-from kvfs.policy import image as img
 from kvfs.policy.base import LinkedPolicy
-from kvfs.policy.slots import NO_KEY
+from kvfs.slots import NO_KEY
 
 if TYPE_CHECKING:
-    from kvfs.policy.image import Image
+    from kvfs.format.policy_image import Image
 
 _DEAD = 0  # KvfsPolicy: keys whose learned predecessor is gone
 _PROBATION = 1  # KvfsPolicy: new, not (yet) re-used keys; FIFO/LRU order
@@ -37,7 +36,6 @@ _SHARE_MAX = 0.95
 _SOON = 4  # a probation ghost hit counts if its gap is under horizon / _SOON
 _PEAK_DECAY = 16  # the byte high-water mark forgets 1/65536 per new key
 _GHOST_MIN = 1024  # evicted keys remembered at least, whatever the resident count
-_FLOAT, _FLOAT_BITS = struct.Struct("<d"), struct.Struct("<q")
 RULES = frozenset({"dead-first", "cold-main", "chain-order", "lirs-admit", "adapt"})
 """Rules an ablation may switch off (``KvfsPolicy(without=...)``, docs/eviction.md)."""
 
@@ -86,7 +84,7 @@ class KvfsPolicy(LinkedPolicy):
     dead list; re-writing the key brings the successor back.
 
     Time is a logical clock of track/touch calls.  State is kept in typed columns
-    (see :class:`~kvfs.policy.slots.SlotTable`): 29 B per inode number (resident or
+    (see :class:`~kvfs.slots.SlotTable`): 29 B per inode number (resident or
     ghost key), ~100 B more for a key that is not an inode number.
     A version 2 image keeps the adaptive thresholds; ``recover()`` of a version 1
     image restarts them.
@@ -483,7 +481,7 @@ class KvfsPolicy(LinkedPolicy):
 
     def _extra_scalars(self) -> list[int]:
         # the adaptive thresholds too (floats as their int64 bit patterns)
-        share, cold = (_FLOAT_BITS.unpack(_FLOAT.pack(x))[0] for x in (self._share, self._cold))
+        share, cold = img.float_bits(self._share), img.float_bits(self._cold)
         return [*self._seg_bytes, self._promotions, self._evictions, self._peak, share, cold]
 
     def _set_extra(self, values: list[int]) -> None:
@@ -492,7 +490,7 @@ class KvfsPolicy(LinkedPolicy):
             raise ValueError("policy image: wrong scalar count")
         self._seg_bytes = list(values[:n])
         self._promotions, self._evictions, self._peak = values[n : n + 3]
-        share, cold = (_FLOAT.unpack(_FLOAT_BITS.pack(v))[0] for v in values[n + 3 :])
+        share, cold = (img.bits_float(v) for v in values[n + 3 :])
         if not (0.0 <= share <= 1.0 and _COLD_MIN <= cold <= _COLD_MAX):
             raise ValueError("policy image: thresholds out of range")
         self._share, self._cold = share, cold

@@ -21,12 +21,12 @@ from collections import OrderedDict
 from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
-from kvfs.policy import image as img
+from kvfs.format import policy_image as img
 from kvfs.policy.base import ORDER
 from kvfs.policy.fifo import FIFOPolicy
 
 if TYPE_CHECKING:
-    from kvfs.policy.image import Image
+    from kvfs.format.policy_image import Image
 
 STREAM_MEMORY = 4096
 """Streams remembered (the oldest is forgotten first)."""

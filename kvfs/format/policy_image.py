@@ -27,7 +27,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvfs.policy.slots import DIRECT, FREE, LEGACY_DIRECT, NO_KEY, ROWS, SHIFT, SlotTable
+from kvfs.slots import DIRECT, FREE, LEGACY_DIRECT, NO_KEY, ROWS, SHIFT, SlotTable
 
 FORMAT_VERSION = 1
 MAGIC = b"KVEP"
@@ -193,6 +193,19 @@ def encode(
     parts.append(_int64(ghost_last))
     body = b"".join(parts)
     return body + CRC.pack(zlib.crc32(body))
+
+
+_FLOAT, _FLOAT_BITS = struct.Struct("<d"), struct.Struct("<q")
+
+
+def float_bits(x: float) -> int:
+    """A float scalar as the int64 of its IEEE 754 bits (images hold int64 scalars)."""
+    return int(_FLOAT_BITS.unpack(_FLOAT.pack(x))[0])
+
+
+def bits_float(v: int) -> float:
+    """The float whose bits ``float_bits`` gave."""
+    return float(_FLOAT.unpack(_FLOAT_BITS.pack(v))[0])
 
 
 def _int64(column: array[int]) -> bytes:

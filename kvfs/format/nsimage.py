@@ -31,6 +31,10 @@ _META = struct.Struct("<IQQQQQQQ")
 _MIGRATION = struct.Struct("<QQQ")
 """Appended to META since version 2: the name index's old table while it is being
 migrated (slots, 0: none; used; cursor)."""
+XATTR_SET_LEN = struct.Struct("<H")
+"""An xattr set in the arena: its length, then ``XATTR_HEAD`` + value per xattr."""
+XATTR_HEAD = struct.Struct("<HH")  # xattr name id, value length (arena sets are < 4 KiB)
+BIG_XATTR_HEAD = struct.Struct("<HI")  # the same in the big-xattr side table
 _PAIR = struct.Struct("<QI")
 _OWNER = struct.Struct("<II")
 _LINK = struct.Struct("<BI")
