@@ -42,13 +42,12 @@ import trio.lowlevel
 from kvfs.device import ALIGN, Device, aligned_buffer
 from kvfs.errors import DeviceError
 from kvfs.format.geometry import META_FULL
-from kvfs.format.halves import half_bounds
+from kvfs.format.halves import checkpoint_end, half_bounds
 from kvfs.format.records import (
     ENTRY_OVERHEAD,
     ENTRY_VERSION,
     KIND_CKPT_BEGIN,
     KIND_CKPT_DATA,
-    KIND_CKPT_END,
     KIND_TXN,
     Op,
     commit_entry,
@@ -333,9 +332,7 @@ class Journal:
                     stage, staged = [], 0
                 await self._commit_meanwhile()
             seq += 1
-            stage.append(
-                encode_entry(KIND_CKPT_END, generation, seq, count.to_bytes(8, "little"), seed)
-            )
+            stage.append(checkpoint_end(generation, seq, count, seed))
             ckpt_size = new.offset + staged + len(stage[-1])
             # the window ends here: from now on appends wait for the new half
             window, self._window = self._window, None

@@ -84,7 +84,7 @@ class Pool:
     @property
     def seed(self) -> int:
         """Checksum seed of this pool's metadata, from its UUID."""
-        return int.from_bytes(self.superblocks[0].pool_uuid[:8], "little")
+        return self.superblocks[0].log_seed
 
     @property
     def meta(self) -> tuple[Device, int, int]:
@@ -187,7 +187,7 @@ def _check_formattable(dev: Device, force: bool) -> None:
 
 def _write_empty_pool(devices: list[Device], sbs: list[Superblock]) -> None:
     sb0 = sbs[0]
-    seed = int.from_bytes(sb0.pool_uuid[:8], "little")
+    seed = sb0.log_seed
     ns = Namespace(lambda ops: None)
     ns.init_root(os.getuid(), os.getgid())
     data, _, _ = encode_checkpoint(ns.snapshot(), 1, 0, seed)

@@ -391,3 +391,36 @@ def test_an_inode_without_units_encodes_as_the_general_path_does() -> None:
         assert list(decode_ops(raw)) == [rec]
     with pytest.raises(ValueError):
         encode_op(InodeRecord(9, 0o100644, 0, 0, 1, 0, 1, 2, 3, 0, array("q"), array("Q", [5])))
+
+
+# Modules outside kvfs/format that pack bytes, and why none of them are device bytes.
+NOT_DEVICE_BYTES = {
+    "device.py": "ioctl arguments and results (kernel ABI)",
+    "identity.py": "an ioctl's result (kernel ABI)",
+    "evict.py": "an in-memory search pattern over the owner column",
+}
+
+
+def test_every_device_record_is_packed_inside_the_format_package() -> None:
+    """``docs/format.md`` has one executable form, ``kvfs/format/``: no other module
+    builds a ``struct`` record (the exceptions above pack kernel or memory bytes)."""
+    import ast
+    from pathlib import Path
+
+    import kvfs
+
+    root = Path(kvfs.__file__).parent
+    found: dict[str, list[int]] = {}
+    for path in sorted(root.rglob("*.py")):
+        if path.parent.name == "format":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "struct"
+                and node.attr in ("Struct", "pack", "pack_into", "unpack", "unpack_from")
+            ):
+                found.setdefault(str(path.relative_to(root)), []).append(node.lineno)
+    assert found, "the scan found nothing at all: it is not looking at kvfs"
+    assert set(found) == set(NOT_DEVICE_BYTES), found

@@ -33,6 +33,11 @@ def half_bounds(meta_start: int, meta_size: int, half: int) -> tuple[int, int]:
     return meta_start + half * size, size
 
 
+def checkpoint_end(generation: int, seq: int, count: int, seed: int) -> bytes:
+    """The CKPT_END entry of a checkpoint of ``count`` CKPT_DATA entries."""
+    return encode_entry(KIND_CKPT_END, generation, seq, count.to_bytes(8, "little"), seed)
+
+
 def checkpoint_pieces(ops: Iterable[Op], per_piece: int = 0) -> Iterator[bytes]:
     """CKPT_DATA payloads of ``per_piece`` (default CKPT_OPS) operations each, encoded
     lazily: the next piece is taken from ``ops`` only when asked for."""
@@ -63,7 +68,7 @@ def encode_checkpoint(
         pieces.append(encode_entry(KIND_CKPT_DATA, generation, seq, payload, seed))
     n_data = len(pieces) - 1  # CKPT_END holds the number of CKPT_DATA entries
     seq += 1
-    pieces.append(encode_entry(KIND_CKPT_END, generation, seq, n_data.to_bytes(8, "little"), seed))
+    pieces.append(checkpoint_end(generation, seq, n_data, seed))
     seq += 1
     pieces.append(commit_entry(generation, seq, seed))
     return b"".join(pieces), seq, count

@@ -77,6 +77,12 @@ class Superblock:
     members: tuple[Member, ...] = ()
 
     @property
+    def log_seed(self) -> int:
+        """Seed of the metadata log's checksums (its first 8 UUID bytes, little-endian):
+        entries of another pool's log never verify."""
+        return int.from_bytes(self.pool_uuid[:8], "little")
+
+    @property
     def member(self) -> Member:
         """This device's own row of the member table."""
         return Member(self.device_uuid, self.device_size, self.data_start, self.data_units)
