@@ -124,12 +124,16 @@ def test_creates_go_on_in_a_kvfs_managed_directory(pool: tuple[Path, Path]) -> N
         d.mkdir()  # kvfs-managed: the default policy
         write_all(d, 0, FILES)
         m = settled(mnt)
-        # the area holds fewer than FILES files at its limit: some must have gone
-        # (how many depends on the bytes per file of this release's checkpoint)
-        assert m["area_bytes"] == MiB and m["evictions"] > FILES // 4, m
+        assert m["area_bytes"] == MiB and m["evictions"] > 0, m
         assert m["checkpoint_bytes"] <= m["limit_bytes"], m
         alive = survivors(d, FILES)
         assert FILES // 5 < len(alive) <= FILES - m["evictions"], (len(alive), m)
+        # the evictions were needed: at this release's checkpoint bytes per file (an
+        # overestimate if files went after that checkpoint) all FILES would not fit.
+        # How many went depends on when the checkpoints fell (1101-1471 of 4500 seen),
+        # so no fixed count is asserted.
+        per_file = m["checkpoint_bytes"] / len(alive)
+        assert FILES * per_file > m["limit_bytes"], (per_file, m)
         assert FILES - 1 in alive and FILES - 100 in alive, "the newest files went"
         stats = subprocess.run(
             [sys.executable, "-m", "kvfs", "stats", str(mnt)], capture_output=True, text=True

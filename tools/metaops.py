@@ -17,6 +17,9 @@ the same phases, each timed on the wall clock:
 - ``ls_cold``: ``ls -l a > /dev/null`` after ``drop_caches`` (kvfs: the kernel forgets
   its dentries, so the listing starts from READDIRPLUS); ``ls_warm``: the same again;
   ``ls_wc``: ``ls -l a | wc -l`` (checked to print N + 1 lines).
+- ``stat_missing``: ``stat`` of N distinct names that do not exist in ``a``: on kvfs
+  one LOOKUP round trip each, so the per-request floor of the FUSE binding in the
+  same run as the operations that need several (rename: 3, unlink: 2-3).
 - ``statvfs`` and ``df``: median of ``--calls`` ``os.statvfs`` calls (µs), and one
   ``df`` process; ``stats`` (kvfs only): median time of the ``user.kvfs.stats``
   ``getxattr`` that ``kvfs stats`` reads (µs). Taken while the N files exist.
@@ -83,6 +86,7 @@ PHASES = (
     "ls_cold",
     "ls_warm",
     "ls_wc",
+    "stat_missing",
     "statvfs_us",
     "df",
     "stats_us",
@@ -90,7 +94,16 @@ PHASES = (
     "rename_cross",
     "unlink",
 )
-PER_FILE = {"create", "ls_cold", "ls_warm", "ls_wc", "rename_same", "rename_cross", "unlink"}
+PER_FILE = {
+    "create",
+    "ls_cold",
+    "ls_warm",
+    "ls_wc",
+    "stat_missing",
+    "rename_same",
+    "rename_cross",
+    "unlink",
+}
 PER_DIR = 1000
 
 
@@ -230,6 +243,17 @@ def create(d: Path, n: int, prefix: str) -> None:
         os.close(os.open(d / f"{prefix}{i:08d}", flags, 0o644))
 
 
+def stat_missing(d: Path, n: int, prefix: str) -> None:
+    """``stat`` of ``n`` distinct names that do not exist: on kvfs one LOOKUP round
+    trip each (a negative entry, never asked again), the binding's floor per request."""
+    for i in range(n):
+        try:
+            os.stat(d / f"{prefix}{i:08d}")
+        except FileNotFoundError:
+            continue
+        raise RuntimeError(f"{d}/{prefix}{i:08d} exists")
+
+
 def rename_all(src: Path, sp: str, dst: Path, dp: str, n: int) -> None:
     for i in range(n):
         os.rename(src / f"{sp}{i:08d}", dst / f"{dp}{i:08d}")
@@ -284,6 +308,7 @@ def one_rep(fs: Any, n: int, calls: int, rep: int) -> tuple[dict[str, float], di
     phase("ls_cold", ls_l, a)
     phase("ls_warm", ls_l, a)
     phase("ls_wc", ls_wc, a, n)
+    phase("stat_missing", stat_missing, a, n, "m")
     res["statvfs_us"] = median_us(lambda: os.statvfs(root), calls)
     res["df"] = timed(_df, ["df", str(root)], {"stdout": subprocess.DEVNULL})
     if fs.name == "kvfs":
