@@ -312,7 +312,8 @@ class Blob:
 
 @dataclass(frozen=True, slots=True)
 class Image:
-    """TEMPORARY GLUE: one ``Namespace.snapshot_payloads()`` payload as an op."""
+    """One ``Namespace.snapshot_payloads()`` payload carried as an operation (IMAGE):
+    how a checkpoint written offline by ``halves.encode_checkpoint`` holds the image."""
 
     payload: bytes
 
