@@ -7,13 +7,13 @@ millions of units — and freeing is a slice assignment. A next-fit cursor per d
 spreads writes over the device and keeps freshly freed runs coalesced: neighbours
 are merged for free because the map *is* the coalesced state.
 
-Small files and tails: a unit may be split into fragments (``format.records.fragment_size``,
-4 KiB at 1 MiB units). A *host* unit is used in the unit map and has a byte per
-fragment of its own; a file's last, partial unit takes a run of fragments in a host
-with room (the first few hosts with enough free fragments are tried, then a fresh unit
-becomes a host), and a host whose last fragment is freed goes back to the unit map.
-Addresses are unit fields (``kvfs.format.records``): a field with ``FRAG_FLAG`` names fragments, and
-``free``/``mark_used`` take either form.
+Small files and tails: a unit may be split into fragments
+(``format.records.fragment_size``, 4 KiB at 1 MiB units). A *host* unit is used in the
+unit map and has a byte per fragment of its own; a file's last, partial unit takes a
+run of fragments in a host with room (the first few hosts with enough free fragments
+are tried, then a fresh unit becomes a host), and a host whose last fragment is freed
+goes back to the unit map. Addresses are unit fields (``kvfs.format.records``): a
+field with ``FRAG_FLAG`` names fragments, and ``free``/``mark_used`` take either form.
 
 Nothing here is persisted: at mount the map is rebuilt from the index (every unit an
 inode maps is used), so the index and the allocator cannot disagree.

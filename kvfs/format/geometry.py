@@ -14,11 +14,11 @@ from typing import Protocol
 
 from kvfs.device import ALIGN
 from kvfs.errors import UserError
+from kvfs.format.records import MIN_UNIT
 from kvfs.format.superblock import RESERVED_HEAD, SB_BLOCK, Member, Superblock
 
 META_FULL = 0.75
 """Fraction of a half a checkpoint may fill before growth is refused (ENOSPC)."""
-MIN_UNIT = 64 * 1024
 MAX_UNIT = 64 << 20
 DEFAULT_UNIT = 1 << 20
 MIN_META = 1 << 20

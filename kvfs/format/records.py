@@ -170,7 +170,7 @@ NO_UNIT = -1
 """Marks a hole in an inode's unit map."""
 DEV_SHIFT = 48
 UNIT_MASK = (1 << DEV_SHIFT) - 1
-_MIN_UNIT = 64 * 1024
+MIN_UNIT = 64 * 1024
 """Smallest unit size a pool can have: an inode maps at most ceil(size / this) units."""
 
 _INODE = struct.Struct("<BQIIIIQqqqIII")
@@ -428,7 +428,7 @@ def _decode_inode(buf: bytes, pos: int) -> tuple[InodeRecord, int]:
         f = _INODE_RUN.unpack_from(buf, pos)
         nunits, size, ls, n, dev, ps = f[11], f[6], f[13], f[14], f[15], f[16]
         if f[12] == 1 and ls == 0 and n == nunits:
-            if nunits > -(-size // _MIN_UNIT):
+            if nunits > -(-size // MIN_UNIT):
                 raise Corruption(f"inode {f[1]}: {nunits} units for {size} bytes")
             if dev >= _MAX_DEV or ps + n > UNIT_MASK:
                 raise Corruption(f"inode {f[1]}: run beyond its unit map")
@@ -448,7 +448,7 @@ def _decode_inode(buf: bytes, pos: int) -> tuple[InodeRecord, int]:
     pos += _INODE.size
     # Validate against the bytes present before allocating anything: a forged count
     # must not turn into a multi-GiB unit map or a billion-step loop.
-    if nunits > -(-size // _MIN_UNIT):
+    if nunits > -(-size // MIN_UNIT):
         raise Corruption(f"inode {f[1]}: {nunits} units for {size} bytes")
     end = pos + nruns * _RUN.size
     if end > len(buf):

@@ -24,7 +24,6 @@ RESERVED_HEAD = 1 << 20
 MAX_MEMBERS = 64
 """Devices a pool may have: the member table of every superblock lists them all."""
 
-# ----------------------------------------------------------------------------- superblock
 _SB = struct.Struct("<8sII16s16sIIIIQQQQQQQ32s")
 assert _SB.size == 152
 _SB_CSUM = struct.Struct("<Q")
