@@ -221,7 +221,7 @@ class Evictor:
         self._starts: dict[int, int] = {}
         self.grace = grace
         self._fresh: dict[int, float] = {}  # ino -> end of its grace, in commit order
-        self._gone: dict[int, int] = {}  # hash((parent, name)) -> ino of a gone file
+        self._gone: dict[int, int] = {}  # hash((parent, name)) -> a gone file's ghost
         self.evictions = self.orphan_evictions = 0
 
     # ------------------------------------------------------------------ events
@@ -416,11 +416,14 @@ class Evictor:
     def committed(self, inode: Inode, pid: int) -> None:
         """A file was closed with new data: track it, and give it its grace. A new
         file with the name of one that went (an evicted chunk written again)
-        inherits what the policy remembers of it (``EvictionPolicy.rekey``)."""
-        if inode.ino not in self.policy and self._gone:
-            old = self._gone.pop(hash((inode.parent, inode.name)), None)
-            if old is not None:
-                self.policy.rekey(old, inode.ino)
+        inherits what the policy remembers of it (``EvictionPolicy.put_ghost``)."""
+        if inode.ino not in self.policy:
+            # the namespace reuses inode numbers: what the policy remembers under this
+            # one was another file's; what it remembers of this name is this file's
+            self.policy.renew(inode.ino)
+            ghost = self._gone.pop(hash((inode.parent, inode.name)), None) if self._gone else None
+            if ghost is not None:
+                self.policy.put_ghost(inode.ino, ghost)
         self.policy.track(inode.ino, inode.size, (pid, inode.parent))
         self._fresh.pop(inode.ino, None)
         self._fresh[inode.ino] = time.monotonic() + self.grace
@@ -443,12 +446,15 @@ class Evictor:
 
     def forget(self, ino: int) -> None:
         inode = self.ns.inodes.get(ino)
-        if inode is not None and ino in self.policy:  # remember its name for rekey()
-            gone = self._gone
-            gone[hash((inode.parent, inode.name))] = ino
-            while len(gone) > max(GONE_MIN, len(self.policy)):
-                del gone[next(iter(gone))]
+        tracked = inode is not None and ino in self.policy
         self.policy.remove(ino)
+        if tracked:  # what the policy remembers of it goes with its name, not its number
+            ghost = self.policy.take_ghost(ino)
+            if ghost is not None:
+                gone = self._gone
+                gone[hash((inode.parent, inode.name))] = ghost  # type: ignore[union-attr]
+                while len(gone) > max(GONE_MIN, len(self.policy)):
+                    del gone[next(iter(gone))]
         self.orphans.pop(ino, None)
         self._fresh.pop(ino, None)
         self.forget_owner(ino)

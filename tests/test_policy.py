@@ -390,9 +390,15 @@ def test_prefix_lru_files_a_prompt_tail_first_and_sees_request_boundaries() -> N
 
 
 def _loop(policy: EvictionPolicy, rounds: int = 6) -> int:
+    """8 users' prompts of 10 chunks after a shared one (a system prompt), in a
+    loop over a cache of 40 chunks; returns the hits on the users' own chunks."""
     hit = 0
     for _round in range(rounds):
         for user in range(8):
+            if 9999 in policy:
+                policy.touch(9999, user)
+            else:
+                policy.track(9999, SIZE, user)
             for key in [user * 100 + i for i in range(10)]:
                 if key in policy:
                     hit += 1
@@ -490,38 +496,136 @@ def test_every_policy_adopts_every_other_policys_image(source: str) -> None:
         assert kvfs.persist_v1() == writer.loop.persist_v1()  # type: ignore[attr-defined]
 
 
-def test_rekey_lets_a_rewritten_file_hit_its_ghost() -> None:
-    """On a mount a chunk written again after its eviction is a new inode: with
-    ``rekey`` the policy still sees the ghost hit (kvfs: admission to main;
-    adaptive: a regret), without it the rewrite looks like a brand-new key."""
+def test_a_ghost_handed_over_lets_a_rewritten_file_hit_it() -> None:
+    """On a mount a chunk written again after its eviction is a new inode: with its
+    ghost handed over (``take_ghost`` / ``put_ghost``) the policy still sees the
+    ghost hit (kvfs: admission to main; adaptive: a regret), without it the rewrite
+    looks like a brand-new key."""
     results = {}
-    for rekey in (False, True):
+    for hand_over in (False, True):
         policy = KvfsPolicy()
         for key in range(2, 12):
             policy.track(key, SIZE, "s")
         policy.remove(5)  # evicted
-        if rekey:
-            policy.rekey(5, 105)
-            assert 5 not in policy and policy.statistics().ghost_keys == 1
+        assert policy.take_ghost(6) is None  # resident: no ghost
+        if hand_over:
+            ghost = policy.take_ghost(5)
+            assert ghost is not None and policy.take_ghost(5) is None
+            assert policy.statistics().ghost_keys == 0
+            policy.put_ghost(105, ghost)
+            assert 105 not in policy and policy.statistics().ghost_keys == 1
         policy.track(105, SIZE, "s")  # the same chunk, a new inode
-        results[rekey] = policy.statistics()
+        results[hand_over] = policy.statistics()
     assert results[False].main_keys == 0 and results[True].main_keys == 1
     assert results[True].ghost_keys == 0
     lru = make_policy("lru")
     lru.track(2, SIZE, "s")
-    lru.rekey(2, 3)  # resident: nothing changes
-    assert order(lru) == [2]
+    lru.remove(2)
+    assert lru.take_ghost(2) is None  # no ghosts kept
+    adaptive = AdaptivePolicy()
+    _loop(adaptive, rounds=3)  # the experts disagree on a loop
+    before = sum(adaptive.regrets)
+    victim = next(adaptive.victims())
+    adaptive.remove(victim)
+    assert victim in adaptive._history  # the other expert would have kept it
+    ghost = adaptive.take_ghost(victim)
+    assert ghost is not None and victim not in adaptive._history
+    adaptive.put_ghost(5000, ghost)
+    adaptive.touch(next(iter(adaptive.keys())), 3)  # a hit first: the rewrite starts a run
+    adaptive.track(5000, SIZE, 3)
+    assert sum(adaptive.regrets) == before + 1
+
+
+def test_renew_drops_the_ghost_of_a_reused_number() -> None:
+    """The namespace hands a gone inode's number to the next file: that file is new,
+    not a rewrite of the gone one, so no ghost hit (kvfs) and no regret (adaptive)."""
+    policy = KvfsPolicy()
+    for key in range(2, 12):
+        policy.track(key, SIZE, "s")
+    policy.remove(5)
+    policy.renew(5)
+    assert policy.statistics().ghost_keys == 0
+    policy.renew(6)  # resident: unchanged
+    assert 6 in policy
+    policy.track(5, SIZE, "t")
+    assert policy.statistics().main_keys == 0  # an ordinary newcomer (probation)
+    adaptive = AdaptivePolicy()
+    _loop(adaptive, rounds=3)
+    victim = next(adaptive.victims())
+    adaptive.remove(victim)
+    before = list(adaptive.regrets)
+    adaptive.renew(victim)
+    adaptive.track(victim, SIZE, 99)
+    assert adaptive.regrets == before
+
+
+def test_adaptive_counts_one_regret_per_run_of_rewrites() -> None:
+    """Under the prefix rule a chunk after a missing one is a miss whatever is
+    cached: a stream rewriting a chain it lost is one mistake, not one per chunk."""
+    counts = []
+    for hit_between in (False, True):
+        adaptive = AdaptivePolicy()
+        _loop(adaptive, rounds=3)
+        taken: list[int] = []
+        while len(taken) < 3:
+            victim = next(adaptive.victims())
+            adaptive.remove(victim)
+            if victim in adaptive._history:
+                taken.append(victim)
+        resident = next(iter(adaptive.keys()))
+        adaptive.touch(resident, "u")  # a hit: the stream's next write starts a run
+        before = sum(adaptive.regrets)
+        for key in taken:
+            if hit_between:
+                adaptive.touch(resident, "u")
+            adaptive.track(key, SIZE, "u")
+        counts.append(sum(adaptive.regrets) - before)
+    assert counts == [1, 3]
+
+
+def test_adaptive_eviction_both_experts_agree_on_is_nobodys_regret() -> None:
+    """LeCaR's rule: a key both experts would evict goes to no history, so its
+    rewrite moves no weight; one only the followed expert picks does."""
     adaptive = AdaptivePolicy()
     for key in range(2, 12):
         adaptive.track(key, SIZE, "s")
-    victim = next(adaptive.victims())
-    adaptive.remove(victim)
-    adaptive.rekey(victim, 500)
-    adaptive.track(500, SIZE, "s")
-    assert sum(adaptive.regrets) == 1
+    first = next(adaptive.recency.victims())
+    assert first == next(adaptive.loop.victims())
+    assert next(adaptive.victims()) == first
+    adaptive.remove(first)
+    adaptive.track(first, SIZE, "s")
+    assert adaptive.regrets == [0, 0] and adaptive.weights == [0.5, 0.5]
+    _loop(adaptive, rounds=3)
+    disagreed = 0
+    for _ in range(20):
+        victim = next(adaptive.victims())
+        other = 1 - adaptive._chosen
+        agreed = next(adaptive._experts[other].victims()) == victim
+        adaptive.remove(victim)
+        assert (victim in adaptive._history) is not agreed
+        disagreed += not agreed
+    assert disagreed > 0
 
 
-def test_evictor_rekeys_a_file_written_under_a_gone_files_name() -> None:
+def test_adaptive_agreement_passes_over_keys_the_caller_skips() -> None:
+    """The store skips open files: agreement is judged on the first victim the
+    caller could take, in both experts' orders."""
+    adaptive = AdaptivePolicy()
+    for key in range(2, 12):
+        adaptive.track(key, SIZE, "s")
+    walk = adaptive.victims()
+    skipped = next(walk)  # kept by the caller (an open file)
+    taken = next(walk)
+    adaptive.remove(taken)
+    assert skipped in adaptive and taken not in adaptive._history
+
+
+def test_evictor_rekeys_a_file_written_under_a_gone_files_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # two files: both experts would evict the same one (no regret, LeCaR's rule);
+    # this test is about the evictor's plumbing, so the experts never agree here
+    monkeypatch.setattr("kvfs.policy.adaptive._first_victim", lambda expert, skipped: None)
     ns = Namespace(lambda ops: None)
     ns.init_root(0, 0)
     _add_file(ns, 5, 100, b"chunk-a")
@@ -535,6 +639,7 @@ def test_evictor_rekeys_a_file_written_under_a_gone_files_name() -> None:
     evictor.forget(victim)  # evicted: its name is remembered
     _add_file(ns, 9, 100, ns.inodes[victim].name)  # the same name, a new inode
     again = ns.inodes[9]
+    evictor.opened(ns.inodes[11 - victim], 0)  # a hit, then the miss: a regret
     evictor.committed(again, 0)
     assert sum(policy.regrets) == 1
     evictor.forget(9)
@@ -542,6 +647,34 @@ def test_evictor_rekeys_a_file_written_under_a_gone_files_name() -> None:
     other = ns.inodes[10]
     evictor.committed(other, 0)
     assert sum(policy.regrets) == 1  # another name: no regret
+
+
+def test_evictor_keeps_a_ghost_with_the_name_not_the_reused_inode_number() -> None:
+    """The namespace reuses a gone inode's number for the next file: that file must
+    not hit the gone one's ghost, while a file written under the gone one's name
+    (at whatever number) must. Before, the ghost stayed under the number: on a
+    replay of multi-round QA every new file was a ghost hit (admitted to main) and
+    the kvfs policy fell to LRU's hit rate on a mount (14.6 % against 38.8 %
+    simulated)."""
+    ns = Namespace(lambda ops: None)
+    ns.init_root(0, 0)
+    for ino in range(5, 15):
+        _add_file(ns, ino, 100, b"chunk-%d" % ino)
+    evictor = Evictor(ns, policy="kvfs", alive=lambda pid: None, thread_group=lambda t: t)
+    policy = evictor.policy
+    for ino in range(5, 15):
+        evictor.committed(ns.inodes[ino], 0)
+    victim = next(policy.victims())
+    name = ns.inodes[victim].name
+    ns.remove(ROOT_INO, name, want_dir=False)  # evicted: the store drops its name, then
+    evictor.forget(victim)
+    assert policy.statistics().ghost_keys == 0  # the ghost went with the name
+    _add_file(ns, victim, 100, b"unrelated")  # the number reused by another file
+    evictor.committed(ns.inodes[victim], 0)
+    assert policy.statistics().main_keys == 0  # a newcomer, no ghost hit
+    _add_file(ns, 20, 100, name)  # the gone chunk written again, a new number
+    evictor.committed(ns.inodes[20], 0)
+    assert policy.statistics().main_keys == 1  # its ghost hit: admitted to main
 
 
 def test_store_config_takes_the_grace_and_rejects_a_negative_one() -> None:

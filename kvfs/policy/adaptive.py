@@ -12,11 +12,18 @@ Two experts see every event and keep their own order over the same resident keys
 
 Eviction follows the expert with the larger weight. Learning is LeCaR's (Vietri et
 al., HotStorage'18): every eviction is remembered (key, the expert that chose it,
-the eviction count) in a history as long as the cache holds keys; when a remembered
-key is written again -- a miss the other expert might have avoided -- the other
-expert's weight grows by ``exp(learning_rate * 0.005 ** (age / resident keys))``
-(a regret that fades with the time since the eviction), and the weights are
-normalised. O(1) per event (each expert is), plus O(1) history work.
+the eviction count) in a history as long as the cache holds keys -- unless the
+other expert's first victim was the same key: both would have evicted it, so a
+later miss on it is nobody's regret (LeCaR's rule; without it the followed expert
+collects all the regrets and the weights swing, landing between the experts).
+When a remembered key is written again -- a miss the other expert might have
+avoided -- the other expert's weight grows by
+``exp(learning_rate * 0.005 ** (age / resident keys))`` (a regret that fades with
+the time since the eviction), and the weights are normalised -- once per run of
+rewrites of a stream: under the prefix rule the chunks after a missing one are
+misses whatever is cached, so only the first rewrite after a hit is a mistake.
+O(1) per event (each expert is), plus O(1) history work and a bounded look at the
+other expert's order.
 
 Persisted as one image of kind 3 (``docs/format.md``): the loop expert's three
 lists and ghosts, then the recency expert's list; the weights and the history are
@@ -34,7 +41,7 @@ from collections.abc import Collection, Hashable, Iterator
 from kvfs.format import policy_image as img
 from kvfs.format.policy_image import Image
 from kvfs.policy import PolicyStatistics
-from kvfs.policy.prefix import KvfsPolicy
+from kvfs.policy.prefix import _STREAM_MEMORY, KvfsPolicy
 from kvfs.policy.prefix_lru import PrefixLRUPolicy
 
 RECENCY = 0
@@ -42,6 +49,8 @@ LOOP = 1
 _HISTORY_MIN = 1024
 _DISCOUNT = 0.005  # LeCaR: a regret one cache-turnover old counts 0.5 %
 _LOOP_LISTS = 3
+_U64 = (1 << 64) - 1  # the history record's field of a handed-over ghost
+_PEEK = 64  # how far victims() looks into the other expert's order for agreement
 
 
 class AdaptivePolicy:
@@ -61,20 +70,35 @@ class AdaptivePolicy:
         self._history: OrderedDict[int, int] = OrderedDict()  # key -> evictions << 1 | expert
         self._evictions = 0
         self._yielded = -1
+        self._agreed = False
         self._chosen = RECENCY
         self.regrets = [0, 0]
+        self._missing: OrderedDict[Hashable, None] = OrderedDict()  # last access a write
 
     # -- verbs -----------------------------------------------------------------------
 
     def track(self, key: int, size: int, stream: Hashable) -> None:
-        """Record a write; a write of a key evicted recently is a regret."""
+        """Record a write; a write of a key evicted recently is a regret, unless the
+        stream's previous access was a write too: under the prefix rule a chunk after
+        a missing one is a miss whatever is cached, so a request's run of rewritten
+        chunks is one mistake, not one per chunk (on a mount a batch of evictions
+        takes a whole chain at once, and per-chunk regrets swung the weights)."""
         record = self._history.pop(key, None)
-        if record is not None and key not in self.recency:
+        after_miss = stream in self._missing
+        self._missing[stream] = None
+        self._missing.move_to_end(stream)
+        if len(self._missing) > _STREAM_MEMORY:
+            self._missing.popitem(last=False)
+        if record is not None and key not in self.recency and not after_miss:
             self._regret(record)
         for expert in self._experts:
             expert.track(key, size, stream)
 
     def touch(self, key: int, stream: Hashable) -> None:
+        """Record a read; a hit ends the stream's run of misses. (A mount also
+        touches a file it is about to create: an unknown key ends nothing.)"""
+        if key in self.recency:
+            self._missing.pop(stream, None)
         for expert in self._experts:
             expert.touch(key, stream)
 
@@ -82,27 +106,55 @@ class AdaptivePolicy:
         """Forget ``key``; if it is the victim just yielded, remember the eviction."""
         if key == self._yielded and key in self.recency:
             self._evictions += 1
-            self._history[key] = self._evictions << 1 | self._chosen
+            if not self._agreed:
+                self._history[key] = self._evictions << 1 | self._chosen
             while len(self._history) > max(_HISTORY_MIN, len(self.recency)):
                 self._history.popitem(last=False)
         for expert in self._experts:
             expert.remove(key)
 
-    def rekey(self, old: int, new: int) -> None:
-        """A remembered eviction of ``old`` now counts for ``new`` (and the loop
-        expert's ghost moves with it)."""
-        record = self._history.get(old)
-        if record is not None and new not in self._history and old not in self.recency:
-            del self._history[old]
-            self._history[new] = record
-        for expert in self._experts:
-            expert.rekey(old, new)
+    def renew(self, key: int) -> None:
+        """``key`` is a new file: no remembered eviction, no ghost of the old one."""
+        if key not in self.recency:
+            self._history.pop(key, None)
+            for expert in self._experts:
+                expert.renew(key)
+
+    def take_ghost(self, key: int) -> int | None:
+        """The loop expert's ghost and the remembered eviction of ``key``, as one int."""
+        if key in self.recency:
+            return None
+        record = self._history.pop(key, None)
+        ghost = self.loop.take_ghost(key)
+        if record is None and ghost is None:
+            return None
+        return (0 if ghost is None else ghost + 1) << 64 | (0 if record is None else record + 1)
+
+    def put_ghost(self, key: int, ghost: int) -> None:
+        """Restore what :meth:`take_ghost` handed over, under ``key``."""
+        if key in self.recency or key in self._history:
+            return
+        record, loop = (ghost & _U64) - 1, (ghost >> 64) - 1
+        if record >= 0:
+            self._history[key] = record
+        if loop >= 0:
+            self.loop.put_ghost(key, loop)
 
     def victims(self) -> Iterator[int]:
-        """The victims of the expert with the larger weight (ties: recency)."""
+        """The victims of the expert with the larger weight (ties: recency).
+
+        Each key yielded is marked *agreed* when the other expert's first victim
+        (passing over the keys the caller skipped) is the same key: both would
+        have evicted it, so a later miss on it is nobody's regret (LeCaR)."""
         self._chosen = LOOP if self.weights[LOOP] > self.weights[RECENCY] else RECENCY
+        other = self._experts[1 - self._chosen]
+        skipped: set[int] = set()
+        self._yielded = -1
         for key in self._experts[self._chosen].victims():
+            if self._yielded in self.recency:  # the caller kept the previous key
+                skipped.add(self._yielded)
             self._yielded = key
+            self._agreed = _first_victim(other, skipped) == key
             yield key
         self._yielded = -1
 
@@ -225,3 +277,13 @@ class AdaptivePolicy:
         for key in self.recency.victims():
             self.loop.track(key, self.recency.size_of(key), None)
         return True
+
+
+def _first_victim(expert: KvfsPolicy | PrefixLRUPolicy, skipped: set[int]) -> int | None:
+    """``expert``'s first victim not in ``skipped``; None if none within ``_PEEK``."""
+    for index, key in enumerate(expert.victims()):
+        if key not in skipped:
+            return key
+        if index >= _PEEK:
+            break
+    return None

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from kvfs.format import policy_image as img
 from kvfs.policy import PolicyStatistics
-from kvfs.slots import DIRECT, MASK, NO_KEY, ROWS, SHIFT, SlotTable
+from kvfs.slots import DIRECT, LOOSE, MASK, NO_KEY, ROWS, SHIFT, SlotTable
 
 if TYPE_CHECKING:
     from kvfs.format.policy_image import Columns, Image
@@ -55,19 +55,23 @@ class LinkedPolicy:
         """Return the tracked keys (a new set, in no particular order)."""
         return set(self._slots.keys_where(self._lists))
 
-    def rekey(self, old: int, new: int) -> None:
-        """Give the remembered (ghost) key ``old`` the key ``new``; no-op for
-        policies without ghosts, a resident or unknown ``old`` or a known ``new``."""
+    def renew(self, key: int) -> None:
+        """Drop the ghost of ``key`` (as if it aged out); no-op if ``key`` is resident,
+        unknown, or the policy keeps no ghosts."""
         table = self._slots
-        slot = table.find(old) if old >= 0 else None
-        if (
-            slot is None
-            or table.owner[slot] in self._lists
-            or new < 0
-            or table.find(new) is not None
-        ):
+        slot = table.find(key) if key >= 0 else None
+        if slot is None or table.owner[slot] in self._lists:
             return
-        table.move_key(slot, new)
+        if table.owner[slot] != LOOSE:
+            table.unlink(slot)
+        table.release(slot)
+
+    def take_ghost(self, key: int) -> int | None:
+        """No ghosts here (``KvfsPolicy`` keeps them): None."""
+        return None
+
+    def put_ghost(self, key: int, ghost: int) -> None:
+        """No ghosts here: nothing to restore."""
 
     def size_of(self, key: int) -> int:
         """Return the size of resident ``key`` (0 if it is not resident)."""

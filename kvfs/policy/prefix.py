@@ -36,6 +36,7 @@ _SHARE_MAX = 0.95
 _SOON = 4  # a probation ghost hit counts if its gap is under horizon / _SOON
 _PEAK_DECAY = 16  # the byte high-water mark forgets 1/65536 per new key
 _GHOST_MIN = 1024  # evicted keys remembered at least, whatever the resident count
+_U64 = (1 << 64) - 1  # a handed-over ghost's fields (take_ghost)
 RULES = frozenset({"dead-first", "cold-main", "chain-order", "lirs-admit", "adapt"})
 """Rules an ablation may switch off (``KvfsPolicy(without=...)``, docs/eviction.md)."""
 
@@ -222,12 +223,41 @@ class KvfsPolicy(LinkedPolicy):
         if cold:
             self._cold = max(_COLD_MIN, self._cold - _COLD_DOWN)
         self._unchain(slot)
+        self._slots.append(_GHOST, slot)  # keeps the last use (and a successor to revive)
+        self._trim_ghosts()
+
+    def _trim_ghosts(self) -> None:
         table = self._slots
-        table.append(_GHOST, slot)  # keeps the last use (and a successor to revive)
         while table.count[_GHOST] > max(_GHOST_MIN, self._resident):
             oldest = table.next[_GHOST]
             table.unlink(oldest)
             table.release(oldest)
+
+    def take_ghost(self, key: int) -> int | None:
+        """Hand over ``key``'s ghost as one int (its eviction record, last use and
+        successor to revive) and forget it here; None if ``key`` is no ghost."""
+        table = self._slots
+        slot = table.find(key) if key >= 0 else None
+        if slot is None or table.owner[slot] != _GHOST:
+            return None
+        ghost = self._size[slot] | self._last[slot] << 64 | (self._succ[slot] + 1) << 128
+        table.unlink(slot)
+        table.release(slot)
+        return ghost
+
+    def put_ghost(self, key: int, ghost: int) -> None:
+        """Make ``ghost`` (from :meth:`take_ghost`) the newest ghost of ``key``, which
+        holds no state (``renew`` it first); no-op otherwise."""
+        table = self._slots
+        if key < 0 or table.find(key) is not None:
+            return
+        slot = table.new(key)
+        self._size[slot] = ghost & _U64
+        self._last[slot] = ghost >> 64 & _U64
+        self._pred[slot] = NO_KEY
+        self._succ[slot] = (ghost >> 128) - 1
+        table.append(_GHOST, slot)
+        self._trim_ghosts()
 
     def victims(self) -> Iterator[int]:
         """Yield keys best victim first: dead, cold main, probation, then main (LRU).
