@@ -419,8 +419,9 @@ class Evictor:
         inherits what the policy remembers of it (``EvictionPolicy.put_ghost``)."""
         if inode.ino not in self.policy:
             # the namespace reuses inode numbers: what the policy remembers under this
-            # one was another file's; what it remembers of this name is this file's
-            self.policy.renew(inode.ino)
+            # one was another file's (dropped); what it remembers of this name is this
+            # file's
+            self.policy.take_ghost(inode.ino)
             ghost = self._gone.pop(hash((inode.parent, inode.name)), None) if self._gone else None
             if ghost is not None:
                 self.policy.put_ghost(inode.ino, ghost)
@@ -446,15 +447,16 @@ class Evictor:
 
     def forget(self, ino: int) -> None:
         inode = self.ns.inodes.get(ino)
-        tracked = inode is not None and ino in self.policy
+        name = None  # a tracked file's (parent, name): its ghost is kept under it
+        if inode is not None and ino in self.policy:
+            name = hash((inode.parent, inode.name))
         self.policy.remove(ino)
-        if tracked:  # what the policy remembers of it goes with its name, not its number
-            ghost = self.policy.take_ghost(ino)
-            if ghost is not None:
-                gone = self._gone
-                gone[hash((inode.parent, inode.name))] = ghost  # type: ignore[union-attr]
-                while len(gone) > max(GONE_MIN, len(self.policy)):
-                    del gone[next(iter(gone))]
+        ghost = None if name is None else self.policy.take_ghost(ino)
+        if name is not None and ghost is not None:
+            gone = self._gone
+            gone[name] = ghost
+            while len(gone) > max(GONE_MIN, len(self.policy)):
+                del gone[next(iter(gone))]
         self.orphans.pop(ino, None)
         self._fresh.pop(ino, None)
         self.forget_owner(ino)

@@ -536,16 +536,16 @@ def test_a_ghost_handed_over_lets_a_rewritten_file_hit_it() -> None:
     assert sum(adaptive.regrets) == before + 1
 
 
-def test_renew_drops_the_ghost_of_a_reused_number() -> None:
+def test_a_reused_number_drops_the_ghost_it_held() -> None:
     """The namespace hands a gone inode's number to the next file: that file is new,
     not a rewrite of the gone one, so no ghost hit (kvfs) and no regret (adaptive)."""
     policy = KvfsPolicy()
     for key in range(2, 12):
         policy.track(key, SIZE, "s")
     policy.remove(5)
-    policy.renew(5)
+    policy.take_ghost(5)  # dropped: the number goes to a new file
     assert policy.statistics().ghost_keys == 0
-    policy.renew(6)  # resident: unchanged
+    policy.take_ghost(6)  # resident: unchanged
     assert 6 in policy
     policy.track(5, SIZE, "t")
     assert policy.statistics().main_keys == 0  # an ordinary newcomer (probation)
@@ -554,7 +554,7 @@ def test_renew_drops_the_ghost_of_a_reused_number() -> None:
     victim = next(adaptive.victims())
     adaptive.remove(victim)
     before = list(adaptive.regrets)
-    adaptive.renew(victim)
+    adaptive.take_ghost(victim)
     adaptive.track(victim, SIZE, 99)
     assert adaptive.regrets == before
 

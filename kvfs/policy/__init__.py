@@ -107,20 +107,16 @@ class EvictionPolicy(Protocol):
         """``remove()`` each of ``keys`` in the order a fresh ``victims()`` lists them
         (what collecting them from ``victims()`` and then removing them does)."""
 
-    def renew(self, key: int) -> None:
-        """``key`` names a new file from now on (the namespace reuses the numbers of
-        gone inodes): drop what the policy remembers of the file that had it (a
-        ghost, a remembered eviction), or that file's eviction would count as a hit
-        of this one. No-op if ``key`` is resident or unknown."""
-
     def take_ghost(self, key: int) -> int | None:
         """Hand over what the policy remembers of the gone ``key`` (its ghost, a
         remembered eviction) as one opaque int, and forget it under ``key``; None if
         nothing is kept. On a mount a chunk written again after its eviction is a
         new inode, and the gone inode's number goes to whatever file comes next: the
         evictor takes the ghost when a file goes, keeps it under the file's name and
-        puts it back (:meth:`put_ghost`) when a file of that name is written. Without
-        that no ghost ever hits on a mount, and a reused number hits another file's."""
+        puts it back (:meth:`put_ghost`) when a file of that name is written, after
+        taking (and dropping) whatever is still kept under the new file's number: it
+        was another file's. Without that no ghost ever hits on a mount, and a reused
+        number hits another file's."""
 
     def put_ghost(self, key: int, ghost: int) -> None:
         """``key`` (holding no state) is the gone file that ``take_ghost`` handed over

@@ -41,7 +41,7 @@ from collections.abc import Collection, Hashable, Iterator
 from kvfs.format import policy_image as img
 from kvfs.format.policy_image import Image
 from kvfs.policy import PolicyStatistics
-from kvfs.policy.prefix import _STREAM_MEMORY, KvfsPolicy
+from kvfs.policy.prefix import _STREAM_MEMORY, _U64, KvfsPolicy
 from kvfs.policy.prefix_lru import PrefixLRUPolicy
 
 RECENCY = 0
@@ -49,7 +49,6 @@ LOOP = 1
 _HISTORY_MIN = 1024
 _DISCOUNT = 0.005  # LeCaR: a regret one cache-turnover old counts 0.5 %
 _LOOP_LISTS = 3
-_U64 = (1 << 64) - 1  # the history record's field of a handed-over ghost
 _PEEK = 64  # how far victims() looks into the other expert's order for agreement
 
 
@@ -112,13 +111,6 @@ class AdaptivePolicy:
                 self._history.popitem(last=False)
         for expert in self._experts:
             expert.remove(key)
-
-    def renew(self, key: int) -> None:
-        """``key`` is a new file: no remembered eviction, no ghost of the old one."""
-        if key not in self.recency:
-            self._history.pop(key, None)
-            for expert in self._experts:
-                expert.renew(key)
 
     def take_ghost(self, key: int) -> int | None:
         """The loop expert's ghost and the remembered eviction of ``key``, as one int."""

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from kvfs.format import policy_image as img
 from kvfs.policy import PolicyStatistics
-from kvfs.slots import DIRECT, LOOSE, MASK, NO_KEY, ROWS, SHIFT, SlotTable
+from kvfs.slots import DIRECT, MASK, NO_KEY, ROWS, SHIFT, SlotTable
 
 if TYPE_CHECKING:
     from kvfs.format.policy_image import Columns, Image
@@ -54,17 +54,6 @@ class LinkedPolicy:
     def keys(self) -> set[int]:
         """Return the tracked keys (a new set, in no particular order)."""
         return set(self._slots.keys_where(self._lists))
-
-    def renew(self, key: int) -> None:
-        """Drop the ghost of ``key`` (as if it aged out); no-op if ``key`` is resident,
-        unknown, or the policy keeps no ghosts."""
-        table = self._slots
-        slot = table.find(key) if key >= 0 else None
-        if slot is None or table.owner[slot] in self._lists:
-            return
-        if table.owner[slot] != LOOSE:
-            table.unlink(slot)
-        table.release(slot)
 
     def take_ghost(self, key: int) -> int | None:
         """No ghosts here (``KvfsPolicy`` keeps them): None."""

@@ -36,7 +36,7 @@ _SHARE_MAX = 0.95
 _SOON = 4  # a probation ghost hit counts if its gap is under horizon / _SOON
 _PEAK_DECAY = 16  # the byte high-water mark forgets 1/65536 per new key
 _GHOST_MIN = 1024  # evicted keys remembered at least, whatever the resident count
-_U64 = (1 << 64) - 1  # a handed-over ghost's fields (take_ghost)
+_U64 = (1 << 64) - 1  # a handed-over ghost's fields (take_ghost; adaptive's too)
 RULES = frozenset({"dead-first", "cold-main", "chain-order", "lirs-admit", "adapt"})
 """Rules an ablation may switch off (``KvfsPolicy(without=...)``, docs/eviction.md)."""
 
@@ -247,14 +247,14 @@ class KvfsPolicy(LinkedPolicy):
 
     def put_ghost(self, key: int, ghost: int) -> None:
         """Make ``ghost`` (from :meth:`take_ghost`) the newest ghost of ``key``, which
-        holds no state (``renew`` it first); no-op otherwise."""
+        holds no state (``take_ghost`` whatever it held first); no-op otherwise."""
         table = self._slots
         if key < 0 or table.find(key) is not None:
             return
         slot = table.new(key)
+        self._init_slot(slot)
         self._size[slot] = ghost & _U64
         self._last[slot] = ghost >> 64 & _U64
-        self._pred[slot] = NO_KEY
         self._succ[slot] = (ghost >> 128) - 1
         table.append(_GHOST, slot)
         self._trim_ghosts()
