@@ -237,6 +237,23 @@ class SlotColumn:
         return sum(len(ch) * ch.itemsize for ch in self.chunks if ch is not None)
 
 
+def share_equal_chunks(a: SlotColumn, b: SlotColumn, first: int, count: int) -> int:
+    """Where chunk ``c`` (``first <= c < first + count``) of ``b`` holds what ``a``'s
+    does (same code, same rows), make it ``a``'s array, copy-on-write for both (the
+    adaptive policy's experts hold the same order after a mount); return how many
+    chunks were made shared. C-level comparisons, one per chunk."""
+    shared = 0
+    a_chunks, b_chunks = a.chunks, b.chunks
+    for c in range(first, min(first + count, len(a_chunks), len(b_chunks))):
+        x, y = a_chunks[c], b_chunks[c]
+        if x is None or y is None or x is y or x.typecode != y.typecode or x != y:
+            continue
+        b_chunks[c] = x
+        a.shared[c] = b.shared[c] = 1
+        shared += 1
+    return shared
+
+
 class SlotTable:
     """Per-key state as chunked columns indexed by slot, plus intrusive circular lists.
 
@@ -388,11 +405,12 @@ class SlotTable:
         if not slots:
             return slots
         prev, nxt, owner = self.prev, self.next, self.owner
+        before = prev[lst]
+        touched = {slot >> SHIFT for slot in slots} | {before >> SHIFT}  # the old tail too
         for column in (prev, nxt, owner):
-            for c in {slot >> SHIFT for slot in slots}:
+            for c in touched:
                 column.writable(c)
         pc, nc, oc = prev.chunks, nxt.chunks, owner.chunks
-        before = prev[lst]
         for slot in slots:
             c, i = slot >> SHIFT, slot & MASK
             pc[c][i] = before  # type: ignore[index]

@@ -527,9 +527,9 @@ def test_a_ghost_handed_over_lets_a_rewritten_file_hit_it() -> None:
     before = sum(adaptive.regrets)
     victim = next(adaptive.victims())
     adaptive.remove(victim)
-    assert victim in adaptive._history  # the other expert would have kept it
+    assert adaptive.remembers(victim)  # the other expert would have kept it
     ghost = adaptive.take_ghost(victim)
-    assert ghost is not None and victim not in adaptive._history
+    assert ghost is not None and not adaptive.remembers(victim)
     adaptive.put_ghost(5000, ghost)
     adaptive.touch(next(iter(adaptive.keys())), 3)  # a hit first: the rewrite starts a run
     adaptive.track(5000, SIZE, 3)
@@ -570,7 +570,7 @@ def test_adaptive_counts_one_regret_per_run_of_rewrites() -> None:
         while len(taken) < 3:
             victim = next(adaptive.victims())
             adaptive.remove(victim)
-            if victim in adaptive._history:
+            if adaptive.remembers(victim):
                 taken.append(victim)
         resident = next(iter(adaptive.keys()))
         adaptive.touch(resident, "u")  # a hit: the stream's next write starts a run
@@ -602,7 +602,7 @@ def test_adaptive_eviction_both_experts_agree_on_is_nobodys_regret() -> None:
         other = 1 - adaptive._chosen
         agreed = next(adaptive._experts[other].victims()) == victim
         adaptive.remove(victim)
-        assert (victim in adaptive._history) is not agreed
+        assert adaptive.remembers(victim) is not agreed
         disagreed += not agreed
     assert disagreed > 0
 
@@ -617,7 +617,7 @@ def test_adaptive_agreement_passes_over_keys_the_caller_skips() -> None:
     skipped = next(walk)  # kept by the caller (an open file)
     taken = next(walk)
     adaptive.remove(taken)
-    assert skipped in adaptive and taken not in adaptive._history
+    assert skipped in adaptive and not adaptive.remembers(taken)
 
 
 def test_evictor_rekeys_a_file_written_under_a_gone_files_name(

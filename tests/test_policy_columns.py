@@ -131,17 +131,15 @@ def test_version_2_round_trip_continues_exactly(name: str) -> None:
         copy = make_policy(name)
         copy.recover(image)
         assert copy.keys() == policy.keys()
-        if isinstance(policy, AdaptivePolicy):
-            # the weights restart, and the loop expert's thresholds (its lists in a
-            # version 1 image): the same lists, and the recency expert's same order
+        if isinstance(policy, AdaptivePolicy):  # both experts, weights and history
             assert isinstance(copy, AdaptivePolicy)
-            assert copy.loop.keys_in_image_order() == policy.loop.keys_in_image_order()
+            assert order(copy.loop) == order(policy.loop)
             assert order(copy.recency) == order(policy.recency)
-        else:
-            assert order(copy) == order(policy)
+            assert copy.weights == policy.weights and copy.regrets == policy.regrets
+            assert all(copy.remembers(k) == policy.remembers(k) for k in range(80))
+        assert order(copy) == order(policy)
         assert copy.statistics().bytes == policy.statistics().bytes
-        if name != "adaptive":  # adaptive restarts its weights (docs/eviction.md)
-            assert copy.persist() == image
+        assert copy.persist() == image
         if name in ("lru", "fifo"):  # the others restart their stream memory and
             # adaptive thresholds (not persisted): their futures may differ
             run_ops(policy, random.Random(seed + 100), 300)
@@ -149,7 +147,7 @@ def test_version_2_round_trip_continues_exactly(name: str) -> None:
             assert copy.persist() == policy.persist() and order(copy) == order(policy)
 
 
-@pytest.mark.parametrize("name", ["kvfs", "lru", "fifo", "prefix-lru"])
+@pytest.mark.parametrize("name", ["kvfs", "lru", "fifo", "prefix-lru", "adaptive"])
 def test_pieces_are_the_state_when_frozen_while_the_policy_changes(name: str) -> None:
     policy = make_policy(name)
     for key in range(2, 5000):  # dense keys: several chunks
@@ -165,6 +163,119 @@ def test_pieces_are_the_state_when_frozen_while_the_policy_changes(name: str) ->
     later = make_policy(name)
     later.recover(before)
     assert later.keys() == set(range(2, 5000))
+
+
+def _adaptive_state(policy: AdaptivePolicy) -> tuple[object, ...]:
+    return (
+        order(policy.loop),
+        order(policy.recency),
+        policy.weights,
+        policy.regrets,
+        policy.statistics(),
+    )
+
+
+def test_adaptive_experts_share_chunks_until_they_diverge() -> None:
+    """After a bulk adoption the two experts' link, owner and size chunks are one
+    array each (the second expert costs what diverged), and sharing never lets one
+    expert's change reach the other or a frozen checkpoint: a policy with shared
+    chunks and one without (tracked key by key) stay identical through random
+    operations, checkpoints taken meanwhile and a recovery."""
+    import tracemalloc
+
+    keys = array("q", range(2, 8_000))
+    sizes = array("q", [SIZE]) * len(keys)
+    tracemalloc.start()
+    shared = AdaptivePolicy()
+    shared.adopt(keys, sizes)
+    adaptive_bytes = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    tracemalloc.start()
+    kvfs = make_policy("kvfs")
+    kvfs.adopt(keys, sizes)
+    kvfs_bytes = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    a, b = shared.loop._slots, shared.recency._slots
+    chunks = len(a.owner.chunks)
+    same = sum(a.prev.chunks[c] is b.prev.chunks[c] for c in range(chunks))
+    assert same >= chunks - 2  # all but the sentinels' and the last key's chunk
+    assert adaptive_bytes < kvfs_bytes + 2 * len(keys)  # + the recency expert's
+    # predecessor column (a byte per key here) and its stream memory
+
+    plain = AdaptivePolicy()
+    for key, size in zip(keys, sizes, strict=True):
+        plain.track(key, size, None)
+    assert plain.persist() == shared.persist()
+    rng = random.Random(21)
+    for step in range(12):
+        pieces = shared.persist_pieces()  # frozen here; a sharing pass ran first
+        expected = plain.persist()
+        for _ in range(200):
+            key, op, stream = rng.randrange(2, 9_000), rng.random(), rng.randrange(6)
+            for policy in (shared, plain):
+                if op < 0.4:
+                    policy.track(key, SIZE, stream)
+                elif op < 0.7:
+                    policy.touch(key, stream)
+                elif op < 0.8:
+                    policy.remove(key)
+                else:
+                    policy.remove(next(policy.victims()))
+        assert b"".join(pieces) == expected
+        assert _adaptive_state(shared) == _adaptive_state(plain), step
+    assert shared.persist() == plain.persist()
+    again = AdaptivePolicy()  # a recovery shares whatever chunks still agree
+    again.recover(plain.persist())
+    assert again.persist() == plain.persist()
+    assert _adaptive_state(again)[:-1] == _adaptive_state(plain)[:-1]  # (counters: not kept)
+    a, b = again.loop._slots, again.recency._slots
+    assert any(a.next.chunks[c] is b.next.chunks[c] for c in range(len(a.owner.chunks)))
+
+
+def test_adaptive_reads_the_one_piece_image_of_release_0_3() -> None:
+    """Release 0.3 wrote the adaptive state as one version 1 image (the loop
+    expert's lists and ghosts, then the recency list; no weights, no history):
+    it still loads, with both experts' orders, the weights starting even."""
+    old = AdaptivePolicy()
+    run_ops(old, random.Random(8), 1500)
+    loop = img.decode(old.loop.persist_v1(), img.KIND_KVFS, 3)
+    recency = img.decode(old.recency.persist_v1(), img.KIND_PREFIX_LRU, 1)
+    v1 = img.encode(
+        img.KIND_ADAPTIVE,
+        loop.clock,
+        loop.horizon,
+        [*loop.lists, *recency.lists],
+        loop.ghost_keys,
+        loop.ghost_last,
+    )
+    for load in ("recover", "recover_pieces"):
+        new = AdaptivePolicy()
+        new.recover(v1) if load == "recover" else new.recover_pieces([v1])
+        assert order(new.loop) == order(old.loop) and order(new.recency) == order(old.recency)
+        assert new.weights == [0.5, 0.5] and new.keys() == old.keys()
+        assert img.version_of(new.persist()) == 3
+
+
+def test_damaged_adaptive_images_are_refused_and_change_nothing() -> None:
+    policy = AdaptivePolicy()
+    run_ops(policy, random.Random(3), 800)
+    pieces = list(policy.persist_pieces())
+    loop_only = [p for p in pieces if p[img.PIECE.size - 9] == 0]
+    target = AdaptivePolicy()
+    run_ops(target, random.Random(4), 200)
+    kept = target.persist()
+    other = AdaptivePolicy()
+    run_ops(other, random.Random(5), 800)
+    mixed = [p for p in pieces if p[img.PIECE.size - 9] == 0] + [
+        p for p in other.persist_pieces() if p[img.PIECE.size - 9] == 1
+    ]
+    for damaged in (loop_only, mixed, pieces[:-1]):
+        with pytest.raises(ValueError):
+            target.recover_pieces(damaged)
+        assert target.persist() == kept
+    kvfs = make_policy("kvfs")  # another policy takes the loop expert's table whole
+    assert kvfs.recover_foreign(b"".join(pieces))
+    assert order(kvfs) == order(policy.loop)
 
 
 def test_damaged_version_2_images_are_refused_and_change_nothing() -> None:

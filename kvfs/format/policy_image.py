@@ -215,8 +215,10 @@ def _int64(column: array[int]) -> bytes:
 # -- version 2: the slot table's columns, in pieces ------------------------------------
 
 VERSION2 = 2
-PIECE = struct.Struct("<4sBBBBII")  # magic, version, kind, part, pad, index, body length
-"""Header of one version 2 piece; the piece ends with the crc32 of header and body."""
+PIECE = struct.Struct("<4sBBBBII")  # magic, version, kind, part, table, index, body length
+"""Header of one version 2 piece; the piece ends with the crc32 of header and body.
+``table``: which of the policy's slot tables the piece belongs to (0 until the
+adaptive policy, which keeps one per expert, wrote 1 too)."""
 PART_HEAD = 0
 PART_COLUMN = 1
 HEAD = struct.Struct("<HHHHIIIII")
@@ -241,17 +243,18 @@ VERSION3 = 3
 their column's ladder (``slots._LADDERS``: the chunk's own, narrowest code)."""
 
 
-def _piece(kind: int, part: int, index: int, body: bytes) -> bytes:
-    head = PIECE.pack(MAGIC, VERSION3, kind, part, 0, index, len(body))
+def _piece(kind: int, part: int, index: int, body: bytes, number: int = 0) -> bytes:
+    head = PIECE.pack(MAGIC, VERSION3, kind, part, number, index, len(body))
     return head + body + CRC.pack(zlib.crc32(body, zlib.crc32(head)))
 
 
 def encode_pieces(
-    kind: int, table: SlotTable, persisted: int, scalars: list[int]
+    kind: int, table: SlotTable, persisted: int, scalars: list[int], number: int = 0
 ) -> Iterator[bytes]:
     """Freeze ``table`` now and return an iterator over the pieces of its image:
     the head (geometry, list counts, ``scalars``, sparse keys), then per column its
-    chunks in batches. Chunks that hold no key (owner all free) are left out."""
+    chunks in batches. Chunks that hold no key (owner all free) are left out.
+    ``number``: the table's number in a policy that keeps several (pieces' header)."""
     columns = table.all_columns()
     frozen = [column.freeze() for column in columns]
     codes = "".join(column.code for column in columns)
@@ -286,8 +289,8 @@ def encode_pieces(
         last_owners = owner[last]
         assert last_owners is not None
         last_rows = len(last_owners.tobytes().rstrip(bytes([FREE & 0xFF])))  # then no key
-        yield _piece(kind, PART_HEAD, 0, body)
-        for number, chunks in enumerate(frozen):
+        yield _piece(kind, PART_HEAD, 0, body, number)
+        for column, chunks in enumerate(frozen):
             batch: list[bytes] = []
             first, code = 0, ""
             for c, chunk in enumerate(chunks):
@@ -297,7 +300,7 @@ def encode_pieces(
                     or chunk.typecode != code
                     or len(batch) == BATCH_CHUNKS
                 ):
-                    yield _column_piece(kind, number, code, first, batch)
+                    yield _column_piece(kind, column, code, first, batch, number)
                     batch = []
                 if chunk is None or not keep[c]:
                     continue
@@ -306,13 +309,16 @@ def encode_pieces(
                 raw = chunk.tobytes()
                 batch.append(raw if c != last else raw[: last_rows * chunk.itemsize])
             if batch:
-                yield _column_piece(kind, number, code, first, batch)
+                yield _column_piece(kind, column, code, first, batch, number)
 
     return pieces()
 
 
-def _column_piece(kind: int, number: int, code: str, first: int, batch: list[bytes]) -> bytes:
-    return _piece(kind, PART_COLUMN, first, COLUMN.pack(number, code.encode()) + b"".join(batch))
+def _column_piece(
+    kind: int, column: int, code: str, first: int, batch: list[bytes], number: int
+) -> bytes:
+    body = COLUMN.pack(column, code.encode()) + b"".join(batch)
+    return _piece(kind, PART_COLUMN, first, body, number)
 
 
 def split_pieces(data: bytes) -> list[bytes]:
@@ -336,20 +342,23 @@ def decode_pieces(
     lists: int | None = None,
     persisted: int | None = None,
     codes: Sequence[str] | None = None,
+    number: int = 0,
 ) -> tuple[SlotTable, list[int]]:
     """Validate version 2 pieces of policy ``kind`` (``lists`` slot lists of which
     ``persisted`` are resident ones, ``codes`` the policy's own column typecodes)
     and return (a new slot table holding them, the scalars; None: whatever the
-    image says, for an image of another policy); ValueError on any
-    defect. The checks are C-level per chunk: checksums, geometry, owners, link
-    ranges, list counts and sparse keys."""
+    image says, for an image of another policy); ValueError on any defect. Only
+    the pieces of table ``number`` are read (the others are checked for their
+    framing and checksum only). The checks are C-level per chunk: checksums,
+    geometry, every column's rows of every chunk with keys, owners, link ranges,
+    list counts and sparse keys."""
     head_body: bytes | None = None
     columns: list[tuple[int, int, str, bytes]] = []
     versions = set()
     for piece in pieces:
         if len(piece) < PIECE.size + CRC.size:
             raise ValueError("policy image piece too short")
-        magic, version, got_kind, part, _pad, index, n = PIECE.unpack_from(piece, 0)
+        magic, version, got_kind, part, got_number, index, n = PIECE.unpack_from(piece, 0)
         versions.add(version)
         if (
             magic != MAGIC
@@ -364,13 +373,15 @@ def decode_pieces(
             raise ValueError("policy image checksum mismatch")
         if got_kind != kind:
             raise ValueError("policy image belongs to another policy")
+        if got_number != number:
+            continue
         if part == PART_HEAD:
             if head_body is not None:
                 raise ValueError("policy image with two heads")
             head_body = body
         elif part == PART_COLUMN and len(body) >= COLUMN.size:
-            number, code = COLUMN.unpack_from(body, 0)
-            columns.append((number, index, code.decode(errors="replace"), body[COLUMN.size :]))
+            col, code = COLUMN.unpack_from(body, 0)
+            columns.append((col, index, code.decode(errors="replace"), body[COLUMN.size :]))
         else:
             raise ValueError("unknown policy image piece")
     if head_body is None:
@@ -418,13 +429,14 @@ def decode_pieces(
     table.sparse_base = direct + lists
     all_columns = table.all_columns()
     coded = versions == {VERSION3}
-    for number, first, code, raw in columns:
-        if number >= ncols or code not in "bBhHiIq":
+    loaded: set[tuple[int, int]] = set()
+    for col, first, code, raw in columns:
+        if col >= ncols or code not in "bBhHiIq":
             raise ValueError("bad column in policy image")
-        column = all_columns[number]
-        if code != got_codes[number] and not (coded and code in column.ladder):
+        column = all_columns[col]
+        if code != got_codes[col] and not (coded and code in column.ladder):
             raise ValueError("bad column in policy image")
-        if number == 2 and code != "b":
+        if col == 2 and code != "b":
             raise ValueError("bad owner column in policy image")
         size = array(code).itemsize
         step = ROWS * size
@@ -436,6 +448,7 @@ def decode_pieces(
             if len(chunk) < ROWS:
                 chunk.extend(array(code, [column.fill]) * (ROWS - len(chunk)))
             column.load(first + i // step, chunk, narrow=not coded)
+            loaded.add((col, first + i // step))
     owner = table.owner
     rows = nchunks * ROWS
     sparse_base = table.sparse_base
@@ -446,6 +459,8 @@ def decode_pieces(
     for c, owners in enumerate(owner.chunks):
         if owners is None:
             continue
+        if any((col, c) not in loaded for col in range(ncols)):  # every column's rows
+            raise ValueError("policy image: a column misses a chunk")
         for column in all_columns:
             column.ensure_row(c << SHIFT)
         raw = owners.tobytes()

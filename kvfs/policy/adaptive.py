@@ -25,10 +25,23 @@ misses whatever is cached, so only the first rewrite after a hit is a mistake.
 O(1) per event (each expert is), plus O(1) history work and a bounded look at the
 other expert's order.
 
-Persisted as one image of kind 3 (``docs/format.md``): the loop expert's three
-lists and ghosts, then the recency expert's list; the weights and the history are
-not persisted (they restart even).  A release-0.2 ``kvfs`` image is adopted whole
-by the loop expert, the recency expert taking its residents in order.
+Memory: the history is no dict. A remembered eviction is a note kept with the
+loop expert's ghost of the key (``KvfsPolicy.note_ghost``: the ghost's gap column,
+unused while it is no resident), so it lives exactly as long as that ghost (the
+newest ``max(1024, resident)`` evictions). The recency expert's table has the loop
+expert's geometry (the same sentinels, its list where the loop expert's probation
+is), so after a mount's bulk adoption both hold the same links, owners and sizes;
+chunks that hold the same rows are one array, copy-on-write for both
+(``slots.share_equal_chunks``: at adoption and recovery, and a bounded number per
+checkpoint), and the second expert costs what has diverged.
+
+Persisted as a version 3 image of kind 3 in two tables (``docs/format.md``): table
+0 the loop expert's (its lists, ghosts and notes), table 1 the recency expert's,
+whose scalars carry the weights, the eviction count and the regret counters. Both
+are frozen in O(chunks), as the other policies' are. Older images still load: the
+0.3 release's one-piece version 1 adaptive image (weights start even, no history),
+a ``kvfs`` image (adopted whole by the loop expert, the recency expert taking its
+residents in order) and any other policy's residents.
 """
 
 from __future__ import annotations
@@ -37,19 +50,44 @@ import math
 from array import array
 from collections import OrderedDict
 from collections.abc import Collection, Hashable, Iterator
+from itertools import chain
 
 from kvfs.format import policy_image as img
 from kvfs.format.policy_image import Image
 from kvfs.policy import PolicyStatistics
-from kvfs.policy.prefix import _STREAM_MEMORY, _U64, KvfsPolicy
+from kvfs.policy.prefix import _PROBATION, _STREAM_MEMORY, KvfsPolicy
 from kvfs.policy.prefix_lru import PrefixLRUPolicy
+from kvfs.slots import SHIFT, share_equal_chunks
 
 RECENCY = 0
 LOOP = 1
-_HISTORY_MIN = 1024
 _DISCOUNT = 0.005  # LeCaR: a regret one cache-turnover old counts 0.5 %
 _LOOP_LISTS = 3
 _PEEK = 64  # how far victims() looks into the other expert's order for agreement
+_SHARE_STEP = 256  # chunks per column compared for sharing at each checkpoint
+_RECENCY_LIST = 1  # the recency expert's list: where the loop expert's probation is
+assert _RECENCY_LIST == _PROBATION
+
+
+class _Recency(PrefixLRUPolicy):
+    """The recency expert: prefix-LRU in the loop expert's table geometry (four
+    sentinels, its one list where the loop expert's probation is), so that the
+    two tables' chunks can be one array while they agree; its image scalars carry
+    the adaptive policy's own (``carried``)."""
+
+    _lists = (_RECENCY_LIST,)
+    _slot_lists = 4
+    _order = _RECENCY_LIST
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.carried: list[int] = []
+
+    def _extra_scalars(self) -> list[int]:
+        return self.carried
+
+    def _set_extra(self, values: list[int]) -> None:
+        self.carried = list(values)
 
 
 class AdaptivePolicy:
@@ -62,17 +100,17 @@ class AdaptivePolicy:
         if learning_rate <= 0:
             raise ValueError("learning_rate must be > 0")
         self.learning_rate = learning_rate
-        self.recency = PrefixLRUPolicy()
+        self.recency = _Recency()
         self.loop = KvfsPolicy(without=frozenset({"dead-first"}))
-        self._experts = (self.recency, self.loop)
+        self._experts: tuple[PrefixLRUPolicy, KvfsPolicy] = (self.recency, self.loop)
         self.weights = [0.5, 0.5]
-        self._history: OrderedDict[int, int] = OrderedDict()  # key -> evictions << 1 | expert
         self._evictions = 0
         self._yielded = -1
         self._agreed = False
         self._chosen = RECENCY
         self.regrets = [0, 0]
         self._missing: OrderedDict[Hashable, None] = OrderedDict()  # last access a write
+        self._share_from = 0  # the next chunk the checkpoint's sharing pass compares
 
     # -- verbs -----------------------------------------------------------------------
 
@@ -82,14 +120,14 @@ class AdaptivePolicy:
         a missing one is a miss whatever is cached, so a request's run of rewritten
         chunks is one mistake, not one per chunk (on a mount a batch of evictions
         takes a whole chain at once, and per-chunk regrets swung the weights)."""
-        record = self._history.pop(key, None)
+        note = self.loop.take_note(key)  # only a ghost (no resident) has one
         after_miss = stream in self._missing
         self._missing[stream] = None
         self._missing.move_to_end(stream)
         if len(self._missing) > _STREAM_MEMORY:
             self._missing.popitem(last=False)
-        if record is not None and key not in self.recency and not after_miss:
-            self._regret(record)
+        if note and not after_miss:
+            self._regret(note - 1)
         for expert in self._experts:
             expert.track(key, size, stream)
 
@@ -102,35 +140,29 @@ class AdaptivePolicy:
             expert.touch(key, stream)
 
     def remove(self, key: int) -> None:
-        """Forget ``key``; if it is the victim just yielded, remember the eviction."""
-        if key == self._yielded and key in self.recency:
-            self._evictions += 1
-            if not self._agreed:
-                self._history[key] = self._evictions << 1 | self._chosen
-            while len(self._history) > max(_HISTORY_MIN, len(self.recency)):
-                self._history.popitem(last=False)
+        """Forget ``key``; if it is the victim just yielded, remember the eviction
+        (with the loop expert's ghost of it) unless both experts chose it."""
+        evicted = key == self._yielded and key in self.recency
         for expert in self._experts:
             expert.remove(key)
+        if evicted:
+            self._evictions += 1
+            if not self._agreed:
+                self.loop.note_ghost(key, (self._evictions << 1 | self._chosen) + 1)
+
+    def remembers(self, key: int) -> bool:
+        """Whether an eviction of ``key`` is remembered: writing it would be a regret."""
+        slot = self.loop._ghost_slot(key)
+        return slot is not None and self.loop._info[slot] != 0
 
     def take_ghost(self, key: int) -> int | None:
-        """The loop expert's ghost and the remembered eviction of ``key``, as one int."""
-        if key in self.recency:
-            return None
-        record = self._history.pop(key, None)
-        ghost = self.loop.take_ghost(key)
-        if record is None and ghost is None:
-            return None
-        return (0 if ghost is None else ghost + 1) << 64 | (0 if record is None else record + 1)
+        """The loop expert's ghost of ``key`` (its remembered eviction included)."""
+        return None if key in self.recency else self.loop.take_ghost(key)
 
     def put_ghost(self, key: int, ghost: int) -> None:
         """Restore what :meth:`take_ghost` handed over, under ``key``."""
-        if key in self.recency or key in self._history:
-            return
-        record, loop = (ghost & _U64) - 1, (ghost >> 64) - 1
-        if record >= 0:
-            self._history[key] = record
-        if loop >= 0:
-            self.loop.put_ghost(key, loop)
+        if key not in self.recency:
+            self.loop.put_ghost(key, ghost)
 
     def victims(self) -> Iterator[int]:
         """The victims of the expert with the larger weight (ties: recency).
@@ -176,7 +208,7 @@ class AdaptivePolicy:
             main_keys=loop.main_keys,
             main_bytes=loop.main_bytes,
             dead_keys=loop.dead_keys,
-            ghost_keys=len(self._history),
+            ghost_keys=loop.ghost_keys,
             tracks=loop.tracks,
             touches=loop.touches,
             removes=loop.removes,
@@ -198,38 +230,79 @@ class AdaptivePolicy:
         total = sum(self.weights)
         self.weights = [weight / total for weight in self.weights]
 
+    # -- sharing the experts' chunks ---------------------------------------------------
+
+    def _share(self, first: int, count: int) -> None:
+        """Make the recency expert's link, owner and size chunks ``first ..`` that
+        equal the loop expert's the same arrays (copy-on-write for both)."""
+        a, b = self.loop._slots, self.recency._slots
+        for x, y in ((a.prev, b.prev), (a.next, b.next), (a.owner, b.owner)):
+            share_equal_chunks(x, y, first, count)
+        share_equal_chunks(a.columns[0], b.columns[0], first, count)
+
+    def _share_all(self) -> None:
+        self._share(0, len(self.loop._slots.owner.chunks))
+
     # -- persistence -------------------------------------------------------------------
 
     def persist(self) -> bytes:
-        """One image: the loop expert's lists and ghosts, then the recency list."""
-        loop = img.decode(self.loop.persist_v1(), img.KIND_KVFS, _LOOP_LISTS)
-        recency = img.decode(self.recency.persist_v1(), img.KIND_PREFIX_LRU, 1)
-        lists = [*loop.lists, *recency.lists]
-        return img.encode(
-            self._kind, loop.clock, loop.horizon, lists, loop.ghost_keys, loop.ghost_last
-        )
+        """The image :meth:`persist_pieces` yields, joined."""
+        return b"".join(self.persist_pieces())
 
     def persist_pieces(self) -> Iterator[bytes]:
-        """The image as one piece (encoded now: O(keys), as in the 0.2 release)."""
-        return iter([self.persist()])
+        """Freeze both experts now (O(chunks)) and return an iterator over the
+        pieces of the two-table image (module docstring). First a bounded sharing
+        pass over the next ``_SHARE_STEP`` chunks (a cursor through the table)."""
+        chunks = len(self.loop._slots.owner.chunks)
+        if self._share_from >= chunks:
+            self._share_from = 0
+        self._share(self._share_from, _SHARE_STEP)
+        self._share_from += _SHARE_STEP
+        self.recency.carried = [
+            self._evictions,
+            img.float_bits(self.weights[RECENCY]),
+            img.float_bits(self.weights[LOOP]),
+            *self.regrets,
+        ]
+        loop = self.loop._pieces(self._kind, 0)
+        recency = self.recency._pieces(self._kind, 1)
+        return chain(loop, recency)
 
     def recover_pieces(self, pieces: list[bytes]) -> None:
-        """``recover`` of the image ``persist_pieces`` gave."""
-        self.recover(b"".join(pieces))
-
-    def resident_mask(self, n: int) -> bytes | None:
-        """The residents (both experts hold the same keys)."""
-        return self.recency.resident_mask(n)
-
-    def adopt(
-        self, keys: array[int], sizes: array[int], spans: list[tuple[int, int]] | None = None
-    ) -> None:
-        """``track(key, size, None)`` per key, oldest first."""
-        for key, size in zip(keys, sizes, strict=True):
-            self.track(key, size, None)
+        """Replace the state by the image ``persist_pieces`` gave (or a one-piece
+        version 1 image of the 0.3 release); ValueError changes nothing."""
+        if len(pieces) == 1 and img.version_of(pieces[0]) == 1:
+            self._recover_v1(pieces[0])
+            return
+        loop = KvfsPolicy(without=self.loop.without)
+        recency = _Recency()
+        loop._load_pieces(pieces, self._kind, 0)
+        recency._load_pieces(pieces, self._kind, 1)
+        carried = recency.carried
+        if len(carried) != 5:
+            raise ValueError("adaptive policy image: wrong scalar count")
+        evictions, w_recency, w_loop, *regrets = carried
+        weights = [img.bits_float(w_recency), img.bits_float(w_loop)]
+        if not all(0.0 < w <= 1.0 for w in weights) or evictions < 0 or min(regrets) < 0:
+            raise ValueError("adaptive policy image: scalars out of range")
+        if len(loop) != len(recency) or _residents(loop) != _residents(recency):
+            raise ValueError("adaptive policy image: the experts hold different keys")
+        self.reset()
+        self.loop, self.recency = loop, recency
+        self._experts = (recency, loop)
+        self._evictions, self.weights, self.regrets = evictions, weights, regrets
+        self._share_all()
 
     def recover(self, data: bytes) -> None:
         """Replace the state by an image of this policy; ValueError changes nothing."""
+        if img.version_of(data) == 1:
+            self._recover_v1(data)
+        else:
+            self.recover_pieces(img.split_pieces(data))
+
+    def _recover_v1(self, data: bytes) -> None:
+        """The 0.3 release's image: the loop expert's lists and ghosts, then the
+        recency list, in one piece (weights and history were not kept)."""
         decoded = img.decode(data, self._kind, _LOOP_LISTS + 1, orders=1)
         self.reset()
         loop = Image(
@@ -243,10 +316,27 @@ class AdaptivePolicy:
         empty = decoded.ghost_keys[:0]
         self.recency._restore(Image(0, 0, decoded.lists[_LOOP_LISTS:], empty, empty))
 
+    def resident_mask(self, n: int) -> bytes | None:
+        """The residents (both experts hold the same keys)."""
+        return self.recency.resident_mask(n)
+
+    def adopt(
+        self, keys: array[int], sizes: array[int], spans: list[tuple[int, int]] | None = None
+    ) -> None:
+        """``track(key, size, None)`` per key, oldest first: in bulk by each expert
+        on a policy that never held a key (then their chunks are shared)."""
+        if self.loop._slots.decided or self.recency._slots.decided:
+            for key, size in zip(keys, sizes, strict=True):
+                self.track(key, size, None)
+            return
+        self.loop.adopt(keys, sizes, spans)
+        self.recency.adopt(keys, sizes, spans)
+        self._share_all()
+
     def recover_foreign(self, data: bytes) -> bool:
-        """A ``kvfs`` image (the 0.2 default) restores the loop expert whole and a
-        ``prefix-lru`` one the recency expert, the other expert taking the residents
-        in that order; other kinds: both take the residents."""
+        """A ``kvfs`` image (the 0.2-0.3 default) restores the loop expert whole and
+        a ``prefix-lru`` one the recency expert's order, the other expert taking the
+        residents in that order; other kinds: both take the residents."""
         if img.kind_of(data) == img.KIND_KVFS:
             try:
                 self.loop.recover(data)
@@ -254,21 +344,31 @@ class AdaptivePolicy:
                 self.reset()
                 return False
             self.recency.reset()
-            for key in self.loop.keys_in_image_order():
-                self.recency.track(key, self.loop.size_of(key), None)
+            order = array("q", self.loop.keys_in_image_order())
+            self.recency.adopt(order, array("q", map(self.loop.size_of, order)))
             return True
         if img.kind_of(data) == img.KIND_PREFIX_LRU:
+            source = PrefixLRUPolicy()
             try:
-                self.recency.recover(data)
+                source.recover(data)
             except ValueError:
-                self.reset()
                 return False
-        elif not self.recency.recover_foreign(data):
-            return False
-        self.loop.reset()
-        for key in self.recency.victims():
-            self.loop.track(key, self.recency.size_of(key), None)
+        else:
+            source = _Recency()
+            if not source.recover_foreign(data):
+                return False
+        self.reset()
+        order = array("q", source.victims())
+        sizes = array("q", map(source.size_of, order))
+        self.adopt(order, sizes)
         return True
+
+
+def _residents(policy: KvfsPolicy | PrefixLRUPolicy) -> bytes | set[int]:
+    """Which keys ``policy`` holds: a mask where it can say at C speed."""
+    table = policy._slots
+    mask = policy.resident_mask(len(table.owner.chunks) << SHIFT) if table.direct else None
+    return policy.keys() if mask is None else mask
 
 
 def _first_victim(expert: KvfsPolicy | PrefixLRUPolicy, skipped: set[int]) -> int | None:

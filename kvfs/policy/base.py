@@ -23,6 +23,7 @@ class LinkedPolicy:
     name: str = ""
     _kind: ClassVar[int] = 0
     _lists: ClassVar[tuple[int, ...]] = (ORDER,)  # persisted lists, in image order
+    _order: ClassVar[int] = ORDER  # the list of LRU, FIFO and prefix-LRU
     _slot_lists: ClassVar[int] = 1  # lists including unpersisted ones (the ghost)
     _columns: ClassVar[tuple[str, ...]] = ("I",)  # typecodes (widened on overflow); 0: size
 
@@ -173,10 +174,14 @@ class LinkedPolicy:
         """Freeze the state now (O(chunks): copy-on-write columns) and return an
         iterator over the pieces of its version 2 image, which reads only the frozen
         state: the policy may go on changing while they are encoded."""
+        return self._pieces(self._kind, 0)
+
+    def _pieces(self, kind: int, number: int) -> Iterator[bytes]:
+        """``persist_pieces`` as table ``number`` of an image of policy ``kind``."""
         clock, horizon = self._scalars()
         table = self._slots
         scalars = [clock, horizon, self._resident, self._bytes, *self._extra_scalars()]
-        return img.encode_pieces(self._kind, table, len(self._lists), scalars)
+        return img.encode_pieces(kind, table, len(self._lists), scalars, number)
 
     def persist(self) -> bytes:
         """Encode the state as an image (``kvfs.format.policy_image``, ``docs/format.md``)."""
@@ -195,9 +200,18 @@ class LinkedPolicy:
     def recover_pieces(self, pieces: list[bytes]) -> None:
         """Replace the state by a version 2 image given as its pieces; on ValueError
         nothing changes."""
+        self._load_pieces(pieces, self._kind, 0)
+
+    def _load_pieces(self, pieces: list[bytes], kind: int, number: int) -> None:
+        """``recover_pieces`` of table ``number`` of an image of policy ``kind``."""
         table = self._slots
         got = img.decode_pieces(
-            pieces, self._kind, len(table.count), len(self._lists), [c.code for c in table.columns]
+            pieces,
+            kind,
+            len(table.count),
+            len(self._lists),
+            [c.code for c in table.columns],
+            number,
         )
         self.reset()
         self._slots, scalars = got

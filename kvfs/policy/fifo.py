@@ -6,7 +6,7 @@ from collections.abc import Hashable, Iterator
 
 from kvfs.format import policy_image as img
 from kvfs.policy import PolicyStatistics
-from kvfs.policy.base import ORDER, LinkedPolicy
+from kvfs.policy.base import LinkedPolicy
 
 
 class FIFOPolicy(LinkedPolicy):
@@ -20,7 +20,7 @@ class FIFOPolicy(LinkedPolicy):
         self._check(key, size)
         slot = self._slot(key)
         if slot is None:
-            self._slots.append(ORDER, self._add(key, size))
+            self._slots.append(self._order, self._add(key, size))
         else:
             self._resize(slot, size)
 
@@ -38,7 +38,7 @@ class FIFOPolicy(LinkedPolicy):
 
     def victims(self) -> Iterator[int]:
         """Yield keys oldest write first; removing the yielded key is allowed."""
-        return self._slots.walk(ORDER)
+        return self._slots.walk(self._order)
 
     def statistics(self) -> PolicyStatistics:
         """Return a snapshot of the counters."""

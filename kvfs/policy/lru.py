@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Hashable
 
 from kvfs.format import policy_image as img
-from kvfs.policy.base import ORDER
 from kvfs.policy.fifo import FIFOPolicy
 
 
@@ -24,7 +23,7 @@ class LRUPolicy(FIFOPolicy):
         else:
             self._resize(slot, size)
             self._slots.unlink(slot)
-        self._slots.append(ORDER, slot)
+        self._slots.append(self._order, slot)
 
     def touch(self, key: int, stream: Hashable) -> None:
         """Record a read: ``key`` becomes the newest."""
@@ -32,4 +31,4 @@ class LRUPolicy(FIFOPolicy):
         if slot is not None:
             self._touches += 1
             self._slots.unlink(slot)
-            self._slots.append(ORDER, slot)
+            self._slots.append(self._order, slot)

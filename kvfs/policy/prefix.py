@@ -36,7 +36,7 @@ _SHARE_MAX = 0.95
 _SOON = 4  # a probation ghost hit counts if its gap is under horizon / _SOON
 _PEAK_DECAY = 16  # the byte high-water mark forgets 1/65536 per new key
 _GHOST_MIN = 1024  # evicted keys remembered at least, whatever the resident count
-_U64 = (1 << 64) - 1  # a handed-over ghost's fields (take_ghost; adaptive's too)
+_U64 = (1 << 64) - 1  # a handed-over ghost's fields (take_ghost)
 RULES = frozenset({"dead-first", "cold-main", "chain-order", "lirs-admit", "adapt"})
 """Rules an ablation may switch off (``KvfsPolicy(without=...)``, docs/eviction.md)."""
 
@@ -138,6 +138,12 @@ class KvfsPolicy(LinkedPolicy):
     def recover_foreign(self, data: bytes) -> bool:
         """An ``adaptive`` image holds a whole kvfs image (its loop expert's lists and
         ghosts): restore it; other kinds: adopt their resident keys."""
+        if img.kind_of(data) == img.KIND_ADAPTIVE and img.version_of(data) != 1:
+            try:  # its table 0 is the loop expert's: a whole kvfs table
+                self._load_pieces(img.split_pieces(data), img.KIND_ADAPTIVE, 0)
+                return True
+            except ValueError:
+                self.reset()
         found = img.decode_any(data)
         if found is not None and found[0] == img.KIND_ADAPTIVE:
             self.reset()
@@ -235,12 +241,18 @@ class KvfsPolicy(LinkedPolicy):
 
     def take_ghost(self, key: int) -> int | None:
         """Hand over ``key``'s ghost as one int (its eviction record, last use and
-        successor to revive) and forget it here; None if ``key`` is no ghost."""
+        successor to revive, and its note) and forget it here; None if ``key`` is no
+        ghost."""
         table = self._slots
-        slot = table.find(key) if key >= 0 else None
-        if slot is None or table.owner[slot] != _GHOST:
+        slot = self._ghost_slot(key)
+        if slot is None:
             return None
-        ghost = self._size[slot] | self._last[slot] << 64 | (self._succ[slot] + 1) << 128
+        ghost = (
+            self._size[slot]
+            | self._last[slot] << 64
+            | (self._succ[slot] + 1) << 128
+            | self._info[slot] << 192
+        )
         table.unlink(slot)
         table.release(slot)
         return ghost
@@ -255,9 +267,32 @@ class KvfsPolicy(LinkedPolicy):
         self._init_slot(slot)
         self._size[slot] = ghost & _U64
         self._last[slot] = ghost >> 64 & _U64
-        self._succ[slot] = (ghost >> 128) - 1
+        self._succ[slot] = (ghost >> 128 & _U64) - 1
+        self._info[slot] = ghost >> 192
         table.append(_GHOST, slot)
         self._trim_ghosts()
+
+    def note_ghost(self, key: int, note: int) -> None:
+        """Keep ``note`` (an int >= 0) with ghost ``key`` for as long as the ghost
+        lives (the ghost's gap column, unused while it is no resident); no-op if
+        ``key`` is no ghost. The adaptive policy keeps its eviction history here:
+        no dict entry per remembered eviction."""
+        slot = self._ghost_slot(key)
+        if slot is not None:
+            self._info[slot] = note << 1  # the chain flag stays clear (chain_links)
+
+    def take_note(self, key: int) -> int:
+        """The note kept with ghost ``key`` (0 if none), forgotten here."""
+        slot = self._ghost_slot(key)
+        if slot is None:
+            return 0
+        note, self._info[slot] = self._info[slot] >> 1, 0
+        return note
+
+    def _ghost_slot(self, key: int) -> int | None:
+        table = self._slots
+        slot = table.find(key) if key >= 0 else None
+        return slot if slot is not None and table.owner[slot] == _GHOST else None
 
     def victims(self) -> Iterator[int]:
         """Yield keys best victim first: dead, cold main, probation, then main (LRU).

@@ -22,7 +22,6 @@ from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
 from kvfs.format import policy_image as img
-from kvfs.policy.base import ORDER
 from kvfs.policy.fifo import FIFOPolicy
 
 if TYPE_CHECKING:
@@ -83,9 +82,9 @@ class PrefixLRUPolicy(FIFOPolicy):
 
     def _place(self, slot: int, anchor: int | None) -> None:
         if anchor is not None and anchor != slot:
-            self._slots.insert_before(anchor, slot, ORDER)
+            self._slots.insert_before(anchor, slot, self._order)
         else:
-            self._slots.append(ORDER, slot)
+            self._slots.append(self._order, slot)
 
     def _key_columns(self, slots: list[int]) -> tuple[array[int], array[int], array[int]]:
         n = len(slots)
