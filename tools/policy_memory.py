@@ -3,7 +3,8 @@
     .venv/bin/python tools/policy_memory.py [--files 1000000] [--policies kvfs,lru,...]
 
 - policy: bytes per key of each policy after ``track`` of N dense inode-like keys
-  (the keys themselves belong to the caller and are allocated before measuring);
+  (the keys themselves belong to the caller and are allocated before measuring),
+  and after a mount's bulk ``adopt`` of them (``per_key_adopted``);
   then with a full ghost list (N more keys tracked while evicting down to N/2);
 - evictor: bytes per file of ``kvfs.evict.Evictor``'s own per-file state (owners,
   the files of each owner, the grace list) after ``created`` + ``committed`` of N
@@ -59,9 +60,17 @@ def policy_bytes(name: str, keys: list[int], churn: bool = True) -> dict[str, fl
             policy.track(key, 1 << 21, index & 63)
         return policy
 
+    keys_q, sizes_q = array("q", keys), array("q", [1 << 21]) * n
+
+    def adopt() -> Any:  # what a mount does with the files it finds
+        policy = make_policy(name)
+        policy.adopt(keys_q, sizes_q)
+        return policy
+
     resident = _measure(fill) / n
+    adopted = round(_measure(adopt) / n, 1)
     if not churn:
-        return {"per_key": round(resident, 1)}
+        return {"per_key": round(resident, 1), "per_key_adopted": adopted}
     extra = list(range(keys[-1] + 1, keys[-1] + 1 + n))
 
     def churn() -> Any:
@@ -74,6 +83,7 @@ def policy_bytes(name: str, keys: list[int], churn: bool = True) -> dict[str, fl
 
     return {
         "per_key": round(resident, 1),
+        "per_key_adopted": adopted,
         "per_resident_key_with_ghosts": round(_measure(churn) / (n // 2), 1),
     }
 

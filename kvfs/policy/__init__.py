@@ -161,7 +161,7 @@ _FACTORIES: dict[str, type[EvictionPolicy]] = {
     "adaptive": AdaptivePolicy,
 }
 POLICY_NAMES = tuple(_FACTORIES)
-DEFAULT_POLICY = "kvfs"
+DEFAULT_POLICY = "adaptive"
 """The policy of a mount that names none (``kvfs mount --eviction``)."""
 
 
