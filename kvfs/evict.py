@@ -36,7 +36,7 @@ from kvfs.format import owners as owners_fmt
 from kvfs.format.owners import MAX_PROCESSES, OWNERS_BLOB, PART_OWNERS, PART_POLICY, POLICY_BLOB
 from kvfs.inodes import F_DEAD
 from kvfs.namespace import EVICTOR_TAG, ROOT_INO, Inode, Namespace
-from kvfs.policy import EvictionPolicy, make_policy
+from kvfs.policy import DEFAULT_POLICY, EvictionPolicy, make_policy
 from kvfs.slots import ROWS, SHIFT, SlotColumn, runs
 
 log = logging.getLogger(__name__)
@@ -193,7 +193,7 @@ class Evictor:
     def __init__(
         self,
         ns: Namespace,
-        policy: str = "kvfs",
+        policy: str = DEFAULT_POLICY,
         default_policy: str = KVFS_MANAGED,
         default_quota: int = 0,
         alive: Callable[[int], int | None] = procs.start_time,

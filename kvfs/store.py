@@ -61,6 +61,7 @@ from kvfs.format.records import (
 )
 from kvfs.journal import ApplySink, Journal, Recovered, recover
 from kvfs.namespace import ROOT_INO, Inode, Namespace
+from kvfs.policy import DEFAULT_POLICY
 from kvfs.pool import Pool
 from kvfs.posix import ROOT, Caller
 from kvfs.readpath import Reader, domain_nursery
@@ -97,7 +98,7 @@ class StoreConfig:
     reserved blocks: another user can never starve them."""
     commit_interval: float = 0.05
     buffer_pool_bytes: int = 64 << 20
-    eviction_policy: str = "kvfs"
+    eviction_policy: str = DEFAULT_POLICY
     default_policy: str = "kvfs-managed"
     fresh_grace: float = FRESH_GRACE
     """Seconds after its close during which a file is evicted only as a last resort."""
