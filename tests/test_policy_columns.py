@@ -232,6 +232,47 @@ def test_adaptive_experts_share_chunks_until_they_diverge() -> None:
     assert any(a.next.chunks[c] is b.next.chunks[c] for c in range(len(a.owner.chunks)))
 
 
+def _kvfs_workload(policy: object, rng: random.Random, keys: int, count: int) -> None:
+    """Streams writing and rereading chains over ``keys`` keys, evicting to half."""
+    for _ in range(count):
+        key, stream = rng.randrange(2, keys), rng.randrange(8)
+        if rng.random() < 0.6:
+            policy.track(key, SIZE, stream)  # type: ignore[attr-defined]
+        else:
+            policy.touch(key, stream)  # type: ignore[attr-defined]
+        while len(policy) > keys // 2:  # type: ignore[arg-type]
+            policy.remove(next(policy.victims()))  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("keys", [80, 6000])
+def test_adaptive_takes_a_kvfs_image_whole_in_chunk_steps(keys: int) -> None:
+    """A pool of the former default (``kvfs``) mounted with ``adaptive``: the loop
+    expert restores the image whole and the recency expert's order is built from
+    its columns (O(chunks)); it is exactly the order and state that adopting the
+    residents in image order key by key gives, and stays so through more work."""
+    for seed in range(4):
+        kvfs = make_policy("kvfs")
+        _kvfs_workload(kvfs, random.Random(seed), keys, 4 * keys)
+        image = kvfs.persist()
+        fast, slow = AdaptivePolicy(), AdaptivePolicy()
+        assert fast.recover_foreign(image)
+        slow.loop.recover(image)
+        order_ = array("q", slow.loop.keys_in_image_order())
+        slow.recency.adopt(order_, array("q", map(slow.loop.size_of, order_)))
+
+        def state(policy: AdaptivePolicy) -> tuple[object, ...]:
+            recency = policy.recency
+            return (order(recency), recency.statistics(), recency.keys(), order(policy.loop))
+
+        assert state(fast) == state(slow) and order(fast.recency) == list(order_)
+        for policy in (fast, slow):
+            _kvfs_workload(policy, random.Random(seed + 10), keys, 2 * keys)
+        assert state(fast) == state(slow)
+        again = AdaptivePolicy()
+        again.recover(fast.persist())
+        assert state(again)[0] == state(fast)[0]
+
+
 def test_adaptive_reads_the_one_piece_image_of_release_0_3() -> None:
     """Release 0.3 wrote the adaptive state as one version 1 image (the loop
     expert's lists and ghosts, then the recency list; no weights, no history):

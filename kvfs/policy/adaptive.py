@@ -55,9 +55,9 @@ from itertools import chain
 from kvfs.format import policy_image as img
 from kvfs.format.policy_image import Image
 from kvfs.policy import PolicyStatistics
-from kvfs.policy.prefix import _PROBATION, _STREAM_MEMORY, KvfsPolicy
+from kvfs.policy.prefix import _GHOST, _PROBATION, _STREAM_MEMORY, KvfsPolicy
 from kvfs.policy.prefix_lru import PrefixLRUPolicy
-from kvfs.slots import SHIFT, share_equal_chunks
+from kvfs.slots import FREE, LINK, LOOSE, SHIFT, SlotTable, share_equal_chunks
 
 RECENCY = 0
 LOOP = 1
@@ -88,6 +88,56 @@ class _Recency(PrefixLRUPolicy):
 
     def _set_extra(self, values: list[int]) -> None:
         self.carried = list(values)
+
+    def follow(self, loop: KvfsPolicy) -> bool:
+        """On a fresh table: hold ``loop``'s residents in its image order (its dead,
+        probation then main lists, oldest first), built from its columns in
+        O(chunks) at C level (a pool of the ``kvfs`` default upgraded to
+        ``adaptive``), the chunks that agree shared; False (nothing changed) if its
+        keys are mapped through a dict (then ``adopt`` the order instead)."""
+        source = loop._slots
+        if not source.direct or source.sparse_keys or self._slots.decided:
+            return False
+        table = SlotTable(self._slot_lists, self._columns)
+        table.decided, table.direct = source.decided, source.direct
+        table.sparse_base = source.sparse_base
+        to_recency = bytearray(range(256))  # owner byte -> this table's owner
+        for lst in loop._lists:
+            to_recency[lst] = _RECENCY_LIST
+        to_recency[_GHOST] = FREE & 0xFF
+        loose = bytes([LOOSE & 0xFF])
+        if any(c is not None and c.tobytes().find(loose) >= 0 for c in source.owner.chunks):
+            return False  # (never between two calls)
+        for c, owners in enumerate(source.owner.chunks):
+            if owners is None:
+                continue
+            for column in table.all_columns():
+                column.ensure_row(c << SHIFT)
+            raw = owners.tobytes()
+            table.owner.chunks[c] = array("b", raw.translate(to_recency))
+            table.prev.chunks[c] = array(LINK, source.prev.chunks[c])  # type: ignore[arg-type]
+            table.next.chunks[c] = array(LINK, source.next.chunks[c])  # type: ignore[arg-type]
+            size = table.columns[0]
+            size.load(c, array("q", source.columns[0].chunks[c]), narrow=True)  # type: ignore[arg-type]
+            ghost = raw.find(_GHOST)
+            while ghost >= 0:  # a ghost's size column holds its eviction record
+                size[(c << SHIFT) + ghost] = 0
+                ghost = raw.find(_GHOST, ghost + 1)
+        for lst in range(self._slot_lists):  # the sentinels: empty lists
+            table.owner[lst] = table.prev[lst] = table.next[lst] = lst
+        tail = _RECENCY_LIST
+        for lst in loop._lists:  # then one list: the loop's lists end to end
+            if source.count[lst]:
+                first, last = source.next[lst], source.prev[lst]
+                table.next[tail], table.prev[first] = first, tail
+                tail = last
+        table.next[tail], table.prev[_RECENCY_LIST] = _RECENCY_LIST, tail
+        table.count[_RECENCY_LIST] = len(loop)
+        self._slots = table
+        self._bind_columns()
+        self._resident, self._bytes = len(loop), loop.statistics().bytes
+        self._tracks = len(loop)  # as adopt() counts them
+        return True
 
 
 class AdaptivePolicy:
@@ -344,8 +394,11 @@ class AdaptivePolicy:
                 self.reset()
                 return False
             self.recency.reset()
-            order = array("q", self.loop.keys_in_image_order())
-            self.recency.adopt(order, array("q", map(self.loop.size_of, order)))
+            if self.recency.follow(self.loop):
+                self._share_all()
+            else:
+                order = array("q", self.loop.keys_in_image_order())
+                self.recency.adopt(order, array("q", map(self.loop.size_of, order)))
             return True
         if img.kind_of(data) == img.KIND_PREFIX_LRU:
             source = PrefixLRUPolicy()
