@@ -21,13 +21,23 @@ raises ValueError before any state changes.
 from __future__ import annotations
 
 import struct
+import sys
 import zlib
 from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvfs.slots import DIRECT, FREE, LEGACY_DIRECT, NO_KEY, ROWS, SHIFT, SlotTable
+from kvfs.slots import (
+    DIRECT,
+    FREE,
+    LEGACY_DIRECT,
+    NO_KEY,
+    ROWS,
+    SHIFT,
+    SlotTable,
+    share_equal_chunks,
+)
 
 FORMAT_VERSION = 1
 MAGIC = b"KVEP"
@@ -343,13 +353,17 @@ def decode_pieces(
     persisted: int | None = None,
     codes: Sequence[str] | None = None,
     number: int = 0,
+    twin: SlotTable | None = None,
 ) -> tuple[SlotTable, list[int]]:
     """Validate version 2 pieces of policy ``kind`` (``lists`` slot lists of which
     ``persisted`` are resident ones, ``codes`` the policy's own column typecodes)
     and return (a new slot table holding them, the scalars; None: whatever the
     image says, for an image of another policy); ValueError on any defect. Only
     the pieces of table ``number`` are read (the others are checked for their
-    framing and checksum only). The checks are C-level per chunk: checksums,
+    framing and checksum only). With ``twin`` (a table of the same geometry), a
+    decoded link, owner or size chunk equal to the twin's is the twin's array,
+    copy-on-write for both, as soon as it is read (``slots.share_equal_chunks``:
+    the adaptive policy's second expert). The checks are C-level per chunk: checksums,
     geometry, every column's rows of every chunk with keys, owners, link ranges,
     list counts and sparse keys."""
     head_body: bytes | None = None
@@ -449,6 +463,8 @@ def decode_pieces(
                 chunk.extend(array(code, [column.fill]) * (ROWS - len(chunk)))
             column.load(first + i // step, chunk, narrow=not coded)
             loaded.add((col, first + i // step))
+            if twin is not None and col < 4 and twin.lists == lists:
+                share_equal_chunks(twin.all_columns()[col], column, first + i // step, 1)
     owner = table.owner
     rows = nchunks * ROWS
     sparse_base = table.sparse_base
@@ -474,7 +490,7 @@ def decode_pieces(
         for column in (table.prev, table.next):
             links = column.chunks[c]
             assert links is not None
-            if min(links) < 0 or max(links) >= rows:
+            if not _links_below(links, rows):
                 raise ValueError("bad link in policy image")
     for lst in range(lists):
         if owner.get(lst, FREE) != lst:
@@ -498,6 +514,25 @@ def decode_pieces(
     for i in range(len(table.count)):
         table.count[i] = counts[i]
     return table, list(scalars)
+
+
+_SIGNS = int.from_bytes(b"\0\0\0\x80" * ROWS, "little")
+"""Bit 31 of every 32-bit lane of a link chunk read as one little-endian integer."""
+
+
+def _links_below(links: array[int], rows: int) -> bool:
+    """Whether every int32 of ``links`` (a chunk) is in ``0 .. rows - 1``
+    (``rows <= 2**31``), at C speed: the chunk as one integer of 32-bit lanes, a
+    lane is negative iff its bit 31 is set, and ``v + 2**31 - rows`` (no carry out
+    of a lane for ``0 <= v < 2**31``) sets bit 31 iff ``v >= rows``."""
+    raw = links.tobytes()
+    if len(raw) != 4 * ROWS:
+        return min(links) >= 0 and max(links) < rows
+    value = int.from_bytes(raw, sys.byteorder)
+    if value & _SIGNS:
+        return False
+    lanes = int.from_bytes(((1 << 31) - rows).to_bytes(4, "little") * ROWS, "little")
+    return not (value + lanes) & _SIGNS
 
 
 def _decode_any_v2(data: bytes, kind: int) -> tuple[int, Image] | None:

@@ -57,7 +57,7 @@ from kvfs.format.policy_image import Image
 from kvfs.policy import PolicyStatistics
 from kvfs.policy.prefix import _GHOST, _PROBATION, _STREAM_MEMORY, KvfsPolicy
 from kvfs.policy.prefix_lru import PrefixLRUPolicy
-from kvfs.slots import FREE, LINK, LOOSE, SHIFT, SlotTable, share_equal_chunks
+from kvfs.slots import FREE, LOOSE, SHIFT, SlotTable, share_equal_chunks
 
 RECENCY = 0
 LOOP = 1
@@ -92,9 +92,11 @@ class _Recency(PrefixLRUPolicy):
     def follow(self, loop: KvfsPolicy) -> bool:
         """On a fresh table: hold ``loop``'s residents in its image order (its dead,
         probation then main lists, oldest first), built from its columns in
-        O(chunks) at C level (a pool of the ``kvfs`` default upgraded to
-        ``adaptive``), the chunks that agree shared; False (nothing changed) if its
-        keys are mapped through a dict (then ``adopt`` the order instead)."""
+        O(chunks) at C level, its link chunks (and owner and size chunks where
+        they agree) shared copy-on-write: what ``adopt`` of those keys in that
+        order gives (a first mount, where the loop expert adopted the files into
+        probation; a pool of the ``kvfs`` default upgraded to ``adaptive``). False
+        (nothing changed) if its keys are mapped through a dict."""
         source = loop._slots
         if not source.direct or source.sparse_keys or self._slots.decided:
             return False
@@ -108,21 +110,32 @@ class _Recency(PrefixLRUPolicy):
         loose = bytes([LOOSE & 0xFF])
         if any(c is not None and c.tobytes().find(loose) >= 0 for c in source.owner.chunks):
             return False  # (never between two calls)
+        ghostly = bytes([_GHOST])
+        size = table.columns[0]
         for c, owners in enumerate(source.owner.chunks):
             if owners is None:
                 continue
-            for column in table.all_columns():
-                column.ensure_row(c << SHIFT)
+            table.columns[1].ensure_row(c << SHIFT)  # predecessors: none
             raw = owners.tobytes()
-            table.owner.chunks[c] = array("b", raw.translate(to_recency))
-            table.prev.chunks[c] = array(LINK, source.prev.chunks[c])  # type: ignore[arg-type]
-            table.next.chunks[c] = array(LINK, source.next.chunks[c])  # type: ignore[arg-type]
-            size = table.columns[0]
-            size.load(c, array("q", source.columns[0].chunks[c]), narrow=True)  # type: ignore[arg-type]
-            ghost = raw.find(_GHOST)
-            while ghost >= 0:  # a ghost's size column holds its eviction record
-                size[(c << SHIFT) + ghost] = 0
-                ghost = raw.find(_GHOST, ghost + 1)
+            mine = raw.translate(to_recency)
+            pairs = [(source.prev, table.prev), (source.next, table.next)]
+            if mine == raw:
+                pairs.append((source.owner, table.owner))
+            else:
+                table.owner.load(c, array("b", mine))
+            if ghostly not in raw:
+                pairs.append((source.columns[0], size))
+            else:  # a ghost's size column holds its eviction record: 0 here
+                size.load(c, array("q", source.columns[0].chunks[c]), narrow=True)  # type: ignore[arg-type]
+                ghost = raw.find(ghostly)
+                while ghost >= 0:
+                    size[(c << SHIFT) + ghost] = 0
+                    ghost = raw.find(ghostly, ghost + 1)
+            for theirs, ours in pairs:  # the same array, copy-on-write for both
+                chunk = theirs.chunks[c]
+                assert chunk is not None
+                ours.load(c, chunk)
+                theirs.shared[c] = ours.shared[c] = 1
         for lst in range(self._slot_lists):  # the sentinels: empty lists
             table.owner[lst] = table.prev[lst] = table.next[lst] = lst
         tail = _RECENCY_LIST
@@ -327,7 +340,7 @@ class AdaptivePolicy:
         loop = KvfsPolicy(without=self.loop.without)
         recency = _Recency()
         loop._load_pieces(pieces, self._kind, 0)
-        recency._load_pieces(pieces, self._kind, 1)
+        recency._load_pieces(pieces, self._kind, 1, loop._slots)  # sharing as it reads
         carried = recency.carried
         if len(carried) != 5:
             raise ValueError("adaptive policy image: wrong scalar count")
@@ -341,7 +354,6 @@ class AdaptivePolicy:
         self.loop, self.recency = loop, recency
         self._experts = (recency, loop)
         self._evictions, self.weights, self.regrets = evictions, weights, regrets
-        self._share_all()
 
     def recover(self, data: bytes) -> None:
         """Replace the state by an image of this policy; ValueError changes nothing."""
@@ -380,8 +392,9 @@ class AdaptivePolicy:
                 self.track(key, size, None)
             return
         self.loop.adopt(keys, sizes, spans)
-        self.recency.adopt(keys, sizes, spans)
-        self._share_all()
+        if not self.recency.follow(self.loop):
+            self.recency.adopt(keys, sizes, spans)
+            self._share_all()
 
     def recover_foreign(self, data: bytes) -> bool:
         """A ``kvfs`` image (the 0.2-0.3 default) restores the loop expert whole and
@@ -394,9 +407,7 @@ class AdaptivePolicy:
                 self.reset()
                 return False
             self.recency.reset()
-            if self.recency.follow(self.loop):
-                self._share_all()
-            else:
+            if not self.recency.follow(self.loop):
                 order = array("q", self.loop.keys_in_image_order())
                 self.recency.adopt(order, array("q", map(self.loop.size_of, order)))
             return True

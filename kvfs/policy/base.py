@@ -202,8 +202,11 @@ class LinkedPolicy:
         nothing changes."""
         self._load_pieces(pieces, self._kind, 0)
 
-    def _load_pieces(self, pieces: list[bytes], kind: int, number: int) -> None:
-        """``recover_pieces`` of table ``number`` of an image of policy ``kind``."""
+    def _load_pieces(
+        self, pieces: list[bytes], kind: int, number: int, twin: SlotTable | None = None
+    ) -> None:
+        """``recover_pieces`` of table ``number`` of an image of policy ``kind``
+        (chunks equal to ``twin``'s shared with it: ``decode_pieces``)."""
         table = self._slots
         got = img.decode_pieces(
             pieces,
@@ -212,6 +215,7 @@ class LinkedPolicy:
             len(self._lists),
             [c.code for c in table.columns],
             number,
+            twin,
         )
         self.reset()
         self._slots, scalars = got
