@@ -12,7 +12,8 @@
   after a remount (``adopt_all``: every file starts as an orphan); ``owners_per_file``
   is the same without the grace list (every grace over).
 
-``--speed`` times a track + evict pair per policy instead (5 000 resident keys).
+``--speed`` times a track + evict pair per policy instead (5 000 resident keys);
+``--upgrade`` times ``adaptive`` taking a ``kvfs`` image of ``--files`` keys.
 
 Set ``KVFS_SRC`` to another checkout to measure its code (the "before" numbers in
 docs/eviction.md come from the parent commit run this way). Prints JSON.
@@ -164,13 +165,49 @@ def speed(name: str, keys: int = 20_000, resident: int = 5_000) -> float:
     return round(sorted(runs)[1], 1)
 
 
+def upgrade(files: int, ops: int = 200_000) -> dict[str, float]:
+    """Seconds (median of 3) to take a ``kvfs`` image of ``files`` adopted keys
+    after ``ops`` random operations: ``kvfs`` recovering it, ``adaptive`` adopting
+    it (a pool of the former default mounted with ``adaptive``)."""
+    import random
+
+    kvfs = make_policy("kvfs")
+    kvfs.adopt(array("q", range(files)), array("q", [1 << 20]) * files)
+    rng = random.Random(1)
+    for _ in range(ops):
+        key, stream = rng.randrange(files + files // 10), rng.randrange(16)
+        if rng.random() < 0.5:
+            kvfs.track(key, 1 << 20, stream)
+        else:
+            kvfs.touch(key, stream)
+        while len(kvfs) > files:
+            kvfs.remove(next(kvfs.victims()))
+    image = kvfs.persist()
+    times: dict[str, list[float]] = {"kvfs_recover": [], "adaptive_from_kvfs": []}
+    for _ in range(3):
+        started = time.perf_counter()
+        make_policy("kvfs").recover(image)
+        times["kvfs_recover"].append(time.perf_counter() - started)
+        started = time.perf_counter()
+        if not make_policy("adaptive").recover_foreign(image):
+            raise SystemExit("adaptive refused the kvfs image")
+        times["adaptive_from_kvfs"].append(time.perf_counter() - started)
+    return {name: round(sorted(runs)[1], 3) for name, runs in times.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--files", type=int, default=1_000_000)
     ap.add_argument("--policies", default="lru,fifo,kvfs,prefix-lru,adaptive")
     ap.add_argument("--no-churn", action="store_true", help="skip the ghost-list measurement")
     ap.add_argument("--speed", action="store_true", help="time track + evict instead")
+    ap.add_argument(
+        "--upgrade", action="store_true", help="time adopting a kvfs image (adaptive)"
+    )
     args = ap.parse_args(argv)
+    if args.upgrade:
+        print(json.dumps({"files": args.files, "seconds": upgrade(args.files)}, indent=1))
+        return 0
     if args.speed:
         rates = {name: speed(name) for name in args.policies.split(",")}
         print(json.dumps({"us_per_track_and_evict": rates}, indent=1))
