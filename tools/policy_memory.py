@@ -201,9 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policies", default="lru,fifo,kvfs,prefix-lru,adaptive")
     ap.add_argument("--no-churn", action="store_true", help="skip the ghost-list measurement")
     ap.add_argument("--speed", action="store_true", help="time track + evict instead")
-    ap.add_argument(
-        "--upgrade", action="store_true", help="time adopting a kvfs image (adaptive)"
-    )
+    ap.add_argument("--upgrade", action="store_true", help="time adopting a kvfs image (adaptive)")
     args = ap.parse_args(argv)
     if args.upgrade:
         print(json.dumps({"files": args.files, "seconds": upgrade(args.files)}, indent=1))
