@@ -8,6 +8,8 @@ import dataclasses
 import gzip
 import random
 import stat
+import struct
+import zlib
 from array import array
 
 import pytest
@@ -272,6 +274,69 @@ def test_adaptive_takes_a_kvfs_image_whole_in_chunk_steps(keys: int) -> None:
         again = AdaptivePolicy()
         again.recover(fast.persist())
         assert state(again)[0] == state(fast)[0]
+
+
+def test_adaptive_notes_carried_through_a_kvfs_mount_weigh_nothing() -> None:
+    """A pool mounted with ``adaptive``, then ``kvfs`` (which keeps the loop
+    expert's ghosts, notes and all), then ``adaptive`` again: the notes count from
+    another eviction count. Writing such a key must neither raise (a regret from a
+    negative age overflowed) nor move the weights; a note from past the count (a
+    crafted image) is no regret at all."""
+    rng = random.Random(2)
+    first = AdaptivePolicy()
+    for _ in range(60_000):
+        key, stream = rng.randrange(400), rng.randrange(8)
+        if len(first) > 50:
+            first.remove(next(first.victims()))
+        if key not in first:
+            first.track(key, 10, None if rng.random() < 0.5 else stream)
+    noted = [key for key in range(400) if first.remembers(key)]
+    assert noted and first._evictions > 50_000
+    kvfs = make_policy("kvfs")
+    assert kvfs.recover_foreign(first.persist())
+    again = AdaptivePolicy()
+    assert again.recover_foreign(kvfs.persist())
+    for key in noted[:20]:
+        again.track(key, 10, "s")
+        assert abs(again.weights[0] - 0.5) < 1e-6
+    fresh = AdaptivePolicy()  # an eviction number the count never reached
+    fresh.track(1, 10, "s")
+    fresh.remove(next(fresh.victims()))
+    fresh.loop.note_ghost(1, (10**6 << 1 | 1) + 1)
+    fresh.track(1, 10, "t")
+    assert fresh.weights == [0.5, 0.5] and fresh.regrets == [0, 0]
+
+
+def test_adaptive_image_whose_last_chunks_hold_only_ghosts_recovers() -> None:
+    """The loop expert keeps ghost-only chunks the recency expert lacks: both
+    hold the same keys all the same, and the whole state (ghosts too) recovers."""
+    policy = AdaptivePolicy()
+    for key in range(1100):
+        policy.track(key, 10, None)
+    for key in range(1020, 1100):  # the newest files deleted: ghosts past the last key
+        policy.remove(key)
+    copy = AdaptivePolicy()
+    copy.recover_pieces(img.split_pieces(policy.persist()))
+    assert _adaptive_state(copy)[:-1] == _adaptive_state(policy)[:-1]
+    assert copy.loop.persist() == policy.loop.persist()
+    assert copy.loop.statistics().ghost_keys == policy.loop.statistics().ghost_keys == 80
+
+
+def test_an_image_head_claiming_more_rows_than_links_address_is_refused() -> None:
+    """Chunks past 2**31 rows (int32 links): a ValueError, so every fallback
+    (another policy's adoption, a fresh start) still runs."""
+    policy = make_policy("prefix-lru")
+    for key in range(10):
+        policy.track(key, 100, None)
+    pieces = list(policy.persist_pieces())
+    header, body = pieces[0][: img.PIECE.size], bytearray(pieces[0][img.PIECE.size : -4])
+    struct.pack_into("<I", body, 16, 1 << 22)  # the head's chunk count
+    crc = img.CRC.pack(zlib.crc32(bytes(body), zlib.crc32(header)))
+    pieces[0] = header + bytes(body) + crc
+    with pytest.raises(ValueError, match="geometry"):
+        make_policy("prefix-lru").recover_pieces(pieces)
+    for name in ("adaptive", "kvfs", "lru"):
+        assert not make_policy(name).recover_foreign(b"".join(pieces))
 
 
 def test_adaptive_reads_the_one_piece_image_of_release_0_3() -> None:

@@ -467,6 +467,8 @@ def decode_pieces(
                 share_equal_chunks(twin.all_columns()[col], column, first + i // step, 1)
     owner = table.owner
     rows = nchunks * ROWS
+    if rows > 1 << 31:  # links are int32 slots
+        raise ValueError("bad geometry in policy image")
     sparse_base = table.sparse_base
     if nchunks == 0 or len(owner.chunks) > nchunks or (nsparse and sparse_base + nsparse > rows):
         raise ValueError("bad geometry in policy image")

@@ -189,8 +189,8 @@ class AdaptivePolicy:
         self._missing.move_to_end(stream)
         if len(self._missing) > _STREAM_MEMORY:
             self._missing.popitem(last=False)
-        if note and not after_miss:
-            self._regret(note - 1)
+        if note and not after_miss and (note - 1) >> 1 <= self._evictions:
+            self._regret(note - 1)  # (a note from past the count: not this policy's)
         for expert in self._experts:
             expert.track(key, size, stream)
 
@@ -285,7 +285,7 @@ class AdaptivePolicy:
 
     def _regret(self, record: int) -> None:
         """LeCaR's update: the expert that did not evict the key gains weight."""
-        age = self._evictions - (record >> 1)
+        age = max(0, self._evictions - (record >> 1))
         reward = _DISCOUNT ** (age / max(len(self.recency), 1))
         other = 1 - (record & 1)
         self.regrets[record & 1] += 1
@@ -348,7 +348,7 @@ class AdaptivePolicy:
         weights = [img.bits_float(w_recency), img.bits_float(w_loop)]
         if not all(0.0 < w <= 1.0 for w in weights) or evictions < 0 or min(regrets) < 0:
             raise ValueError("adaptive policy image: scalars out of range")
-        if len(loop) != len(recency) or _residents(loop) != _residents(recency):
+        if len(loop) != len(recency) or not _same_keys(loop, recency):
             raise ValueError("adaptive policy image: the experts hold different keys")
         self.reset()
         self.loop, self.recency = loop, recency
@@ -401,12 +401,18 @@ class AdaptivePolicy:
         a ``prefix-lru`` one the recency expert's order, the other expert taking the
         residents in that order; other kinds: both take the residents."""
         if img.kind_of(data) == img.KIND_KVFS:
+            self.reset()
             try:
                 self.loop.recover(data)
             except ValueError:
                 self.reset()
                 return False
-            self.recency.reset()
+            # notes a kvfs policy carried over from an adaptive one count from
+            # another eviction count: start this one past them, four cache
+            # turnovers on, where a regret weighs 0.005**4 (nothing)
+            info = [max(c) for c in self.loop._info.chunks if c is not None]
+            turnover = max(len(self.loop), 1024)
+            self._evictions = (max(info, default=0) >> 2) + 4 * turnover
             if not self.recency.follow(self.loop):
                 order = array("q", self.loop.keys_in_image_order())
                 self.recency.adopt(order, array("q", map(self.loop.size_of, order)))
@@ -428,11 +434,14 @@ class AdaptivePolicy:
         return True
 
 
-def _residents(policy: KvfsPolicy | PrefixLRUPolicy) -> bytes | set[int]:
-    """Which keys ``policy`` holds: a mask where it can say at C speed."""
-    table = policy._slots
-    mask = policy.resident_mask(len(table.owner.chunks) << SHIFT) if table.direct else None
-    return policy.keys() if mask is None else mask
+def _same_keys(a: KvfsPolicy, b: PrefixLRUPolicy) -> bool:
+    """Whether ``a`` and ``b`` hold the same keys: masks of one length where both
+    can say at C speed (one table may have chunks that hold only ghosts)."""
+    n = max(len(a._slots.owner.chunks), len(b._slots.owner.chunks)) << SHIFT
+    masks = (a.resident_mask(n), b.resident_mask(n))
+    if a._slots.direct and b._slots.direct and None not in masks:
+        return masks[0] == masks[1]
+    return a.keys() == b.keys()
 
 
 def _first_victim(expert: KvfsPolicy | PrefixLRUPolicy, skipped: set[int]) -> int | None:
