@@ -25,6 +25,7 @@ import argparse
 import gc
 import json
 import os
+import random
 import stat
 import sys
 import time
@@ -169,8 +170,6 @@ def upgrade(files: int, ops: int = 200_000) -> dict[str, float]:
     """Seconds (median of 3) to take a ``kvfs`` image of ``files`` adopted keys
     after ``ops`` random operations: ``kvfs`` recovering it, ``adaptive`` adopting
     it (a pool of the former default mounted with ``adaptive``)."""
-    import random
-
     kvfs = make_policy("kvfs")
     kvfs.adopt(array("q", range(files)), array("q", [1 << 20]) * files)
     rng = random.Random(1)

@@ -20,6 +20,7 @@ raises ValueError before any state changes.
 
 from __future__ import annotations
 
+import functools
 import struct
 import sys
 import zlib
@@ -444,6 +445,7 @@ def decode_pieces(
     all_columns = table.all_columns()
     coded = versions == {VERSION3}
     loaded: set[tuple[int, int]] = set()
+    twins = [] if twin is None or twin.lists != lists else twin.all_columns()[:4]
     for col, first, code, raw in columns:
         if col >= ncols or code not in "bBhHiIq":
             raise ValueError("bad column in policy image")
@@ -463,8 +465,8 @@ def decode_pieces(
                 chunk.extend(array(code, [column.fill]) * (ROWS - len(chunk)))
             column.load(first + i // step, chunk, narrow=not coded)
             loaded.add((col, first + i // step))
-            if twin is not None and col < 4 and twin.lists == lists:
-                share_equal_chunks(twin.all_columns()[col], column, first + i // step, 1)
+            if col < len(twins):
+                share_equal_chunks(twins[col], column, first + i // step, 1)
     owner = table.owner
     rows = nchunks * ROWS
     if rows > 1 << 31:  # links are int32 slots
@@ -518,23 +520,20 @@ def decode_pieces(
     return table, list(scalars)
 
 
-_SIGNS = int.from_bytes(b"\0\0\0\x80" * ROWS, "little")
-"""Bit 31 of every 32-bit lane of a link chunk read as one little-endian integer."""
+@functools.cache
+def _lanes(n: int, lane: int) -> int:
+    """``lane`` in each of ``n`` 32-bit lanes of one little-endian integer."""
+    return int.from_bytes(lane.to_bytes(4, "little") * n, "little")
 
 
 def _links_below(links: array[int], rows: int) -> bool:
-    """Whether every int32 of ``links`` (a chunk) is in ``0 .. rows - 1``
-    (``rows <= 2**31``), at C speed: the chunk as one integer of 32-bit lanes, a
-    lane is negative iff its bit 31 is set, and ``v + 2**31 - rows`` (no carry out
-    of a lane for ``0 <= v < 2**31``) sets bit 31 iff ``v >= rows``."""
-    raw = links.tobytes()
-    if len(raw) != 4 * ROWS:
-        return min(links) >= 0 and max(links) < rows
-    value = int.from_bytes(raw, sys.byteorder)
-    if value & _SIGNS:
-        return False
-    lanes = int.from_bytes(((1 << 31) - rows).to_bytes(4, "little") * ROWS, "little")
-    return not (value + lanes) & _SIGNS
+    """Whether every int32 of ``links`` is in ``0 .. rows - 1`` (``rows <= 2**31``),
+    at C speed: the array as one integer of 32-bit lanes, a lane is negative iff
+    its bit 31 is set, and ``v + 2**31 - rows`` (no carry out of a lane for
+    ``0 <= v < 2**31``) sets bit 31 iff ``v >= rows``."""
+    value = int.from_bytes(links.tobytes(), sys.byteorder)
+    signs = _lanes(len(links), 1 << 31)
+    return not value & signs and not (value + _lanes(len(links), (1 << 31) - rows)) & signs
 
 
 def _decode_any_v2(data: bytes, kind: int) -> tuple[int, Image] | None:

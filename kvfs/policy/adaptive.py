@@ -107,16 +107,15 @@ class _Recency(PrefixLRUPolicy):
         for lst in loop._lists:
             to_recency[lst] = _RECENCY_LIST
         to_recency[_GHOST] = FREE & 0xFF
-        loose = bytes([LOOSE & 0xFF])
-        if any(c is not None and c.tobytes().find(loose) >= 0 for c in source.owner.chunks):
-            return False  # (never between two calls)
-        ghostly = bytes([_GHOST])
+        loose, ghostly = bytes([LOOSE & 0xFF]), bytes([_GHOST])
         size = table.columns[0]
         for c, owners in enumerate(source.owner.chunks):
             if owners is None:
                 continue
             table.columns[1].ensure_row(c << SHIFT)  # predecessors: none
             raw = owners.tobytes()
+            if loose in raw:
+                return False  # (never between two calls; shared flags set are harmless)
             mine = raw.translate(to_recency)
             pairs = [(source.prev, table.prev), (source.next, table.next)]
             if mine == raw:
@@ -215,8 +214,7 @@ class AdaptivePolicy:
 
     def remembers(self, key: int) -> bool:
         """Whether an eviction of ``key`` is remembered: writing it would be a regret."""
-        slot = self.loop._ghost_slot(key)
-        return slot is not None and self.loop._info[slot] != 0
+        return self.loop.note(key) != 0
 
     def take_ghost(self, key: int) -> int | None:
         """The loop expert's ghost of ``key`` (its remembered eviction included)."""
@@ -410,9 +408,8 @@ class AdaptivePolicy:
             # notes a kvfs policy carried over from an adaptive one count from
             # another eviction count: start this one past them, four cache
             # turnovers on, where a regret weighs 0.005**4 (nothing)
-            info = [max(c) for c in self.loop._info.chunks if c is not None]
             turnover = max(len(self.loop), 1024)
-            self._evictions = (max(info, default=0) >> 2) + 4 * turnover
+            self._evictions = (self.loop.note_ceiling() >> 1) + 4 * turnover
             if not self.recency.follow(self.loop):
                 order = array("q", self.loop.keys_in_image_order())
                 self.recency.adopt(order, array("q", map(self.loop.size_of, order)))

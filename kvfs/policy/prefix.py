@@ -281,13 +281,21 @@ class KvfsPolicy(LinkedPolicy):
         if slot is not None:
             self._info[slot] = note << 1  # the chain flag stays clear (chain_links)
 
+    def note(self, key: int) -> int:
+        """The note kept with ghost ``key`` (0 if none)."""
+        slot = self._ghost_slot(key)
+        return 0 if slot is None else self._info[slot] >> 1
+
     def take_note(self, key: int) -> int:
         """The note kept with ghost ``key`` (0 if none), forgotten here."""
-        slot = self._ghost_slot(key)
-        if slot is None:
-            return 0
-        note, self._info[slot] = self._info[slot] >> 1, 0
+        note = self.note(key)
+        if note:
+            self._info[self._ghost_slot(key)] = 0  # type: ignore[index]
         return note
+
+    def note_ceiling(self) -> int:
+        """No note kept is larger (C-level maxima of the gap column's chunks)."""
+        return max((max(c) for c in self._info.chunks if c is not None), default=0) >> 1
 
     def _ghost_slot(self, key: int) -> int | None:
         table = self._slots
