@@ -64,6 +64,16 @@ class NotPermitted(KvfsError):
     errno = errno.EPERM
 
 
+class Busy(KvfsError):
+    errno = errno.EBUSY
+
+
+class TooBig(KvfsError):
+    """An answer larger than the kernel carries (a 64 KiB xattr value)."""
+
+    errno = errno.E2BIG
+
+
 class NotSupported(KvfsError):
     """An xattr namespace kvfs does not support (ext4 says the same): EOPNOTSUPP."""
 

@@ -21,7 +21,7 @@ from typing import Any, ParamSpec, TypeVar
 import pyfuse3
 import trio
 
-from kvfs import posix
+from kvfs import directpath, posix
 from kvfs.errors import KvfsError, NoAttribute, NotPermitted, NotSupported
 from kvfs.evict import GROUP_XATTRS, check_group_xattr
 from kvfs.namespace import Inode, check_times
@@ -342,6 +342,10 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
                 raise pyfuse3.FUSEError(errno.EPERM)
             self.store.journal.request_checkpoint()
             return
+        if name.startswith(directpath.PREFIX):
+            await self.store.direct_set(inode, name, value, _caller(ctx))
+            self._invalidate_attr(inode)  # its size and times changed behind the kernel
+            return
         if name in GROUP_XATTRS:
             check_group_xattr(name, value)
         await self.store.check_metadata_room()
@@ -360,6 +364,8 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
         posix.check_xattr_name(name)
         if name == STATS_XATTR and inode == pyfuse3.ROOT_INODE:
             return self.stats_json().encode()
+        if name.startswith(directpath.PREFIX):
+            return await self.store.direct_get(inode, name, _caller(ctx))
         try:
             return self.ns.get_xattr(inode, name)
         except NoAttribute:
@@ -393,6 +399,7 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
             "eviction": asdict(s.evictor.statistics()),
             "devices": [asdict(d.statistics()) for d in s.pool.devices],
             "space": [asdict(d) for d in s.device_space()],
+            "direct": asdict(s.direct.statistics()),
         }
         return json.dumps(out)
 

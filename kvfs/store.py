@@ -30,11 +30,12 @@ from typing import NoReturn, TypeVar
 import trio
 import xxhash
 
-from kvfs import posix, procs
+from kvfs import directpath, posix, procs
 from kvfs.alloc import Allocator
 from kvfs.cache import UnitCache
 from kvfs.check import Report, check_index, fix_dir_links
 from kvfs.device import BufferPool
+from kvfs.directpath import DirectPath
 from kvfs.errors import (
     Corruption,
     DeviceError,
@@ -43,6 +44,7 @@ from kvfs.errors import (
     IsADirectory,
     KvfsError,
     NoSpace,
+    NotPermitted,
     QuotaExceeded,
 )
 from kvfs.evict import FRESH_GRACE, QUOTA_XATTR, Evictor
@@ -281,6 +283,8 @@ class Store:
             low_watermark=self.cfg.low_watermark,
             discard=self.cfg.discard,
         )
+        self.direct = DirectPath(self)
+        """Leases and reservations of the zero-copy path (:mod:`kvfs.directpath`)."""
 
     # ------------------------------------------------------------------ lifecycle
     def _log(self, ops: list[Op]) -> None:
@@ -559,6 +563,9 @@ class Store:
         inode = self.ns.inodes.get(h.ino)
         if not h.writable or inode is None:
             return
+        if self.direct.pending(fh):  # closed before its direct write's commit
+            self.direct.closed(fh, inode)  # the file is incomplete: dropped at last close
+            return
         unfinished = inode.flags & FLAG_WRITING or fh in self._wrote
         if unfinished and h.owner is not None and procs.killed(*h.owner):
             st = self._state(inode.ino)
@@ -653,6 +660,8 @@ class Store:
         st = self._files.get(h.ino)
         if st is not None and h.writable:
             st.writers -= 1
+        self.direct.closed(fh, inode)
+        st = self._files.get(h.ino)
         failed = st is not None and st.error is not None
         if inode.opens == 0 and st is not None and not failed and (st.dirty or st.busy):
             try:
@@ -723,7 +732,7 @@ class Store:
                 # a unit on a missing member is not in the allocator: unmapped, it is
                 # released implicitly (free when the member returns, as no file maps it)
                 if p >> DEV_SHIFT not in self._missing:
-                    self.space.defer_free(p)
+                    self.direct.free_later(inode.ino, p)
                 freed += 1
             self.cache.discard((inode.ino, u))
         self.space.charge(inode, -freed)
@@ -958,24 +967,28 @@ class Store:
         assert self._nursery is not None
         self._nursery.start_soon(self._writeback, inode, st, plan, bufs)
 
-    def _tail_fragments(self, inode: Inode, u: int) -> int:
+    def _tail_fragments(self, inode: Inode, u: int, size: int | None = None) -> int:
         """Fragments that unit ``u`` takes if it is the file's partial last unit (0:
         it takes a whole unit). Decided at write-back, when the size is known; a file
         that grows later rewrites this unit as a new dirty unit anyway."""
-        tail = inode.size - u * self.unit
+        tail = (inode.size if size is None else size) - u * self.unit
         if not 0 < tail < self.unit:
             return 0
         n = -(-tail // self._fragment)
         return n if n < self.alloc.fragments_per_unit else 0
 
-    def _allocate(self, inode: Inode, units: list[int]) -> list[tuple[int, int, list[int]]]:
+    def _allocate(
+        self, inode: Inode, units: list[int], size: int | None = None
+    ) -> list[tuple[int, int, list[int]]]:
         """Place units as (device, first physical unit, logical units) runs: logically
         consecutive units go to one device in stripes of ``stripe_units``, stripes
         rotate over the devices so one file's I/O spreads across all of them. A
-        partial last unit gets a fragment run instead: (device, fragment field, [u])."""
+        partial last unit gets a fragment run instead: (device, fragment field, [u]).
+        ``size``: the size the file is going to have (a direct write's), if not its
+        size now."""
         ndev = len(self.pool.devices)
         groups: list[tuple[int, list[int]]] = []
-        tail = units[-1] if units and self._tail_fragments(inode, units[-1]) else -1
+        tail = units[-1] if units and self._tail_fragments(inode, units[-1], size) else -1
         for u in units:
             if u == tail:
                 continue
@@ -999,7 +1012,8 @@ class Store:
                     i += count
             if tail >= 0:
                 dev = (inode.ino + tail // self.cfg.stripe_units) % ndev
-                d, field = self.alloc.allocate_fragments(self._tail_fragments(inode, tail), dev)
+                frags = self._tail_fragments(inode, tail, size)
+                d, field = self.alloc.allocate_fragments(frags, dev)
                 plan.append((d, field, [tail]))
         except KvfsError:
             for d, start, lus in plan:
@@ -1086,7 +1100,7 @@ class Store:
                 self._begin_data_change(inode)  # the map changes: uncommitted until commit
                 old = inode.unit(u)
                 if old != NO_UNIT:
-                    self.space.defer_free(old)
+                    self.direct.free_later(inode.ino, old)
                 else:
                     self.space.charge(inode, 1)
                 units, sums = self.ns.edit_map(inode)
@@ -1215,6 +1229,17 @@ class Store:
         self.evictor.forget(inode.ino)
         inode.flags |= FLAG_GONE
         self.maybe_drop(inode)
+
+    # ------------------------------------------------------------------ direct path
+    async def direct_get(self, ino: int, name: bytes, caller: Caller) -> bytes:
+        """A direct-path request (``user.kvfs.direct.*`` read): a map or a reservation."""
+        return await self.direct.getxattr(ino, name, caller)
+
+    async def direct_set(self, ino: int, name: bytes, value: bytes, caller: Caller) -> None:
+        """A direct-path commit (``user.kvfs.direct.commit`` set)."""
+        if name != directpath.COMMIT:
+            raise NotPermitted(f"{name!r} cannot be set")
+        await self.direct.commit(ino, value, caller)
 
     # ------------------------------------------------------------------ eviction hooks
     def xattr_changed(self, ino: int, name: bytes) -> None:

@@ -1,0 +1,446 @@
+"""Zero-copy reads and writes of kvfs files, straight between the raw devices and a
+buffer (a pinned torch tensor, a ``bytearray``, an mmap): the bytes never cross FUSE.
+
+    import kvfs.direct
+    n = kvfs.direct.read_into("/mnt/kv/chunk.pt", tensor)   # the file's bytes, verified
+    kvfs.direct.write_from("/mnt/kv/new.pt", tensor)         # durable when it returns
+
+The mount mediates the metadata (:mod:`kvfs.directpath`): an extent map leased to
+the open file, or room reserved for a new one, then a commit with the checksums.
+This process does the device I/O: O_DIRECT, every run of units in parallel (worker
+threads; the reads, writes and xxh3 checksums release the GIL), each unit verified
+against the checksum the mount stored before a byte is returned.
+
+Who may use it: a process that can open the pool's devices (root, or the ``disk``
+group for block devices; the image file's owner for image files). Anyone else, and
+any file the mount cannot map (being written, a map over 64 KiB, not on kvfs at
+all), is served by ordinary reads and writes of the same path, with the same
+result: the functions work on every path, and :func:`stats` says which way each
+call went. An unaligned buffer (O_DIRECT needs page-aligned memory) is bounced
+through an aligned one; :func:`aligned` gives buffers that are not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import json
+import mmap
+import os
+import secrets
+import stat
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import xxhash
+
+MAP = "user.kvfs.direct.map"
+RESERVE = "user.kvfs.direct.reserve."
+COMMIT = "user.kvfs.direct.commit"
+ALIGN = 4096
+PIECE = 8 << 20
+"""Bytes per device request: a run is read or written in pieces this big, in
+parallel, so checksums of one piece overlap the I/O of the next."""
+_NO_MAP = {
+    errno.EACCES,
+    errno.EBUSY,
+    errno.E2BIG,
+    errno.ENODATA,
+    errno.EOPNOTSUPP,
+    errno.ERANGE,
+    errno.EPERM,
+}
+"""Answers that mean "not through the direct path": read or write through the mount."""
+
+
+@dataclass
+class Statistics:
+    direct_reads: int = 0
+    direct_writes: int = 0
+    direct_bytes_read: int = 0
+    direct_bytes_written: int = 0
+    fallback_reads: int = 0
+    """Reads served through the mount: no map (file being written, not kvfs, ...),
+    devices this process may not open, or a checksum mismatch (the mount then
+    verifies, and answers EIO for a corrupt unit)."""
+    fallback_writes: int = 0
+    bounced_bytes: int = 0
+    """Bytes copied through an aligned buffer because the caller's was not aligned
+    (or a file's partial last unit, which O_DIRECT cannot move in place)."""
+    checksum_failures: int = 0
+
+
+_stats = Statistics()
+_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+_fds: dict[tuple[str, bool], int] = {}
+
+
+def stats() -> dict[str, int]:
+    """This process's counters (see :class:`Statistics`)."""
+    with _lock:
+        return asdict(_stats)
+
+
+def _count(**deltas: int) -> None:
+    with _lock:
+        for k, v in deltas.items():
+            setattr(_stats, k, getattr(_stats, k) + v)
+
+
+def aligned(nbytes: int) -> mmap.mmap:
+    """A zero-filled, page-aligned buffer of ``nbytes`` (no bounce when used); wrap it
+    as a tensor with ``torch.frombuffer(buf, dtype=torch.uint8)``."""
+    return mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+def _workers() -> ThreadPoolExecutor:
+    global _pool
+    with _lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvfs-direct")
+        return _pool
+
+
+def _address(view: memoryview) -> int | None:
+    """Where ``view`` starts in memory, or None when it cannot be told (read-only)."""
+    if view.readonly:
+        return None
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+def _bytes_view(buf: Any) -> memoryview:
+    view = memoryview(buf)
+    if not view.contiguous:
+        raise ValueError("the buffer must be contiguous")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def _device(desc: dict[str, Any], write: bool) -> int:
+    """An O_DIRECT descriptor of a member, opened once per process and checked to be
+    the member the mount named (a path can come to name another device)."""
+    path = desc["path"]
+    ident = desc.get("id")
+    if ident is None:
+        raise PermissionError(errno.EACCES, "member not openable", path)
+    key = (path, write)
+    with _lock:
+        fd = _fds.get(key)
+    if fd is None:
+        flags = (os.O_RDWR if write else os.O_RDONLY) | os.O_CLOEXEC
+        if desc.get("direct", True):
+            flags |= os.O_DIRECT
+        fd = os.open(path, flags)
+        st = os.fstat(fd)
+        got = [st.st_rdev, 0] if stat.S_ISBLK(st.st_mode) else [st.st_dev, st.st_ino]
+        if got != list(ident):
+            os.close(fd)
+            raise PermissionError(errno.ESTALE, "names another device than the mount's", path)
+        with _lock:
+            if key in _fds:
+                os.close(fd)
+                fd = _fds[key]
+            else:
+                _fds[key] = fd
+    return fd
+
+
+def _devices(info: dict[str, Any], write: bool) -> list[int] | None:
+    """Descriptors of every member, or None if this process may not open one."""
+    try:
+        return [_device(d, write) for d in info["devices"]]
+    except OSError:
+        return None
+
+
+def available(path: str | os.PathLike[str]) -> bool:
+    """Whether reads and writes under ``path`` (a kvfs file or directory) take the
+    direct path: it is on a kvfs mount and this process may open its devices."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        info = json.loads(os.getxattr(fd, MAP))
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return _devices(info, write=False) is not None
+
+
+# ---------------------------------------------------------------------- reads
+def read_into(path: str | os.PathLike[str], buf: Any) -> int:
+    """Fill ``buf`` (writable, at least the file's size) with the file's bytes and
+    return the file's size. Raises FileNotFoundError for a missing file, ValueError
+    for a buffer too small, OSError (EIO) when a unit fails its checksum."""
+    view = _bytes_view(buf)
+    if view.readonly:
+        raise ValueError("read_into needs a writable buffer")
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        try:
+            info = json.loads(os.getxattr(fd, MAP))
+        except OSError as e:
+            if e.errno not in _NO_MAP:
+                raise
+            return _read_through(fd, view)
+        size: int = info["size"]
+        if len(view) < size:
+            raise ValueError(f"{os.fspath(path)}: {size} bytes do not fit {len(view)} bytes")
+        fds = _devices(info, write=False)
+        if fds is None:
+            return _read_through(fd, view)
+        if _read_runs(info, fds, view):
+            _count(direct_reads=1, direct_bytes_read=size)
+            return size
+        # a unit failed its checksum: the mount reads it again, and quarantines a bad
+        # unit (EIO) instead of serving it
+        _count(checksum_failures=1)
+        return _read_through(fd, view)
+    finally:
+        os.close(fd)
+
+
+def _read_through(fd: int, view: memoryview) -> int:
+    """Read the whole file through the mount (ordinary reads)."""
+    size = os.fstat(fd).st_size
+    if len(view) < size:
+        raise ValueError(f"{size} bytes do not fit a {len(view)}-byte buffer")
+    got = 0
+    while True:
+        n = os.preadv(fd, [view[got:]], got) if got < len(view) else 0
+        if n == 0:
+            break
+        got += n
+    if got < size:
+        raise OSError(errno.EIO, f"short read: {got} of {size} bytes")
+    _count(fallback_reads=1)
+    return got
+
+
+def _pieces(run: list[int], unit: int, size: int) -> list[tuple[int, int, int, bool]]:
+    """A run as (device offset, first unit, units, whole) pieces of at most PIECE
+    bytes; ``whole``: every unit of the piece lies within the file's size and is
+    stored whole, so it can move in place. A file's partial last unit is a piece of
+    its own (a fragment tail is a run of its own already)."""
+    dev_off, length, first, n = run[1], run[2], run[3], run[4]
+    if length < n * unit:  # a fragment tail (n == 1): its stored bytes only
+        return [(dev_off, first, 1, False)]
+    full = min(n, max(size // unit - first, 0))
+    per = max(PIECE // unit, 1)
+    out = [(dev_off + i * unit, first + i, min(per, full - i), True) for i in range(0, full, per)]
+    if full < n:
+        out.append((dev_off + full * unit, first + full, n - full, False))
+    return out
+
+
+def _read_runs(info: dict[str, Any], fds: list[int], view: memoryview) -> bool:
+    """Read and verify every run into ``view`` (holes zero-filled); False if any unit
+    failed its checksum."""
+    size, unit, csums = info["size"], info["unit"], info["csums"]
+    covered = bytearray(len(csums))
+    jobs: list[Future[bool]] = []
+    pool = _workers()
+    base = _address(view)
+    for run in info["runs"]:
+        fd, frag = fds[run[0]], run[2] < run[4] * unit
+        for dev_off, first, n, whole in _pieces(run, unit, size):
+            for u in range(first, first + n):
+                covered[u] = 1
+            stored = run[2] if frag else n * unit
+            start = first * unit
+            if whole and base is not None and (base + start) % ALIGN == 0:
+                jobs.append(pool.submit(_read_direct, fd, dev_off, view, start, n, unit, csums))
+            else:
+                args = (fd, dev_off, stored, view, start, n, unit, size, csums)
+                jobs.append(pool.submit(_read_bounced, *args))
+    for u, c in enumerate(covered):  # holes read as zeros
+        if not c:
+            lo, hi = u * unit, min((u + 1) * unit, size)
+            if lo < hi:
+                view[lo:hi] = bytes(hi - lo)
+    return all(job.result() for job in jobs)
+
+
+def _pread_all(fd: int, target: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(target):
+        n = os.preadv(fd, [target[done:]], offset + done)
+        if n == 0:
+            raise OSError(errno.EIO, f"short device read at {offset + done}")
+        done += n
+
+
+def _read_direct(
+    fd: int, dev_off: int, view: memoryview, start: int, n: int, unit: int, csums: list[int]
+) -> bool:
+    target = view[start : start + n * unit]
+    _pread_all(fd, target, dev_off)
+    first = start // unit
+    return all(
+        xxhash.xxh3_64_intdigest(target[i * unit : (i + 1) * unit]) == csums[first + i]
+        for i in range(n)
+    )
+
+
+def _read_bounced(
+    fd: int,
+    dev_off: int,
+    stored: int,
+    view: memoryview,
+    start: int,
+    n: int,
+    unit: int,
+    size: int,
+    csums: list[int],
+) -> bool:
+    scratch = aligned(n * unit)
+    try:
+        whole = memoryview(scratch)
+        _pread_all(fd, whole[: -(-stored // ALIGN) * ALIGN], dev_off)
+        if stored < n * unit:  # a fragment tail: the unit is its bytes, then zeros
+            whole[stored:] = bytes(n * unit - stored)
+        first = start // unit
+        ok = all(
+            xxhash.xxh3_64_intdigest(whole[i * unit : (i + 1) * unit]) == csums[first + i]
+            for i in range(n)
+        )
+        end = min(start + n * unit, size)
+        if ok:
+            view[start:end] = whole[: end - start]
+            _count(bounced_bytes=end - start)
+        del whole
+        return ok
+    finally:
+        scratch.close()
+
+
+# ---------------------------------------------------------------------- writes
+def write_from(path: str | os.PathLike[str], buf: Any, mode: int = 0o644) -> int:
+    """Store ``buf``'s bytes as the file ``path`` (created, or replaced as by
+    ``O_TRUNC``), durable when it returns, as after a close; returns the bytes
+    written. A failure leaves no partial file behind."""
+    view = _bytes_view(buf)
+    size = len(view)
+    parent = os.path.dirname(os.fspath(path)) or "."
+    info: dict[str, Any] | None = None
+    if size:
+        try:
+            dfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                info = json.loads(os.getxattr(dfd, MAP))
+            finally:
+                os.close(dfd)
+        except OSError as e:
+            if e.errno not in _NO_MAP:
+                raise
+    fds = _devices(info, write=True) if info is not None else None
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+    try:
+        if fds is None:
+            n = _write_through(fd, view)
+        else:
+            nonce = secrets.token_hex(8)
+            plan = json.loads(os.getxattr(fd, f"{RESERVE}{size}.{nonce}"))
+            sums = _write_runs(plan, fds, view)
+            os.setxattr(fd, COMMIT, json.dumps({"nonce": nonce, "csums": sums}).encode())
+            _count(direct_writes=1, direct_bytes_written=size)
+            n = size
+    except BaseException:
+        # a close before the commit: the mount frees the room and drops the file
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        raise
+    os.close(fd)
+    return n
+
+
+def _write_through(fd: int, view: memoryview) -> int:
+    done = 0
+    while done < len(view):
+        done += os.write(fd, view[done:])
+    os.fsync(fd)  # as durable as a direct write (a kvfs close is durable anyway)
+    _count(fallback_writes=1)
+    return done
+
+
+def _write_runs(plan: dict[str, Any], fds: list[int], view: memoryview) -> list[int]:
+    size, unit = plan["size"], plan["unit"]
+    sums = [0] * -(-size // unit)
+    pool = _workers()
+    jobs: list[Future[None]] = []
+    for run in plan["runs"]:
+        fd, frag = fds[run[0]], run[2] < run[4] * unit
+        for dev_off, first, n, whole in _pieces(run, unit, size):
+            stored = run[2] if frag else n * unit
+            start = first * unit
+            work: Callable[..., None] = _write_direct if whole else _write_bounced
+            jobs.append(pool.submit(work, fd, dev_off, stored, view, start, n, unit, sums))
+    for job in jobs:
+        job.result()
+    return sums
+
+
+def _pwrite_all(fd: int, source: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(source):
+        n = os.pwritev(fd, [source[done:]], offset + done)
+        if n <= 0:
+            raise OSError(errno.EIO, f"short device write at {offset + done}")
+        done += n
+
+
+def _write_direct(
+    fd: int,
+    dev_off: int,
+    stored: int,
+    view: memoryview,
+    start: int,
+    n: int,
+    unit: int,
+    sums: list[int],
+) -> None:
+    source = view[start : start + n * unit]
+    base = _address(view)
+    if base is not None and (base + start) % ALIGN:
+        _write_bounced(fd, dev_off, stored, view, start, n, unit, sums)
+        return
+    first = start // unit
+    for i in range(n):
+        sums[first + i] = xxhash.xxh3_64_intdigest(source[i * unit : (i + 1) * unit])
+    try:
+        _pwrite_all(fd, source, dev_off)
+    except OSError as e:  # a read-only buffer's alignment shows only here
+        if e.errno != errno.EINVAL or base is not None:
+            raise
+        _write_bounced(fd, dev_off, stored, view, start, n, unit, sums)
+
+
+def _write_bounced(
+    fd: int,
+    dev_off: int,
+    stored: int,
+    view: memoryview,
+    start: int,
+    n: int,
+    unit: int,
+    sums: list[int],
+) -> None:
+    end = min(start + n * unit, len(view))
+    scratch = aligned(n * unit)  # zero-filled: a partial last unit is padded with zeros
+    try:
+        whole = memoryview(scratch)
+        whole[: end - start] = view[start:end]
+        first = start // unit
+        for i in range(n):
+            sums[first + i] = xxhash.xxh3_64_intdigest(whole[i * unit : (i + 1) * unit])
+        _pwrite_all(fd, whole[: -(-stored // ALIGN) * ALIGN], dev_off)
+        _count(bounced_bytes=end - start)
+        del whole
+    finally:
+        scratch.close()

@@ -1,0 +1,352 @@
+"""The mount's side of the zero-copy path (:mod:`kvfs.direct` is the client's).
+
+A client allowed to open the pool's devices moves a file's bytes itself, by O_DIRECT
+on the raw devices; the mount only mediates the metadata, through xattrs of a file
+the client holds open (``docs/design.md``, "The direct path"):
+
+- ``getxattr(fd, "user.kvfs.direct.map")``: the file's extent map (JSON): for each
+  run of units contiguous on one device its device, byte offset and length, and
+  every unit's checksum. The map is a **lease**: from then until the file's last
+  handle closes, no unit the file had is freed for reuse (a rewrite, truncate or
+  unlink meanwhile keeps the old units aside), and the open handle keeps the file
+  from eviction. A file with bytes only in memory (being written) answers EBUSY:
+  the client reads it through the mount instead.
+- ``getxattr(fd, "user.kvfs.direct.reserve.<size>.<nonce>")``: room for a new
+  ``size``-byte file's bytes, allocated (evicting as a write would) and held by the
+  writable handle the caller opened; the answer is where to write. Idempotent per
+  nonce (the kernel may ask twice: once for the length).
+- ``setxattr(fd, "user.kvfs.direct.commit", {"nonce", "csums"})``: the client wrote
+  every reserved byte; the mount maps the units with the client's checksums, commits
+  the file and returns once it is durable (a close's guarantee). A reservation that
+  is never committed (the client failed, closed or was killed) is freed and its
+  file is dropped at its last close: a crashed direct writer leaves nothing.
+
+Trust: only a process that can open the devices can use any of this, and such a
+process can read and write every byte of the pool anyway (root or the ``disk``
+group); the xattrs give it nothing more. A client's checksums are what later reads
+verify, so a client that wrote wrong bytes gets EIO, never wrong bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import stat
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvfs.errors import (
+    Busy,
+    Corruption,
+    Incomplete,
+    InvalidArgument,
+    KvfsError,
+    NotPermitted,
+    TooBig,
+)
+from kvfs.format.records import (
+    DEV_SHIFT,
+    FLAG_QUARANTINED,
+    NO_UNIT,
+    extent,
+    is_fragment,
+    phys,
+)
+from kvfs.namespace import Inode
+from kvfs.posix import Caller
+
+if TYPE_CHECKING:
+    from kvfs.store import Store
+
+log = logging.getLogger(__name__)
+
+PREFIX = b"user.kvfs.direct."
+MAP = PREFIX + b"map"
+RESERVE = PREFIX + b"reserve."
+COMMIT = PREFIX + b"commit"
+VERSION = 1
+MAX_REPLY = 65536
+"""The kernel's largest xattr value (XATTR_SIZE_MAX): a map that does not fit is
+E2BIG, and the client reads that file through the mount."""
+
+
+@dataclass
+class Reservation:
+    fh: int
+    ino: int
+    nonce: bytes
+    size: int
+    plan: list[tuple[int, int, list[int]]]
+    """(device, first unit or fragment field, logical units), as the write-back's."""
+    reply: bytes
+
+
+@dataclass
+class DirectStatistics:
+    maps: int
+    reservations: int
+    commits: int
+    aborts: int
+    bytes_mapped: int
+    bytes_committed: int
+    leased_files: int
+    held_units: int
+    """Units a leased file no longer maps, kept from reuse until its last close."""
+
+
+class DirectPath:
+    """Leases and reservations of one store (runs on the trio thread)."""
+
+    def __init__(self, store: Store) -> None:
+        self.s = store
+        self.unit = store.unit
+        self._leased: set[int] = set()
+        self._held: dict[int, list[int]] = {}
+        self._reservations: dict[int, Reservation] = {}  # by handle
+        self._devices = [self._describe(d) for d in store.pool.devices]
+        self._maps = self._commits = self._aborts = self._reserved = 0
+        self._bytes_mapped = self._bytes_committed = 0
+
+    @staticmethod
+    def _describe(device: object) -> dict[str, object]:
+        """What a client needs to open a member and make sure it opened that one."""
+        path = str(getattr(device, "path", ""))
+        fd = getattr(device, "fd", -1)
+        if fd < 0:  # a missing member or an in-memory test device: not openable
+            return {"path": path, "id": None, "direct": False}
+        st = os.fstat(fd)
+        ident = [st.st_rdev, 0] if stat.S_ISBLK(st.st_mode) else [st.st_dev, st.st_ino]
+        return {"path": path, "id": ident, "direct": bool(getattr(device, "direct", False))}
+
+    # ------------------------------------------------------------------ unit frees
+    def free_later(self, ino: int, p: int) -> None:
+        """A unit ``ino`` no longer maps: kept aside while the file is leased."""
+        held = self._held.get(ino) if ino in self._leased else None
+        if held is not None:
+            held.append(p)
+        else:
+            self.s.space.defer_free(p)
+
+    def closed(self, fh: int, inode: Inode) -> None:
+        """Handle ``fh`` of ``inode`` closed: an uncommitted reservation it held is
+        freed; the lease ends with the file's last handle."""
+        r = self._reservations.pop(fh, None)
+        if r is not None:
+            self._abort(r, "closed before its commit")
+        if inode.opens == 0 and inode.ino in self._leased:
+            self._leased.discard(inode.ino)
+            for p in self._held.pop(inode.ino, ()):
+                self.s.space.defer_free(p)
+
+    def pending(self, fh: int) -> bool:
+        return fh in self._reservations
+
+    def _abort(self, r: Reservation, why: str) -> None:
+        self._aborts += 1
+        for dev, start, lus in r.plan:
+            self.s.alloc.free(dev, start, len(lus))
+        inode = self.s.ns.inodes.get(r.ino)
+        log.warning("direct write of inode %d abandoned: %s", r.ino, why)
+        if inode is not None:
+            st = self.s._state(r.ino)
+            self.s._fail(st, Incomplete(f"inode {r.ino}: direct write {why}"))
+
+    # ------------------------------------------------------------------ requests
+    async def getxattr(self, ino: int, name: bytes, caller: Caller) -> bytes:
+        if name == MAP:
+            return self._map(ino)
+        if name.startswith(RESERVE):
+            return await self._reserve(ino, name[len(RESERVE) :], caller)
+        raise NotPermitted(f"{name!r} is not a direct-path request")
+
+    def _live(self, ino: int) -> Inode:
+        inode = self.s.ns.get(ino)
+        if inode.is_dir:
+            raise InvalidArgument(f"inode {ino} is a directory")
+        if inode.flags & FLAG_QUARANTINED:
+            raise Corruption(f"inode {ino} is quarantined")
+        if ino in self.s.unreadable:
+            raise self.s._unreadable_error(inode)
+        return inode
+
+    def _map(self, ino: int) -> bytes:
+        if self.s.ns.get(ino).is_dir:  # where a client may write: the members only
+            info = {"v": VERSION, "unit": self.unit, "devices": self._devices}
+            return json.dumps(info, separators=(",", ":")).encode()
+        inode = self._live(ino)
+        if not inode.opens:
+            raise NotPermitted(f"inode {ino}: a map is leased to an open file only")
+        st = self.s._files.get(ino)
+        if st is not None:
+            self.s._check_failed(st)
+            if st.dirty or st.inflight or st.busy:
+                raise Busy(f"inode {ino} has bytes in memory only")
+        runs: list[list[int]] = []
+        csums = []
+        u_size, extendable = self.unit, False
+        for u in range(inode.nunits):
+            p = inode.unit(u)
+            csums.append(inode.csum(u) if p != NO_UNIT else 0)
+            if p == NO_UNIT:
+                extendable = False
+                continue
+            dev, frag = p >> DEV_SHIFT, is_fragment(p)
+            unit, skip, length = extent(p, u_size)
+            offset = self.s.pool.unit_offset(dev, unit) + skip
+            last = runs[-1] if runs else None
+            if (
+                extendable
+                and not frag
+                and last is not None
+                and last[0] == dev
+                and last[1] + last[2] == offset
+            ):
+                last[2] += length
+                last[4] += 1
+            else:
+                runs.append([dev, offset, length, u, 1])
+            extendable = not frag
+        reply = json.dumps(
+            {
+                "v": VERSION,
+                "size": inode.size,
+                "unit": u_size,
+                "devices": self._devices,
+                "runs": runs,
+                "csums": csums,
+            },
+            separators=(",", ":"),
+        ).encode()
+        if len(reply) > MAX_REPLY:
+            raise TooBig(f"inode {ino}: its map is {len(reply)} bytes, over 64 KiB")
+        if ino not in self._leased:
+            self._leased.add(ino)
+            self._held[ino] = []
+        self._maps += 1
+        self._bytes_mapped += inode.size
+        return reply
+
+    def _writer(self, ino: int, caller: Caller) -> int:
+        """The caller's newest writable handle of ``ino``."""
+        found = [
+            fh
+            for fh, h in self.s._handles.items()
+            if h.ino == ino and h.writable and h.pid == caller.pid
+        ]
+        if not found:
+            raise NotPermitted(f"inode {ino}: open it for writing before reserving")
+        return max(found)
+
+    async def _reserve(self, ino: int, args: bytes, caller: Caller) -> bytes:
+        try:
+            size_s, nonce = args.split(b".", 1)
+            size = int(size_s)
+        except ValueError:
+            raise InvalidArgument(f"bad reservation request {args!r}") from None
+        if size <= 0 or not nonce:
+            raise InvalidArgument("a reservation needs a size > 0 and a nonce")
+        fh = self._writer(ino, caller)
+        r = self._reservations.get(fh)
+        if r is not None:
+            if r.nonce == nonce:
+                return r.reply  # the kernel's second ask (the first was for the length)
+            raise Busy(f"inode {ino}: this handle has a direct write in progress")
+        inode = self._live(ino)
+        st = self.s._state(ino)
+        self.s._check_failed(st)
+        if inode.size or inode.nunits or st.dirty or st.inflight or st.busy:
+            raise Busy(f"inode {ino} is not empty: open it with O_TRUNC")
+        # from here the file is this write's: if it fails, so does the file (dropped
+        # at its last close, as a write that found no room), never left empty
+        self.s._begin_data_change(inode)
+        units = list(range(-(-size // self.unit)))
+        try:
+            self.s._check_size(inode, size)
+            await self.s._ensure_space(inode, len(units))
+            # no await since the room was checked
+            inode = self._live(ino)
+            fh = self._writer(ino, caller)  # still open, still empty
+            if fh in self._reservations or inode.size or inode.nunits or st.dirty or st.busy:
+                raise Busy(f"inode {ino} changed while room was made")
+            plan = self.s._allocate(inode, units, size)
+        except KvfsError as e:
+            self.s._fail(st, e)
+            raise
+        runs = []
+        for dev, start, lus in plan:
+            unit, skip, length = extent(start, self.unit)
+            if not is_fragment(start):
+                length *= len(lus)
+            runs.append([dev, self.s.pool.unit_offset(dev, unit) + skip, length, lus[0], len(lus)])
+        reply = json.dumps(
+            {
+                "v": VERSION,
+                "size": size,
+                "unit": self.unit,
+                "devices": self._devices,
+                "runs": runs,
+            },
+            separators=(",", ":"),
+        ).encode()
+        self._reservations[fh] = Reservation(fh, ino, nonce, size, plan, reply)
+        self._reserved += 1
+        return reply
+
+    async def commit(self, ino: int, value: bytes, caller: Caller) -> None:
+        try:
+            msg = json.loads(value)
+            nonce = str(msg["nonce"]).encode()
+            csums = [int(c) for c in msg["csums"]]
+        except (ValueError, KeyError, TypeError):
+            raise InvalidArgument("a direct commit is JSON with a nonce and checksums") from None
+        fh = self._writer(ino, caller)
+        r = self._reservations.get(fh)
+        if r is None or r.nonce != nonce or r.ino != ino:
+            raise InvalidArgument(f"inode {ino}: no such direct write in progress")
+        del self._reservations[fh]
+        nunits = -(-r.size // self.unit)
+        inode = self.s.ns.inodes.get(ino)
+        st = self.s._files.get(ino)
+        why = (
+            "its checksums do not cover its units"
+            if len(csums) != nunits
+            else "the file is gone"
+            if inode is None
+            else "the file changed meanwhile"
+            if inode.size or inode.nunits or (st is not None and (st.dirty or st.busy))
+            else "its earlier failure"
+            if st is not None and st.error is not None
+            else ""
+        )
+        if why:
+            self._abort(r, why)
+            raise InvalidArgument(f"inode {ino}: direct write refused: {why}")
+        assert inode is not None
+        self.s._begin_data_change(inode)
+        inode.size = r.size
+        self.s._grow_map(inode, r.size)
+        units, sums = self.s.ns.edit_map(inode)
+        for dev, start, lus in r.plan:
+            for i, u in enumerate(lus):
+                units[u] = phys(dev, start + i)
+                sums[u] = csums[u]
+            self.s.journal.note_data_write(dev)  # flushed before the commit record
+        self.s.space.charge(inode, nunits)
+        inode.touch()
+        self.s.ns.commit(inode)
+        self._commits += 1
+        self._bytes_committed += r.size
+        await self.s.commit(inode, caller.pid)
+
+    def statistics(self) -> DirectStatistics:
+        return DirectStatistics(
+            self._maps,
+            self._reserved,
+            self._commits,
+            self._aborts,
+            self._bytes_mapped,
+            self._bytes_committed,
+            len(self._leased),
+            sum(len(v) for v in self._held.values()),
+        )
