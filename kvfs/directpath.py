@@ -48,6 +48,7 @@ from kvfs.errors import (
 from kvfs.format.records import (
     DEV_SHIFT,
     FLAG_QUARANTINED,
+    FLAG_WRITING,
     NO_UNIT,
     extent,
     is_fragment,
@@ -151,6 +152,9 @@ class DirectPath:
         if inode is not None:
             st = self.s._state(r.ino)
             self.s._fail(st, Incomplete(f"inode {r.ino}: direct write {why}"))
+            if not inode.flags & FLAG_WRITING:  # another handle's close committed it
+                inode.flags |= FLAG_WRITING  # empty: uncommitted again, its last close
+                self.s.ns.commit(inode)  # removes it and recovery drops it
 
     # ------------------------------------------------------------------ requests
     async def getxattr(self, ino: int, name: bytes, caller: Caller) -> bytes:

@@ -287,3 +287,20 @@ def test_without_device_access_the_mount_serves_the_same_bytes(
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert (kvfs_mount.path / "mine").read_bytes() == b"m" * 3_000_000
+
+
+def test_another_close_cannot_leave_an_abandoned_direct_write_empty(
+    kvfs_mount: KvfsMount,
+) -> None:
+    """Another writable handle's close commits the (still empty) file while a direct
+    write is reserved; the direct writer then gives up: the file must go, not stay as
+    an empty chunk."""
+    p = kvfs_mount.path / "shared"
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.getxattr(fd, direct.RESERVE + f"{4 * MiB}.n1")
+    other = os.open(p, os.O_WRONLY)
+    os.close(other)  # a FLUSH: commits the empty file
+    os.close(fd)  # no commit: abandoned
+    wait_for(lambda: not p.exists(), what="the abandoned file to go")
+    kvfs_mount.remount()
+    assert not p.exists()
