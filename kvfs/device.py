@@ -283,6 +283,13 @@ class FileDevice(Device):
         self._guards = []
 
 
+def member_id(st: os.stat_result) -> list[int]:
+    """What an open member is, as the direct path compares it (a client checks that
+    the path it opened names the device the mount has open): a block device's
+    number, or an image file's (device, inode)."""
+    return [st.st_rdev, 0] if stat.S_ISBLK(st.st_mode) else [st.st_dev, st.st_ino]
+
+
 def member_identity(path: str) -> identity.Key:
     """What ``path`` is (an image file, a loop device over one, another block device),
     without opening it: how a command finds one member named twice."""

@@ -29,19 +29,20 @@ import json
 import mmap
 import os
 import secrets
-import stat
 import threading
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import xxhash
 
-MAP = "user.kvfs.direct.map"
-RESERVE = "user.kvfs.direct.reserve."
-COMMIT = "user.kvfs.direct.commit"
-ALIGN = 4096
+from kvfs.device import ALIGN, aligned_buffer, member_id
+
+PREFIX = "user.kvfs.direct."
+"""The protocol's xattrs (the mount's side: :mod:`kvfs.directpath`)."""
+MAP = PREFIX + "map"
+RESERVE = PREFIX + "reserve."
+COMMIT = PREFIX + "commit"
 PIECE = 8 << 20
 """Bytes per device request: a run is read or written in pieces this big, in
 parallel, so checksums of one piece overlap the I/O of the next."""
@@ -93,9 +94,9 @@ def _count(**deltas: int) -> None:
 
 
 def aligned(nbytes: int) -> mmap.mmap:
-    """A zero-filled, page-aligned buffer of ``nbytes`` (no bounce when used); wrap it
-    as a tensor with ``torch.frombuffer(buf, dtype=torch.uint8)``."""
-    return mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    """A zero-filled, page-aligned buffer of at least ``nbytes`` (no bounce when
+    used); wrap it as a tensor with ``torch.frombuffer(buf, dtype=torch.uint8)``."""
+    return aligned_buffer(nbytes)
 
 
 def _workers() -> ThreadPoolExecutor:
@@ -135,9 +136,7 @@ def _device(desc: dict[str, Any], write: bool) -> int:
         if desc.get("direct", True):
             flags |= os.O_DIRECT
         fd = os.open(path, flags)
-        st = os.fstat(fd)
-        got = [st.st_rdev, 0] if stat.S_ISBLK(st.st_mode) else [st.st_dev, st.st_ino]
-        if got != list(ident):
+        if member_id(os.fstat(fd)) != list(ident):
             os.close(fd)
             raise PermissionError(errno.ESTALE, "names another device than the mount's", path)
         with _lock:
@@ -223,20 +222,48 @@ def _read_through(fd: int, view: memoryview) -> int:
     return got
 
 
-def _pieces(run: list[int], unit: int, size: int) -> list[tuple[int, int, int, bool]]:
-    """A run as (device offset, first unit, units, whole) pieces of at most PIECE
-    bytes; ``whole``: every unit of the piece lies within the file's size and is
-    stored whole, so it can move in place. A file's partial last unit is a piece of
-    its own (a fragment tail is a run of its own already)."""
-    dev_off, length, first, n = run[1], run[2], run[3], run[4]
+@dataclass(frozen=True)
+class _Piece:
+    """Units ``first``.. (``n`` of them) of one run: at ``offset`` on member ``fd``,
+    ``stored`` bytes there (less than ``n`` units for a fragment tail). ``whole``:
+    every unit lies within the file's size and is stored whole, so it can move in
+    place between the device and the caller's buffer."""
+
+    fd: int
+    offset: int
+    first: int
+    n: int
+    stored: int
+    whole: bool
+
+
+def _pieces(run: list[int], fds: list[int], unit: int, size: int) -> list[_Piece]:
+    """A run as pieces of at most PIECE bytes; a file's partial last unit is a piece
+    of its own (a fragment tail is a run of its own already)."""
+    fd, offset, length, first, n = fds[run[0]], run[1], run[2], run[3], run[4]
     if length < n * unit:  # a fragment tail (n == 1): its stored bytes only
-        return [(dev_off, first, 1, False)]
+        return [_Piece(fd, offset, first, 1, length, False)]
     full = min(n, max(size // unit - first, 0))
     per = max(PIECE // unit, 1)
-    out = [(dev_off + i * unit, first + i, min(per, full - i), True) for i in range(0, full, per)]
+    out = []
+    for i in range(0, full, per):
+        k = min(per, full - i)
+        out.append(_Piece(fd, offset + i * unit, first + i, k, k * unit, True))
     if full < n:
-        out.append((dev_off + full * unit, first + full, n - full, False))
+        k = n - full
+        out.append(_Piece(fd, offset + full * unit, first + full, k, k * unit, False))
     return out
+
+
+def _unit_sums(data: memoryview, n: int, unit: int) -> list[int]:
+    """xxh3-64 of each of ``n`` units of ``data`` (what the mount stores per unit)."""
+    return [xxhash.xxh3_64_intdigest(data[i * unit : (i + 1) * unit]) for i in range(n)]
+
+
+def _in_place(piece: _Piece, base: int | None, unit: int) -> bool:
+    """Whether ``piece`` moves straight to/from the caller's buffer at ``base`` (an
+    unknown address, a read-only buffer's, is tried and bounced on EINVAL)."""
+    return piece.whole and (base is None or (base + piece.first * unit) % ALIGN == 0)
 
 
 def _read_runs(info: dict[str, Any], fds: list[int], view: memoryview) -> bool:
@@ -246,19 +273,12 @@ def _read_runs(info: dict[str, Any], fds: list[int], view: memoryview) -> bool:
     covered = bytearray(len(csums))
     jobs: list[Future[bool]] = []
     pool = _workers()
-    base = _address(view)
+    base = _address(view)  # never None: read_into takes writable buffers only
     for run in info["runs"]:
-        fd, frag = fds[run[0]], run[2] < run[4] * unit
-        for dev_off, first, n, whole in _pieces(run, unit, size):
-            for u in range(first, first + n):
-                covered[u] = 1
-            stored = run[2] if frag else n * unit
-            start = first * unit
-            if whole and base is not None and (base + start) % ALIGN == 0:
-                jobs.append(pool.submit(_read_direct, fd, dev_off, view, start, n, unit, csums))
-            else:
-                args = (fd, dev_off, stored, view, start, n, unit, size, csums)
-                jobs.append(pool.submit(_read_bounced, *args))
+        for piece in _pieces(run, fds, unit, size):
+            covered[piece.first : piece.first + piece.n] = b"\1" * piece.n
+            work = _read_direct if _in_place(piece, base, unit) else _read_bounced
+            jobs.append(pool.submit(work, piece, view, unit, size, csums))
     for u, c in enumerate(covered):  # holes read as zeros
         if not c:
             lo, hi = u * unit, min((u + 1) * unit, size)
@@ -276,41 +296,20 @@ def _pread_all(fd: int, target: memoryview, offset: int) -> None:
         done += n
 
 
-def _read_direct(
-    fd: int, dev_off: int, view: memoryview, start: int, n: int, unit: int, csums: list[int]
-) -> bool:
-    target = view[start : start + n * unit]
-    _pread_all(fd, target, dev_off)
-    first = start // unit
-    return all(
-        xxhash.xxh3_64_intdigest(target[i * unit : (i + 1) * unit]) == csums[first + i]
-        for i in range(n)
-    )
+def _read_direct(p: _Piece, view: memoryview, unit: int, size: int, csums: list[int]) -> bool:
+    target = view[p.first * unit : (p.first + p.n) * unit]
+    _pread_all(p.fd, target, p.offset)
+    return _unit_sums(target, p.n, unit) == csums[p.first : p.first + p.n]
 
 
-def _read_bounced(
-    fd: int,
-    dev_off: int,
-    stored: int,
-    view: memoryview,
-    start: int,
-    n: int,
-    unit: int,
-    size: int,
-    csums: list[int],
-) -> bool:
-    scratch = aligned(n * unit)
+def _read_bounced(p: _Piece, view: memoryview, unit: int, size: int, csums: list[int]) -> bool:
+    scratch = aligned(p.n * unit)  # zero-filled: a fragment tail's unit ends in zeros
     try:
-        whole = memoryview(scratch)
-        _pread_all(fd, whole[: -(-stored // ALIGN) * ALIGN], dev_off)
-        if stored < n * unit:  # a fragment tail: the unit is its bytes, then zeros
-            whole[stored:] = bytes(n * unit - stored)
-        first = start // unit
-        ok = all(
-            xxhash.xxh3_64_intdigest(whole[i * unit : (i + 1) * unit]) == csums[first + i]
-            for i in range(n)
-        )
-        end = min(start + n * unit, size)
+        whole = memoryview(scratch)[: p.n * unit]
+        _pread_all(p.fd, whole[: -(-p.stored // ALIGN) * ALIGN], p.offset)
+        ok = _unit_sums(whole, p.n, unit) == csums[p.first : p.first + p.n]
+        start = p.first * unit
+        end = min(start + p.n * unit, size)
         if ok:
             view[start:end] = whole[: end - start]
             _count(bounced_bytes=end - start)
@@ -373,14 +372,12 @@ def _write_runs(plan: dict[str, Any], fds: list[int], view: memoryview) -> list[
     size, unit = plan["size"], plan["unit"]
     sums = [0] * -(-size // unit)
     pool = _workers()
+    base = _address(view)
     jobs: list[Future[None]] = []
     for run in plan["runs"]:
-        fd, frag = fds[run[0]], run[2] < run[4] * unit
-        for dev_off, first, n, whole in _pieces(run, unit, size):
-            stored = run[2] if frag else n * unit
-            start = first * unit
-            work: Callable[..., None] = _write_direct if whole else _write_bounced
-            jobs.append(pool.submit(work, fd, dev_off, stored, view, start, n, unit, sums))
+        for piece in _pieces(run, fds, unit, size):
+            work = _write_direct if _in_place(piece, base, unit) else _write_bounced
+            jobs.append(pool.submit(work, piece, view, unit, sums))
     for job in jobs:
         job.result()
     return sums
@@ -395,51 +392,26 @@ def _pwrite_all(fd: int, source: memoryview, offset: int) -> None:
         done += n
 
 
-def _write_direct(
-    fd: int,
-    dev_off: int,
-    stored: int,
-    view: memoryview,
-    start: int,
-    n: int,
-    unit: int,
-    sums: list[int],
-) -> None:
-    source = view[start : start + n * unit]
-    base = _address(view)
-    if base is not None and (base + start) % ALIGN:
-        _write_bounced(fd, dev_off, stored, view, start, n, unit, sums)
-        return
-    first = start // unit
-    for i in range(n):
-        sums[first + i] = xxhash.xxh3_64_intdigest(source[i * unit : (i + 1) * unit])
+def _write_direct(p: _Piece, view: memoryview, unit: int, sums: list[int]) -> None:
+    source = view[p.first * unit : (p.first + p.n) * unit]
+    sums[p.first : p.first + p.n] = _unit_sums(source, p.n, unit)
     try:
-        _pwrite_all(fd, source, dev_off)
+        _pwrite_all(p.fd, source, p.offset)
     except OSError as e:  # a read-only buffer's alignment shows only here
-        if e.errno != errno.EINVAL or base is not None:
+        if e.errno != errno.EINVAL or not view.readonly:
             raise
-        _write_bounced(fd, dev_off, stored, view, start, n, unit, sums)
+        _write_bounced(p, view, unit, sums)
 
 
-def _write_bounced(
-    fd: int,
-    dev_off: int,
-    stored: int,
-    view: memoryview,
-    start: int,
-    n: int,
-    unit: int,
-    sums: list[int],
-) -> None:
-    end = min(start + n * unit, len(view))
-    scratch = aligned(n * unit)  # zero-filled: a partial last unit is padded with zeros
+def _write_bounced(p: _Piece, view: memoryview, unit: int, sums: list[int]) -> None:
+    start = p.first * unit
+    end = min(start + p.n * unit, len(view))
+    scratch = aligned(p.n * unit)  # zero-filled: a partial last unit is padded with zeros
     try:
-        whole = memoryview(scratch)
+        whole = memoryview(scratch)[: p.n * unit]
         whole[: end - start] = view[start:end]
-        first = start // unit
-        for i in range(n):
-            sums[first + i] = xxhash.xxh3_64_intdigest(whole[i * unit : (i + 1) * unit])
-        _pwrite_all(fd, whole[: -(-stored // ALIGN) * ALIGN], dev_off)
+        sums[p.first : p.first + p.n] = _unit_sums(whole, p.n, unit)
+        _pwrite_all(p.fd, whole[: -(-p.stored // ALIGN) * ALIGN], p.offset)
         _count(bounced_bytes=end - start)
         del whole
     finally:

@@ -32,10 +32,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-import stat
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from kvfs import direct as client
+from kvfs.device import member_id
 from kvfs.errors import (
     Busy,
     Corruption,
@@ -62,10 +63,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PREFIX = b"user.kvfs.direct."
-MAP = PREFIX + b"map"
-RESERVE = PREFIX + b"reserve."
-COMMIT = PREFIX + b"commit"
+PREFIX = client.PREFIX.encode()
+MAP = client.MAP.encode()
+RESERVE = client.RESERVE.encode()
+COMMIT = client.COMMIT.encode()
 VERSION = 1
 MAX_REPLY = 65536
 """The kernel's largest xattr value (XATTR_SIZE_MAX): a map that does not fit is
@@ -74,7 +75,6 @@ E2BIG, and the client reads that file through the mount."""
 
 @dataclass
 class Reservation:
-    fh: int
     ino: int
     nonce: bytes
     size: int
@@ -102,8 +102,8 @@ class DirectPath:
     def __init__(self, store: Store) -> None:
         self.s = store
         self.unit = store.unit
-        self._leased: set[int] = set()
         self._held: dict[int, list[int]] = {}
+        """Leased files: the units each no longer maps, kept until its last close."""
         self._reservations: dict[int, Reservation] = {}  # by handle
         self._devices = [self._describe(d) for d in store.pool.devices]
         self._maps = self._commits = self._aborts = self._reserved = 0
@@ -116,14 +116,27 @@ class DirectPath:
         fd = getattr(device, "fd", -1)
         if fd < 0:  # a missing member or an in-memory test device: not openable
             return {"path": path, "id": None, "direct": False}
-        st = os.fstat(fd)
-        ident = [st.st_rdev, 0] if stat.S_ISBLK(st.st_mode) else [st.st_dev, st.st_ino]
+        ident = member_id(os.fstat(fd))
         return {"path": path, "id": ident, "direct": bool(getattr(device, "direct", False))}
+
+    def _reply(self, ino: int, **fields: Any) -> bytes:
+        """An answer: the protocol version, unit size and members, then ``fields``."""
+        info = {"v": VERSION, "unit": self.unit, "devices": self._devices, **fields}
+        reply = json.dumps(info, separators=(",", ":")).encode()
+        if len(reply) > MAX_REPLY:
+            raise TooBig(f"inode {ino}: the answer is {len(reply)} bytes, over 64 KiB")
+        return reply
+
+    def _where(self, dev: int, field: int, units: int) -> tuple[int, int]:
+        """Byte offset and length on member ``dev`` of ``units`` units from ``field``
+        (a whole unit, or one fragment tail)."""
+        unit, skip, length = extent(field, self.unit)
+        return self.s.pool.unit_offset(dev, unit) + skip, length * units
 
     # ------------------------------------------------------------------ unit frees
     def free_later(self, ino: int, p: int) -> None:
         """A unit ``ino`` no longer maps: kept aside while the file is leased."""
-        held = self._held.get(ino) if ino in self._leased else None
+        held = self._held.get(ino)
         if held is not None:
             held.append(p)
         else:
@@ -132,13 +145,17 @@ class DirectPath:
     def closed(self, fh: int, inode: Inode) -> None:
         """Handle ``fh`` of ``inode`` closed: an uncommitted reservation it held is
         freed; the lease ends with the file's last handle."""
+        self.abandon(fh)
+        if inode.opens == 0:
+            for p in self._held.pop(inode.ino, ()):
+                self.s.space.defer_free(p)
+
+    def abandon(self, fh: int) -> None:
+        """The handle closed before its direct write's commit: the room is freed and
+        the file fails (removed at its last close)."""
         r = self._reservations.pop(fh, None)
         if r is not None:
             self._abort(r, "closed before its commit")
-        if inode.opens == 0 and inode.ino in self._leased:
-            self._leased.discard(inode.ino)
-            for p in self._held.pop(inode.ino, ()):
-                self.s.space.defer_free(p)
 
     def pending(self, fh: int) -> bool:
         return fh in self._reservations
@@ -176,8 +193,7 @@ class DirectPath:
 
     def _map(self, ino: int) -> bytes:
         if self.s.ns.get(ino).is_dir:  # where a client may write: the members only
-            info = {"v": VERSION, "unit": self.unit, "devices": self._devices}
-            return json.dumps(info, separators=(",", ":")).encode()
+            return self._reply(ino)
         inode = self._live(ino)
         if not inode.opens:
             raise NotPermitted(f"inode {ino}: a map is leased to an open file only")
@@ -188,7 +204,7 @@ class DirectPath:
                 raise Busy(f"inode {ino} has bytes in memory only")
         runs: list[list[int]] = []
         csums = []
-        u_size, extendable = self.unit, False
+        extendable = False
         for u in range(inode.nunits):
             p = inode.unit(u)
             csums.append(inode.csum(u) if p != NO_UNIT else 0)
@@ -196,8 +212,7 @@ class DirectPath:
                 extendable = False
                 continue
             dev, frag = p >> DEV_SHIFT, is_fragment(p)
-            unit, skip, length = extent(p, u_size)
-            offset = self.s.pool.unit_offset(dev, unit) + skip
+            offset, length = self._where(dev, p, 1)
             last = runs[-1] if runs else None
             if (
                 extendable
@@ -211,22 +226,8 @@ class DirectPath:
             else:
                 runs.append([dev, offset, length, u, 1])
             extendable = not frag
-        reply = json.dumps(
-            {
-                "v": VERSION,
-                "size": inode.size,
-                "unit": u_size,
-                "devices": self._devices,
-                "runs": runs,
-                "csums": csums,
-            },
-            separators=(",", ":"),
-        ).encode()
-        if len(reply) > MAX_REPLY:
-            raise TooBig(f"inode {ino}: its map is {len(reply)} bytes, over 64 KiB")
-        if ino not in self._leased:
-            self._leased.add(ino)
-            self._held[ino] = []
+        reply = self._reply(ino, size=inode.size, runs=runs, csums=csums)
+        self._held.setdefault(ino, [])  # leased from now until its last close
         self._maps += 1
         self._bytes_mapped += inode.size
         return reply
@@ -279,21 +280,10 @@ class DirectPath:
             raise
         runs = []
         for dev, start, lus in plan:
-            unit, skip, length = extent(start, self.unit)
-            if not is_fragment(start):
-                length *= len(lus)
-            runs.append([dev, self.s.pool.unit_offset(dev, unit) + skip, length, lus[0], len(lus)])
-        reply = json.dumps(
-            {
-                "v": VERSION,
-                "size": size,
-                "unit": self.unit,
-                "devices": self._devices,
-                "runs": runs,
-            },
-            separators=(",", ":"),
-        ).encode()
-        self._reservations[fh] = Reservation(fh, ino, nonce, size, plan, reply)
+            offset, length = self._where(dev, start, len(lus))  # a fragment tail: 1 unit
+            runs.append([dev, offset, length, lus[0], len(lus)])
+        reply = self._reply(ino, size=size, runs=runs)
+        self._reservations[fh] = Reservation(ino, nonce, size, plan, reply)
         self._reserved += 1
         return reply
 
@@ -311,18 +301,7 @@ class DirectPath:
         del self._reservations[fh]
         nunits = -(-r.size // self.unit)
         inode = self.s.ns.inodes.get(ino)
-        st = self.s._files.get(ino)
-        why = (
-            "its checksums do not cover its units"
-            if len(csums) != nunits
-            else "the file is gone"
-            if inode is None
-            else "the file changed meanwhile"
-            if inode.size or inode.nunits or (st is not None and (st.dirty or st.busy))
-            else "its earlier failure"
-            if st is not None and st.error is not None
-            else ""
-        )
+        why = self._refusal(inode, len(csums) == nunits)
         if why:
             self._abort(r, why)
             raise InvalidArgument(f"inode {ino}: direct write refused: {why}")
@@ -343,6 +322,19 @@ class DirectPath:
         self._bytes_committed += r.size
         await self.s.commit(inode, caller.pid)
 
+    def _refusal(self, inode: Inode | None, covered: bool) -> str:
+        """Why a reservation cannot be committed ("" when it can)."""
+        if not covered:
+            return "its checksums do not cover its units"
+        if inode is None:
+            return "the file is gone"
+        st = self.s._files.get(inode.ino)
+        if inode.size or inode.nunits or (st is not None and (st.dirty or st.busy)):
+            return "the file changed meanwhile"
+        if st is not None and st.error is not None:
+            return "its earlier failure"
+        return ""
+
     def statistics(self) -> DirectStatistics:
         return DirectStatistics(
             self._maps,
@@ -351,6 +343,6 @@ class DirectPath:
             self._aborts,
             self._bytes_mapped,
             self._bytes_committed,
-            len(self._leased),
+            len(self._held),
             sum(len(v) for v in self._held.values()),
         )

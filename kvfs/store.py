@@ -564,7 +564,7 @@ class Store:
         if not h.writable or inode is None:
             return
         if self.direct.pending(fh):  # closed before its direct write's commit
-            self.direct.closed(fh, inode)  # the file is incomplete: dropped at last close
+            self.direct.abandon(fh)  # the file is incomplete: dropped at last close
             return
         unfinished = inode.flags & FLAG_WRITING or fh in self._wrote
         if unfinished and h.owner is not None and procs.killed(*h.owner):
@@ -661,7 +661,7 @@ class Store:
         if st is not None and h.writable:
             st.writers -= 1
         self.direct.closed(fh, inode)
-        st = self._files.get(h.ino)
+        st = self._files.get(h.ino)  # an abandoned direct write may have made one
         failed = st is not None and st.error is not None
         if inode.opens == 0 and st is not None and not failed and (st.dirty or st.busy):
             try:

@@ -23,33 +23,24 @@ import os
 import shutil
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import drop_caches, run_streams
+
 import kvfs.direct as direct
 from kvfs import harness
 
 MiB = 1 << 20
 
 
-def drop_caches() -> None:
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3")
-
-
 def streams(k: int, nbytes: int, fn: Callable[[int], None]) -> float:
-    """MB/s of ``fn(i)`` run in ``k`` threads."""
-    threads = [threading.Thread(target=fn, args=(i,)) for i in range(k)]
-    t = time.perf_counter()
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    return nbytes / (time.perf_counter() - t) / 1e6
+    """MB/s of ``fn(i)`` run in ``k`` threads (bench.py's runner: a stream's error
+    is raised here, not lost in its thread)."""
+    return nbytes / run_streams(k, lambda i, _latencies: fn(i)).seconds / 1e6
 
 
 def main() -> int:
