@@ -29,10 +29,12 @@ import json
 import mmap
 import os
 import secrets
+import sys
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import xxhash
 
@@ -56,6 +58,7 @@ _NO_MAP = {
     errno.EPERM,
 }
 """Answers that mean "not through the direct path": read or write through the mount."""
+T = TypeVar("T")
 
 
 @dataclass
@@ -78,7 +81,8 @@ class Statistics:
 _stats = Statistics()
 _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
-_fds: dict[tuple[str, bool], int] = {}
+_file_pool: ThreadPoolExecutor | None = None
+_fds: dict[tuple[str, bool, tuple[int, ...]], int] = {}
 
 
 def stats() -> dict[str, int]:
@@ -100,11 +104,33 @@ def aligned(nbytes: int) -> mmap.mmap:
 
 
 def _workers() -> ThreadPoolExecutor:
+    """The threads that move pieces (and never wait for other jobs)."""
     global _pool
     with _lock:
         if _pool is None:
             _pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvfs-direct")
         return _pool
+
+
+def _files() -> ThreadPoolExecutor:
+    """The threads that each store one file of :func:`write_many` (they wait for
+    their pieces on :func:`_workers`)."""
+    global _file_pool
+    with _lock:
+        if _file_pool is None:
+            _file_pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvfs-file")
+        return _file_pool
+
+
+def _forked() -> None:
+    """A forked child has none of its parent's worker threads (a job given to an
+    inherited pool would never run), and a lock may have been held at the fork."""
+    global _pool, _file_pool, _lock
+    _pool = _file_pool = None
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def _address(view: memoryview) -> int | None:
@@ -115,6 +141,14 @@ def _address(view: memoryview) -> int | None:
 
 
 def _bytes_view(buf: Any) -> memoryview:
+    """The buffer's bytes: anything with the buffer protocol, or a torch tensor in
+    host memory (pinned or not, any dtype: its bytes, shared, never copied)."""
+    if hasattr(buf, "untyped_storage") and hasattr(buf, "is_cuda"):  # torch, not imported
+        if buf.is_cuda:
+            raise ValueError("a CUDA tensor: use a host (pinned) tensor and copy it to the GPU")
+        if not buf.is_contiguous():
+            raise ValueError("the buffer must be contiguous")
+        buf = buf.reshape(-1).view(sys.modules["torch"].uint8).numpy()
     view = memoryview(buf)
     if not view.contiguous:
         raise ValueError("the buffer must be contiguous")
@@ -123,12 +157,13 @@ def _bytes_view(buf: Any) -> memoryview:
 
 def _device(desc: dict[str, Any], write: bool) -> int:
     """An O_DIRECT descriptor of a member, opened once per process and checked to be
-    the member the mount named (a path can come to name another device)."""
+    the member the mount named (a path can come to name another device: the cache
+    is keyed by what the mount says the member is, not only by its path)."""
     path = desc["path"]
     ident = desc.get("id")
     if ident is None:
         raise PermissionError(errno.EACCES, "member not openable", path)
-    key = (path, write)
+    key = (path, write, tuple(ident))
     with _lock:
         fd = _fds.get(key)
     if fd is None:
@@ -284,7 +319,8 @@ def _read_runs(info: dict[str, Any], fds: list[int], view: memoryview) -> bool:
             lo, hi = u * unit, min((u + 1) * unit, size)
             if lo < hi:
                 view[lo:hi] = bytes(hi - lo)
-    return all(job.result() for job in jobs)
+    verified = _wait(jobs)
+    return all(verified)
 
 
 def _pread_all(fd: int, target: memoryview, offset: int) -> None:
@@ -339,6 +375,8 @@ def write_from(path: str | os.PathLike[str], buf: Any, mode: int = 0o644) -> int
             if e.errno not in _NO_MAP:
                 raise
     fds = _devices(info, write=True) if info is not None else None
+    # the mount binds a reservation to the handle this thread opened: one file's
+    # create, reserve and commit stay on one thread
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
     try:
         if fds is None:
@@ -346,7 +384,8 @@ def write_from(path: str | os.PathLike[str], buf: Any, mode: int = 0o644) -> int
         else:
             nonce = secrets.token_hex(8)
             plan = json.loads(os.getxattr(fd, f"{RESERVE}{size}.{nonce}"))
-            sums = _write_runs(plan, fds, view)
+            sums = [0] * -(-plan["size"] // plan["unit"])
+            _wait(_submit_runs(plan, fds, view, sums))
             os.setxattr(fd, COMMIT, json.dumps({"nonce": nonce, "csums": sums}).encode())
             _count(direct_writes=1, direct_bytes_written=size)
             n = size
@@ -359,6 +398,24 @@ def write_from(path: str | os.PathLike[str], buf: Any, mode: int = 0o644) -> int
     return n
 
 
+def write_many(items: Iterable[tuple[str | os.PathLike[str], Any]], mode: int = 0o644) -> list[int]:
+    """Store several files, each as :func:`write_from` would, all durable when it
+    returns; returns the bytes written per file. The files are written at once, so
+    their device writes overlap and their commits reach the mount together and share
+    its flushes (a group commit, not one flush per file). Each file is whole or
+    absent: when one fails, the others are still stored, and the first error is
+    raised once every file is committed or dropped."""
+    return _wait([_files().submit(write_from, path, buf, mode) for path, buf in items])
+
+
+def _wait(jobs: list[Future[T]]) -> list[T]:
+    """Every job's result, once all of them are done: no device request may still
+    be touching a buffer or a unit when the caller learns of an error (the mount
+    frees a failed write's units at its close)."""
+    wait(jobs)
+    return [job.result() for job in jobs]
+
+
 def _write_through(fd: int, view: memoryview) -> int:
     done = 0
     while done < len(view):
@@ -368,19 +425,18 @@ def _write_through(fd: int, view: memoryview) -> int:
     return done
 
 
-def _write_runs(plan: dict[str, Any], fds: list[int], view: memoryview) -> list[int]:
-    size, unit = plan["size"], plan["unit"]
-    sums = [0] * -(-size // unit)
-    pool = _workers()
-    base = _address(view)
-    jobs: list[Future[None]] = []
+def _submit_runs(
+    plan: dict[str, Any], fds: list[int], view: memoryview, sums: list[int]
+) -> list[Future[None]]:
+    """Start writing ``view`` to the planned runs, in pieces on the worker threads;
+    each piece fills its units' entries of ``sums``."""
+    unit, pool, base = plan["unit"], _workers(), _address(view)
+    jobs = []
     for run in plan["runs"]:
-        for piece in _pieces(run, fds, unit, size):
+        for piece in _pieces(run, fds, unit, plan["size"]):
             work = _write_direct if _in_place(piece, base, unit) else _write_bounced
             jobs.append(pool.submit(work, piece, view, unit, sums))
-    for job in jobs:
-        job.result()
-    return sums
+    return jobs
 
 
 def _pwrite_all(fd: int, source: memoryview, offset: int) -> None:

@@ -225,6 +225,80 @@ def test_a_full_pool_fails_the_write_and_leaves_no_file(small_mount: KvfsMount) 
     wait_for(lambda: not p.exists(), what="the failed file to go")
 
 
+def test_a_batch_is_whole_files_even_when_one_fails(small_mount: KvfsMount) -> None:
+    """write_many: every file of a batch exact (through FUSE and directly, across a
+    remount); one that cannot be stored (a missing directory, a file over the pool)
+    raises after the others are committed, and leaves nothing behind."""
+    m = small_mount.path
+    sizes = {"a": 1, "b": 4097, "c": 3 * MiB - 5, "d": 8 * MiB, "e": 0}
+    items = [(m / n, pattern(n, size)) for n, size in sizes.items()]
+    assert direct.write_many(items) == list(sizes.values())
+    bad = [(m / "x", pattern("x", MiB)), (m / "no-dir" / "y", b"y"), (m / "z", pattern("z", 5))]
+    with pytest.raises(FileNotFoundError):
+        direct.write_many(bad)
+    huge = [(m / "h1", pattern("h1", 2 * MiB)), (m / "huge", direct.aligned(200 * MiB))]
+    assert errno_of(direct.write_many, huge) in (errno.ENOSPC, errno.EFBIG)
+    wait_for(lambda: not (m / "huge").exists(), what="the failed file to go")
+    stored = {**sizes, "x": MiB, "z": 5, "h1": 2 * MiB}
+    for rounds in range(2):
+        assert sorted(os.listdir(m)) == sorted(stored)
+        for n, size in stored.items():
+            assert (m / n).read_bytes() == pattern(n, size), n
+            buf = direct.aligned(max(size, 1))
+            assert direct.read_into(m / n, buf) == size
+            assert buf[:size] == pattern(n, size), n
+        if not rounds:
+            small_mount.remount()
+    small_mount.expect_errors.append("could not be committed")
+
+
+_TENSORS = """
+import json, sys
+sys.path.insert(0, sys.argv[2])
+import torch
+import kvfs.direct as direct
+root = sys.argv[1]
+n = 3 * (1 << 20) + 4096  # 3 MiB of bf16 and a partial unit
+src = (torch.arange(n // 2, dtype=torch.float32) * 0.37).to(torch.bfloat16).reshape(-1, 1024)
+assert direct.write_from(root + "/t.bin", src) == n
+out = {"written": bytes(src.view(torch.uint8).reshape(-1).numpy()).hex()}
+aligned = torch.frombuffer(direct.aligned(n), dtype=torch.bfloat16).reshape(src.shape)
+before = direct.stats()["bounced_bytes"]
+assert direct.read_into(root + "/t.bin", aligned) == n and torch.equal(aligned, src)
+out["bounced_aligned"] = direct.stats()["bounced_bytes"] - before
+plain = torch.zeros(n + 10, dtype=torch.uint8)[10:]  # off the page: bounced
+assert direct.read_into(root + "/t.bin", plain) == n
+assert torch.equal(plain.view(torch.bfloat16).reshape(src.shape), src)
+try:
+    direct.read_into(root + "/t.bin", aligned.t())
+except ValueError:
+    out["non_contiguous"] = "refused"
+out.update(direct.stats())
+print(json.dumps(out))
+"""
+
+
+def test_torch_tensors_in_and_out(kvfs_mount: KvfsMount) -> None:
+    """A torch tensor of any dtype is a buffer both ways (its bytes, shared, no copy
+    when page-aligned); the file holds exactly the tensor's bytes; a non-contiguous
+    tensor is refused. Runs in the engines venv, which has the CPU torch."""
+    from test_engines import engines_python
+
+    out = subprocess.run(
+        [engines_python(), "-c", _TENSORS, str(kvfs_mount.path), str(REPO)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    data = (kvfs_mount.path / "t.bin").read_bytes()
+    assert len(data) == 3 * MiB + 4096 and data.hex() == got["written"]
+    assert got["direct_writes"] == 1 and got["direct_reads"] == 2 and got["fallback_reads"] == 0
+    assert got["bounced_aligned"] == 4096  # only the partial last unit
+    assert got["bounced_bytes"] > 3 * MiB and got["non_contiguous"] == "refused"
+
+
 def test_concurrent_direct_streams(loop_mount: KvfsMount) -> None:
     """Four streams writing and reading their own files at once, each read exact."""
     errors: list[BaseException] = []

@@ -8,11 +8,14 @@ Reproduce (root; loop devices and FUSE; ~3 min on the 2-core VM)::
 Two identical 2 GiB sparse images on the same host filesystem, each a loop device with
 ``--direct-io=on``. Per repetition and stream count, interleaved: **raw** (one
 ``pwrite``/``preadv`` of the whole file at a fixed offset of an O_DIRECT descriptor,
-one ``fdatasync`` per write phase), then a fresh kvfs pool on the other device:
-**direct** (``kvfs.direct.write_from`` per file, durable per file; cold
-``read_into`` after a remount and ``drop_caches``) and **fuse** (``open/write/close``
-and buffered reads of the same size through the mount). Ratios are taken within a
-repetition, then the median across repetitions is reported.
+one ``fdatasync`` per write phase; **raw-sync**: one ``fdatasync`` per file, the
+durability a ``write_from`` or a kvfs close gives), then a fresh kvfs pool on the
+other device: **direct** (``kvfs.direct.write_from`` per file, durable per file; cold
+``read_into`` after a remount and ``drop_caches``), **batch** (``kvfs.direct.write_many``
+of each stream's files: all durable at its return, as raw's one ``fdatasync``) and
+**fuse** (``open/write/close`` and buffered reads of the same size through the
+mount). Ratios are taken within a repetition, then the median across repetitions is
+reported.
 """
 
 from __future__ import annotations
@@ -82,16 +85,25 @@ def main() -> int:
                             for j in range(per):
                                 os.preadv(rfd, [b], ((i * per + j) % slots) * size)
 
+                        def raw_ws(i: int, per: int = per) -> None:
+                            for j in range(per):
+                                os.pwrite(rfd, src, ((i * per + j) % slots) * size)
+                                os.fdatasync(rfd)
+
                         t = time.perf_counter()
                         streams(k, moved, raw_w)
                         os.fdatasync(rfd)
                         row["raw write"] = moved / (time.perf_counter() - t) / 1e6
+                        row["raw-sync write"] = streams(k, moved, raw_ws)
                         drop_caches()
                         row["raw read"] = streams(k, moved, raw_r)
 
                         def d_w(i: int, per: int = per) -> None:
                             for j in range(per):
                                 direct.write_from(mnt / f"d{i}-{j}", src)
+
+                        def b_w(i: int, per: int = per) -> None:
+                            direct.write_many((mnt / f"d{i}-{j}", src) for j in range(per))
 
                         def f_w(i: int, per: int = per) -> None:
                             for j in range(per):
@@ -121,6 +133,7 @@ def main() -> int:
                         fmt = ("--format", "--force", "--meta-size", "8M")
                         with harness.mounted(mnt, [kvdev], *fmt, log_file=log):
                             row["direct write"] = streams(k, moved, d_w)
+                            row["batch write"] = streams(k, moved, b_w)  # same names: replaces
                             row["fuse write"] = streams(k, moved, f_w)
                         drop_caches()
                         with harness.mounted(mnt, [kvdev], log_file=log):
@@ -134,11 +147,20 @@ def main() -> int:
         harness.unmount(mnt)
         shutil.rmtree(work)
     summary = {}
+    pairs = [
+        ("direct write", "raw write"),
+        ("batch write", "raw write"),
+        ("fuse write", "raw write"),
+        ("direct write", "raw-sync write"),
+        ("fuse write", "raw-sync write"),
+        ("direct read", "raw read"),
+        ("fuse read", "raw read"),
+    ]
     for k, rows in res.items():
+        for mine, raw in pairs:
+            ratios = [r[mine] / r[raw] for r in rows]
+            summary[f"{k} streams {mine} / {raw}"] = statistics.median(ratios)
         for phase in ("write", "read"):
-            for name in ("direct", "fuse"):
-                ratios = [r[f"{name} {phase}"] / r[f"raw {phase}"] for r in rows]
-                summary[f"{k} streams {phase} {name}/raw"] = statistics.median(ratios)
             summary[f"{k} streams {phase} raw MB/s"] = statistics.median(
                 r[f"raw {phase}"] for r in rows
             )
