@@ -57,6 +57,7 @@ from kvfs.format.records import (
 )
 from kvfs.namespace import Inode
 from kvfs.posix import Caller
+from kvfs.storetypes import check_failed
 
 if TYPE_CHECKING:
     from kvfs.store import Store
@@ -167,8 +168,8 @@ class DirectPath:
         inode = self.s.ns.inodes.get(r.ino)
         log.warning("direct write of inode %d abandoned: %s", r.ino, why)
         if inode is not None:
-            st = self.s._state(r.ino)
-            self.s._fail(st, Incomplete(f"inode {r.ino}: direct write {why}"))
+            st = self.s.writer.state(r.ino)
+            self.s.writer.fail(st, Incomplete(f"inode {r.ino}: direct write {why}"))
             if not inode.flags & FLAG_WRITING:  # another handle's close committed it
                 inode.flags |= FLAG_WRITING  # empty: uncommitted again, its last close
                 self.s.ns.commit(inode)  # removes it and recovery drops it
@@ -199,7 +200,7 @@ class DirectPath:
             raise NotPermitted(f"inode {ino}: a map is leased to an open file only")
         st = self.s._files.get(ino)
         if st is not None:
-            self.s._check_failed(st)
+            check_failed(st)
             if st.dirty or st.inflight or st.busy:
                 raise Busy(f"inode {ino} has bytes in memory only")
         runs: list[list[int]] = []
@@ -236,7 +237,7 @@ class DirectPath:
         """The caller's newest writable handle of ``ino``."""
         found = [
             fh
-            for fh, h in self.s._handles.items()
+            for fh, h in self.s.handles.items()
             if h.ino == ino and h.writable and h.pid == caller.pid
         ]
         if not found:
@@ -258,8 +259,8 @@ class DirectPath:
                 return r.reply  # the kernel's second ask (the first was for the length)
             raise Busy(f"inode {ino}: this handle has a direct write in progress")
         inode = self._live(ino)
-        st = self.s._state(ino)
-        self.s._check_failed(st)
+        st = self.s.writer.state(ino)
+        check_failed(st)
         if inode.size or inode.nunits or st.dirty or st.inflight or st.busy:
             raise Busy(f"inode {ino} is not empty: open it with O_TRUNC")
         # from here the file is this write's: if it fails, so does the file (dropped
@@ -267,16 +268,16 @@ class DirectPath:
         self.s._begin_data_change(inode)
         units = list(range(-(-size // self.unit)))
         try:
-            self.s._check_size(inode, size)
+            self.s.writer.check_size(inode, size)
             await self.s._ensure_space(inode, len(units))
             # no await since the room was checked
             inode = self._live(ino)
             fh = self._writer(ino, caller)  # still open, still empty
             if fh in self._reservations or inode.size or inode.nunits or st.dirty or st.busy:
                 raise Busy(f"inode {ino} changed while room was made")
-            plan = self.s._allocate(inode, units, size)
+            plan = self.s.writer.allocate(inode, units, size)
         except KvfsError as e:
-            self.s._fail(st, e)
+            self.s.writer.fail(st, e)
             raise
         runs = []
         for dev, start, lus in plan:
@@ -308,7 +309,7 @@ class DirectPath:
         assert inode is not None
         self.s._begin_data_change(inode)
         inode.size = r.size
-        self.s._grow_map(inode, r.size)
+        self.s.writer.grow_map(inode, r.size)
         units, sums = self.s.ns.edit_map(inode)
         for dev, start, lus in r.plan:
             for i, u in enumerate(lus):

@@ -13,9 +13,7 @@ import json
 import logging
 import os
 import stat
-import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import asdict
 from typing import Any, ParamSpec, TypeVar
 
 import pyfuse3
@@ -24,7 +22,7 @@ import trio
 from kvfs import directpath, posix
 from kvfs.errors import KvfsError, NoAttribute, NotPermitted, NotSupported
 from kvfs.evict import GROUP_XATTRS, check_group_xattr
-from kvfs.namespace import Inode, check_times
+from kvfs.namespace import Inode
 from kvfs.posix import Caller
 from kvfs.store import Store
 
@@ -89,9 +87,8 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
     def __init__(self, store: Store, timeout: float = ATTR_TIMEOUT) -> None:
         super().__init__()
         self.store = store
-        self.ns = store.ns
         self.timeout = timeout
-        self.labels = has_labels(store.ns.xattr_names)
+        self.labels = has_labels(store.xattr_names)
         """False while no file of the pool has a ``security.*`` xattr: a get of a
         missing one is then EOPNOTSUPP, not ENODATA (see :meth:`getxattr`)."""
         self._dirs: dict[int, tuple[int, list[tuple[bytes, int]]]] = {}
@@ -128,7 +125,7 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
     async def lookup(
         self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext | None = None
     ) -> pyfuse3.EntryAttributes:
-        inode = self.ns.find(parent_inode, name)
+        inode = self.store.lookup(parent_inode, name)
         if inode is None:
             miss = pyfuse3.EntryAttributes()
             miss.st_ino = 0  # a cached negative entry: lookup storms of misses stay cheap
@@ -145,35 +142,25 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
 
     @_errors
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext | None = None) -> Any:
-        return self._attr(self.ns.get(inode))
+        return self._attr(self.store.get_inode(inode))
 
     @_errors
     async def setattr(
         self, inode: int, attr: Any, fields: Any, fh: int | None, ctx: Any
     ) -> pyfuse3.EntryAttributes:
-        node = self.ns.get(inode)
-        atime, mtime, _ = node.times()
-        times = (
-            attr.st_atime_ns if fields.update_atime else atime,
-            attr.st_mtime_ns if fields.update_mtime else mtime,
-            attr.st_ctime_ns if fields.update_ctime else _now(),
+        node = await self.store.setattr(
+            inode,
+            _caller(ctx),
+            size=attr.st_size if fields.update_size else None,
+            mode=attr.st_mode if fields.update_mode else None,
+            uid=attr.st_uid if fields.update_uid else None,
+            gid=attr.st_gid if fields.update_gid else None,
+            times=(
+                attr.st_atime_ns if fields.update_atime else None,
+                attr.st_mtime_ns if fields.update_mtime else None,
+                attr.st_ctime_ns if fields.update_ctime else None,
+            ),
         )
-        check_times(*times)  # refused before anything changes
-        if fields.update_size:
-            await self.store.truncate(node, attr.st_size)
-        if fields.update_mode:
-            node.mode = stat.S_IFMT(node.mode) | stat.S_IMODE(attr.st_mode)
-        if fields.update_uid and node.uid != attr.st_uid:
-            old_uid, node.uid = node.uid, attr.st_uid
-            self.store.owner_changed(node, old_uid)
-        if fields.update_gid:
-            node.gid = attr.st_gid
-        if fields.update_size:
-            # the kernel's FUSE code asks for the older rule (S_ISGID only if group-
-            # executable); ext4's also drops it for a caller outside the file's group
-            node.mode = posix.drop_suid_sgid(node.mode, node.gid, _caller(ctx))
-        node.set_times(*times)
-        self.ns.commit(node)
         return self._attr(node)
 
     @_errors
@@ -200,11 +187,11 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
 
     @_errors
     async def unlink(self, parent_inode: int, name: bytes, ctx: Any) -> None:
-        self.store.maybe_drop(self.ns.remove(parent_inode, name, want_dir=False))
+        self.store.unlink(parent_inode, name)
 
     @_errors
     async def rmdir(self, parent_inode: int, name: bytes, ctx: Any) -> None:
-        self.store.maybe_drop(self.ns.remove(parent_inode, name, want_dir=True))
+        self.store.rmdir(parent_inode, name)
 
     @_errors
     async def rename(
@@ -222,8 +209,7 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
     async def link(
         self, inode: int, new_parent_inode: int, new_name: bytes, ctx: Any
     ) -> pyfuse3.EntryAttributes:
-        await self.store.check_metadata_room()
-        return self._entry(self.ns.link(inode, new_parent_inode, new_name))
+        return self._entry(await self.store.link(inode, new_parent_inode, new_name))
 
     @_errors
     async def open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
@@ -251,7 +237,7 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
 
     @_errors
     async def flush(self, fh: int) -> None:
-        inode = self.ns.inodes.get(self.store.handle(fh).ino)
+        inode = self.store.find_inode(self.store.handle(fh).ino)
         before = self.store.allocated_bytes(inode) if inode is not None else 0
         await self.store.flush(fh)
         if inode is not None and self.store.allocated_bytes(inode) != before:
@@ -272,15 +258,15 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
     @_errors
     async def fsync(self, fh: int, datasync: bool) -> None:
         h = self.store.handle(fh)
-        inode = self.ns.inodes.get(h.ino)
+        inode = self.store.find_inode(h.ino)
         if inode is None:
-            await self.store.journal.wait_durable()
+            await self.store.wait_durable()
         else:
             await self.store.commit(inode, h.pid)  # waits for the journal too
 
     @_errors
     async def opendir(self, inode: int, ctx: Any) -> int:
-        self.ns.directory(inode)
+        self.store.directory(inode)
         dh = self._next_dh
         self._next_dh += 1
         self._dirs[dh] = (inode, [])
@@ -295,8 +281,8 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
         renamed or removed since the listing was taken must never be planted again
         (it once made open(tmp, O_TRUNC) truncate the file renamed away from tmp)."""
         ino, listing = self._dirs[fh]
-        directory = self.ns.get(ino)
-        entries = self.ns.directory(ino)
+        directory = self.store.get_inode(ino)
+        entries = self.store.directory(ino)
         if start_id == 0:
             listing[:] = [(b".", ino), (b"..", directory.parent), *entries.items()]
         for i in range(start_id, len(listing)):
@@ -304,7 +290,7 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
             dot = i < 2
             if not dot and entries.get(name) != child:
                 continue  # renamed or removed since the listing was taken
-            inode = self.ns.inodes.get(child)
+            inode = self.store.find_inode(child)
             if inode is None:
                 continue
             if not pyfuse3.readdir_reply(token, name, self._attr(inode), i + 1):
@@ -318,7 +304,7 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
 
     @_errors
     async def fsyncdir(self, fh: int, datasync: bool) -> None:
-        await self.store.journal.wait_durable()
+        await self.store.wait_durable()
 
     @_errors
     async def statfs(self, ctx: Any) -> pyfuse3.StatvfsData:
@@ -327,8 +313,8 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
         s.f_bsize = s.f_frsize = 4096  # LMCache divides by it and needs chunk % f_bsize == 0
         s.f_blocks = st.capacity_bytes // 4096
         s.f_bfree = s.f_bavail = st.free_bytes // 4096
-        s.f_files = max(len(self.ns.inodes) * 2, 1 << 24)
-        s.f_ffree = s.f_favail = s.f_files - len(self.ns.inodes)
+        s.f_files = max(self.store.inode_count * 2, 1 << 24)
+        s.f_ffree = s.f_favail = s.f_files - self.store.inode_count
         s.f_namemax = 255
         return s
 
@@ -340,7 +326,7 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
         if name == CHECKPOINT_XATTR:
             if inode != pyfuse3.ROOT_INODE or _caller(ctx).uid not in (0, os.getuid()):
                 raise pyfuse3.FUSEError(errno.EPERM)
-            self.store.journal.request_checkpoint()
+            self.store.request_checkpoint()
             return
         if name.startswith(directpath.PREFIX):
             await self.store.direct_set(inode, name, value, _caller(ctx))
@@ -348,10 +334,8 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
             return
         if name in GROUP_XATTRS:
             check_group_xattr(name, value)
-        await self.store.check_metadata_room()
-        self.ns.set_xattr(inode, name, value)
+        await self.store.set_xattr(inode, name, value)
         self.labels = self.labels or name.startswith(SECURITY)
-        self.store.xattr_changed(inode, name)
 
     @_errors
     async def getxattr(self, inode: int, name: bytes, ctx: Any) -> bytes:
@@ -367,7 +351,7 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
         if name.startswith(directpath.PREFIX):
             return await self.store.direct_get(inode, name, _caller(ctx))
         try:
-            return self.ns.get_xattr(inode, name)
+            return self.store.get_xattr(inode, name)
         except NoAttribute:
             if not self.labels and name.startswith(SECURITY):
                 raise NotSupported("no security labels on this pool") from None
@@ -375,37 +359,20 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
 
     @_errors
     async def listxattr(self, inode: int, ctx: Any) -> Sequence[bytes]:
-        return posix.listed_xattrs(list(self.ns.get(inode).xattrs or ()), _caller(ctx))
+        return posix.listed_xattrs(self.store.list_xattrs(inode), _caller(ctx))
 
     @_errors
     async def removexattr(self, inode: int, name: bytes, ctx: Any) -> None:
         posix.check_xattr_name(name)
-        self.ns.set_xattr(inode, name, None)
-        self.store.xattr_changed(inode, name)
+        self.store.remove_xattr(inode, name)
 
     @_errors
     async def access(self, inode: int, mode: int, ctx: Any) -> bool:
-        self.ns.get(inode)
+        self.store.get_inode(inode)
         return True
 
     def stats_json(self) -> str:
-        s = self.store
-        out = {
-            "store": asdict(s.statistics()),
-            "allocator": asdict(s.alloc.statistics()),
-            "cache": asdict(s.cache.statistics()),
-            "journal": asdict(s.journal.statistics()),
-            "metadata": asdict(s.space.metadata_statistics()),
-            "eviction": asdict(s.evictor.statistics()),
-            "devices": [asdict(d.statistics()) for d in s.pool.devices],
-            "space": [asdict(d) for d in s.device_space()],
-            "direct": asdict(s.direct.statistics()),
-        }
-        return json.dumps(out)
-
-
-def _now() -> int:
-    return time.time_ns()
+        return json.dumps(self.store.all_statistics())
 
 
 async def tune_readahead(mountpoint: str, kib: int) -> None:

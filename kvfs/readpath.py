@@ -5,9 +5,9 @@ window in flight.
 Resident means: a dirty or in-flight (being written back) buffer of the file, a hole
 (zeros), or a verified unit in the clean cache. Concurrent fetches of one unit are
 deduplicated. A checksum mismatch is never served: the reader rechecks whether the
-unit was rewritten meanwhile (then it serves the new data), else it hands the unit to
-``quarantine``, which raises. Runs on the trio thread; device reads go through
-``io`` (worker threads, deadline).
+unit was rewritten meanwhile (then it serves the new data), else it quarantines the
+file (flagged, its names removed through ``remove``) and the read fails (EIO). Runs
+on the trio thread; device reads go through ``io`` (worker threads, deadline).
 """
 
 from __future__ import annotations
@@ -16,20 +16,18 @@ import logging
 import mmap
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import trio
 import xxhash
 
 from kvfs.cache import UnitCache
 from kvfs.device import BufferPool
-from kvfs.errors import KvfsError
-from kvfs.format.records import DEV_SHIFT, NO_UNIT, extent, is_fragment
-from kvfs.namespace import Inode
+from kvfs.errors import Corruption, KvfsError
+from kvfs.format.records import DEV_SHIFT, FLAG_QUARANTINED, NO_UNIT, extent, is_fragment
+from kvfs.namespace import Inode, Namespace
 from kvfs.pool import Pool
-
-if TYPE_CHECKING:
-    from kvfs.store import FileState
+from kvfs.storetypes import FileState
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -60,22 +58,26 @@ class Reader:
         self,
         pool: Pool,
         cache: UnitCache,
+        ns: Namespace,
         files: dict[int, FileState],
         *,
         io: Callable[[int, Callable[[], Any]], Awaitable[Any]],
         buffers: Callable[[int], BufferPool],
-        quarantine: Callable[[Inode, int, int], NoReturn],
+        remove: Callable[[Inode], None],
         spawn: Callable[..., None],
         readahead_units: int,
         read_piece_units: int,
     ) -> None:
         self.pool, self.cache, self._files = pool, cache, files
         self.unit = pool.unit_size
-        self._io, self._buffers, self._quarantine, self._spawn = io, buffers, quarantine, spawn
+        self.ns = ns
+        self._io, self._buffers, self._remove, self._spawn = io, buffers, remove, spawn
         self.readahead_units, self.read_piece_units = readahead_units, read_piece_units
         self.zero = memoryview(bytes(self.unit)).toreadonly()
         """A unit of zeros (holes; the rest of a unit after its fragment tail)."""
         self._fetching: dict[tuple[int, int], trio.Event] = {}
+        self.bad_units: set[tuple[int, int]] = set()  # (inode, unit) found corrupt
+        self.quarantined = 0
 
     def resident(self, inode: Inode, st: FileState | None, u: int) -> memoryview | None:
         """Unit ``u`` if it can be served without device I/O."""
@@ -217,3 +219,21 @@ class Reader:
             if current == p:
                 self.cache.put((inode.ino, u), view)
             results[u] = view
+
+    def _quarantine(self, inode: Inode, u: int, p: int) -> NoReturn:
+        self.bad_units.add((inode.ino, u))
+        if inode.flags & FLAG_QUARANTINED:  # a concurrent read found it first
+            raise Corruption(f"inode {inode.ino}: checksum mismatch in unit {u}")
+        self.quarantined += 1
+        path = self.pool.devices[p >> DEV_SHIFT].path
+        log.error(
+            "checksum mismatch: inode %d unit %d at %s unit %d; file quarantined",
+            inode.ino,
+            u,
+            path,
+            extent(p, self.unit)[0],  # a fragment tail: its host unit
+        )
+        inode.flags |= FLAG_QUARANTINED
+        self.ns.commit(inode)
+        self._remove(inode)
+        raise Corruption(f"inode {inode.ino}: checksum mismatch in unit {u}")

@@ -17,29 +17,24 @@ FUSE-free and async. Concurrency contract (see ``docs/design.md``):
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
-import mmap
 import os
+import stat
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
-from typing import NoReturn, TypeVar
+from dataclasses import asdict
+from typing import Any, TypeVar
 
 import trio
-import xxhash
 
 from kvfs import directpath, posix, procs
 from kvfs.alloc import Allocator
 from kvfs.cache import UnitCache
-from kvfs.check import Report, check_index, fix_dir_links
-from kvfs.device import BufferPool
 from kvfs.directpath import DirectPath
 from kvfs.errors import (
     Corruption,
     DeviceError,
-    FileTooLarge,
     Incomplete,
     IsADirectory,
     KvfsError,
@@ -47,161 +42,37 @@ from kvfs.errors import (
     NotPermitted,
     QuotaExceeded,
 )
-from kvfs.evict import FRESH_GRACE, QUOTA_XATTR, Evictor
+from kvfs.evict import QUOTA_XATTR, Evictor
 from kvfs.format.records import (
     DEV_SHIFT,
     FLAG_GONE,
     FLAG_QUARANTINED,
     FLAG_WRITING,
     NO_UNIT,
-    UNIT_MASK,
     Op,
-    extent,
     fragment_size,
-    is_fragment,
-    phys,
 )
-from kvfs.journal import ApplySink, Journal, Recovered, recover
-from kvfs.namespace import ROOT_INO, Inode, Namespace
-from kvfs.policy import DEFAULT_POLICY
+from kvfs.handles import Handles
+from kvfs.inodes import DirView
+from kvfs.journal import Journal
+from kvfs.loading import Loader, RecoveryReport
+from kvfs.namespace import Inode, Namespace, check_times
 from kvfs.pool import Pool
 from kvfs.posix import ROOT, Caller
-from kvfs.readpath import Reader, domain_nursery
+from kvfs.readpath import Reader
 from kvfs.space import Space
+from kvfs.storetypes import (
+    DeviceSpace,
+    FileState,
+    Handle,
+    StoreConfig,
+    StoreStatistics,
+    check_failed,
+)
+from kvfs.writepath import Writer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-LOGGED_NAMES = 50
-"""How many files a mount names in its log when it drops or cannot read them."""
-
-FILE_SIZE_LIMIT = 1 << 40
-"""No file is larger than this (1 TiB), whatever the settings."""
-
-
-@dataclass(frozen=True)
-class StoreConfig:
-    """Tunables, validated once; see ``docs/design.md`` for the measured reasons."""
-
-    cache_bytes: int = 256 << 20
-    readahead_units: int = 8
-    writeback_units: int = 8
-    stripe_units: int = 8
-    read_piece_units: int = 4
-    max_dirty_bytes: int = 512 << 20
-    io_timeout: float = 30.0
-    queue_depth: int = 4
-    max_file_size: int = 0
-    """Bytes a file may reach (EFBIG past it, before anything is evicted for it);
-    0: a quarter of the pool. A top-level directory may set its own
-    (``user.kvfs.max_file_size``). Never more than ``FILE_SIZE_LIMIT``."""
-    reserve: float = 0.05
-    """Share of the pool only root (and the mount's owner) may fill, as ext4's
-    reserved blocks: another user can never starve them."""
-    commit_interval: float = 0.05
-    buffer_pool_bytes: int = 64 << 20
-    eviction_policy: str = DEFAULT_POLICY
-    default_policy: str = "kvfs-managed"
-    fresh_grace: float = FRESH_GRACE
-    """Seconds after its close during which a file is evicted only as a last resort."""
-    high_watermark: float = 0.97
-    low_watermark: float = 0.94
-    discard: bool = True
-
-    def __post_init__(self) -> None:
-        if not 0 < self.low_watermark < self.high_watermark <= 1:
-            raise ValueError("watermarks must satisfy 0 < low < high <= 1")
-        for name in ("readahead_units", "writeback_units", "stripe_units", "read_piece_units"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        if self.fresh_grace < 0:
-            raise ValueError("fresh_grace must be >= 0")
-        if self.io_timeout <= 0 or self.queue_depth < 1 or self.cache_bytes < 0:
-            raise ValueError("io_timeout, queue_depth and cache_bytes must be positive")
-        if not 0 <= self.reserve < 0.5:
-            raise ValueError("the reserve must be a fraction in [0, 0.5)")
-        if not 0 <= self.max_file_size <= FILE_SIZE_LIMIT:
-            raise ValueError(f"the maximum file size must be at most {FILE_SIZE_LIMIT} bytes")
-
-
-@dataclass(eq=False)
-class FileState:
-    """Runtime data state of one inode: dirty and in-flight units, writer count.
-
-    ``error`` is sticky: once a write-back failed or a writer died mid-write, the
-    file's bytes are not all stored, so every later write, read, flush and fsync of
-    it fails (EIO), it is never committed, and its last close removes it."""
-
-    dirty: dict[int, mmap.mmap] = field(default_factory=dict)
-    inflight: dict[int, mmap.mmap] = field(default_factory=dict)
-    busy: int = 0
-    idle: trio.Event = field(default_factory=trio.Event)
-    lock: trio.Lock = field(default_factory=trio.Lock)
-    error: KvfsError | None = None
-    writers: int = 0
-    active: int = 0
-    """``write`` calls in progress: while one is, a commit is no end of the file."""
-
-
-@dataclass(frozen=True)
-class Handle:
-    ino: int
-    writable: bool
-    pid: int
-    owner: tuple[int, int] | None = None
-    """The opening process as (pid, start time): is it dying when it closes?"""
-    uid: int = 0
-    """The opener's user: what it holds open, it pins (bounded per user)."""
-
-
-@dataclass(frozen=True)
-class RecoveryReport:
-    generation: int
-    transactions: int
-    files: int
-    directories: int
-    dropped_incomplete: int
-    dropped_unlinked: int
-    seconds: float
-    unreadable: int = 0
-    """Files kept with data on a missing member (degraded mount): reads fail (EIO)."""
-    dropped_unreadable: int = 0
-    """Files with data on a missing member dropped at the operator's request."""
-
-
-@dataclass(frozen=True)
-class DeviceSpace:
-    path: str
-    data_bytes: int
-    free_bytes: int
-    writable: bool
-    """False once the member failed a write (no new data goes there)."""
-
-
-@dataclass(frozen=True)
-class StoreStatistics:
-    files: int
-    directories: int
-    unit_size: int
-    capacity_bytes: int
-    used_bytes: int
-    free_bytes: int
-    dirty_bytes: int
-    pending_free_bytes: int
-    reads: int
-    writes: int
-    bytes_read: int
-    bytes_written: int
-    device_bytes_read: int
-    device_bytes_written: int
-    corruptions: int
-    incomplete: int
-    evictions: int
-    orphan_evictions: int
-    quarantined: int
-    unreadable_files: int
-    """Files with data on a missing member (degraded mount): listed, reads fail."""
-    open_handles: int
 
 
 class Store:
@@ -229,21 +100,11 @@ class Store:
             io_timeout=self.cfg.io_timeout,
         )
         self.cache = UnitCache(self.cfg.cache_bytes)
-        self._pools: dict[int, BufferPool] = {}
         self._files: dict[int, FileState] = {}
-        self._handles: dict[int, Handle] = {}
-        self._wrote: set[int] = set()
-        """Handles that have written: a killed opener's close of one of them means
-        an incomplete file, whatever commits a FLUSH or fsync made meanwhile."""
-        self._pins: dict[int, dict[int, int]] = {}  # uid -> {inode: its open handles}
-        self._next_fh = 1
+        self.handles = Handles()
         self._limiters = [trio.CapacityLimiter(self.cfg.queue_depth) for _ in pool.devices]
-        self._dirty_bytes = 0
-        self._claimed = 0  # units promised to writes: dirty units + claims in progress
         self._nursery: trio.Nursery | None = None
         self._reads = self._writes = self._bytes_read = self._bytes_written = 0
-        self._bad_units: set[tuple[int, int]] = set()  # (inode, unit) found corrupt
-        self._quarantined = self._incomplete = 0
         self.on_vanish: Callable[[int, bytes, int], None] = lambda parent, name, ino: None
         self.evictor = Evictor(
             self.ns, self.cfg.eviction_policy, self.cfg.default_policy, grace=self.cfg.fresh_grace
@@ -257,10 +118,11 @@ class Store:
         self.reader = Reader(
             pool,
             self.cache,
+            self.ns,
             self._files,
             io=self._io,
-            buffers=self._buffer_pool,
-            quarantine=self._quarantine,
+            buffers=lambda size: self.writer.buffer_pool(size),
+            remove=self._unlink_everywhere,
             spawn=self._spawn,
             readahead_units=self.cfg.readahead_units,
             read_piece_units=self.cfg.read_piece_units,
@@ -274,7 +136,7 @@ class Store:
             io=self._io,
             evictable=self._evictable,
             evict=self._unlink_everywhere,
-            claimed=lambda: self._claimed,
+            claimed=lambda: self.writer.claimed,
             pinned=self._pinned,
             privileged=lambda uid: uid in (0, os.getuid()),
             reserve_units=int(self.alloc.total_units * self.cfg.reserve),
@@ -285,6 +147,25 @@ class Store:
         )
         self.direct = DirectPath(self)
         """Leases and reservations of the zero-copy path (:mod:`kvfs.directpath`)."""
+        self.writer = Writer(
+            pool,
+            self.cfg,
+            self.ns,
+            self.alloc,
+            self.journal,
+            self.cache,
+            self.space,
+            self.evictor,
+            self.reader,
+            self._files,
+            missing=self._missing,
+            unreadable=self.unreadable,
+            io=self._io,
+            begin_change=self._begin_data_change,
+            ensure_space=self._ensure_space,
+            free_later=self.direct.free_later,
+        )
+        """Writes and write-back (:mod:`kvfs.writepath`); it owns the I/O buffers."""
 
     # ------------------------------------------------------------------ lifecycle
     def _log(self, ops: list[Op]) -> None:
@@ -302,149 +183,19 @@ class Store:
         """Rebuild the index from the metadata log (blocking; before serving).
         ``drop_unreadable``: drop files with data on a missing member (degraded
         mount) instead of keeping them unreadable until it returns."""
-        return self._load(drop_unreadable)
-
-    def _load(self, drop_unreadable: bool) -> RecoveryReport:
-        t0 = time.monotonic()
-        meta, start, size = self.pool.meta
-        sink = ApplySink(self.ns.apply, self.ns.reset, load=self.ns.load_payload)
-        found = recover(meta, start, size, self.pool.seed, sink)
-        doomed: set[int] = set()
-        if found.damage:
-            doomed = self._salvage(found, sink.skipped)
-        elif sink.skipped:  # a checkpoint window's replay: names of what was dropped
-            log.info("recovery: %d replayed operation(s) named dropped inodes", sink.skipped)
-        self.ns.finish_load()
-        if ROOT_INO not in self.ns.inodes:
-            raise Corruption("metadata has no root directory")
-        incomplete, unlinked, dropped = self._drop_unfinished(doomed, drop_unreadable)
-        self._rebuild_allocator()
-        self.evictor.adopt_all()
-        clean = not (
-            found.transactions
-            or found.fell_back
-            or found.damage
-            or incomplete
-            or unlinked
-            or dropped
-        )
-        self.journal.resume(found, in_place=clean)
-        if clean:  # the checkpoint found is the last one: it holds exactly these
+        loader = Loader(self.pool, self.ns, self.alloc, self.evictor, self.journal, self._missing)
+        report = loader.load(drop_unreadable)
+        self.unreadable |= loader.unreadable  # in place: the writer shares the set
+        if loader.clean:  # the checkpoint found is the last one: it holds exactly these
             self._ckpt_inodes = len(self.ns.inodes)
-        report = RecoveryReport(
-            found.generation,
-            found.transactions,
-            self.ns.file_count,
-            self.ns.dir_count,
-            incomplete,
-            unlinked,
-            time.monotonic() - t0,
-            unreadable=len(self.unreadable),
-            dropped_unreadable=dropped,
-        )
-        log.info("recovered %s", report)
         return report
-
-    def _salvage(self, found: Recovered, skipped: int) -> set[int]:
-        """Rebuild the index from a log damaged in the middle: the transactions after
-        the damage are applied too (each is whole and checksummed), what no longer
-        fits together is dropped (names of missing inodes, unreachable inodes, units
-        claimed twice: fsck's checks), link counts are fixed. Loud, and the mount
-        then checkpoints the salvaged index. Returns the inodes to drop. ``skipped``:
-        operations recovery's sink could not apply (they named what is gone)."""
-        for damage in found.damage:
-            log.error("metadata log %s; salvaging", damage)
-        report = Report()
-        check_index(self.ns, self._checkable_pool(), report)
-        for fix in report.fixes:
-            fix()
-        fix_dir_links(self.ns)
-        log.error(
-            "metadata log salvaged: %d operation(s) skipped, %d problem(s) fixed, "
-            "%d file(s) dropped; run kvfs fsck for a data check",
-            skipped,
-            len(report.problems),
-            len(report.doomed),
-        )
-        for problem in report.problems[:50]:
-            log.warning("salvage: %s", problem)
-        return report.doomed
-
-    def _checkable_pool(self) -> Pool:
-        """The pool as fsck's checks must see it in a degraded mount: a missing
-        member's size is unknown, and its units are unreadable, not outside the pool."""
-        if not self._missing:
-            return self.pool
-        sbs = [
-            dataclasses.replace(sb, data_units=UNIT_MASK + 1) if dev in self._missing else sb
-            for dev, sb in enumerate(self.pool.superblocks)
-        ]
-        return Pool(self.pool.devices, sbs)
-
-    def _drop_unfinished(self, doomed: set[int], drop_unreadable: bool) -> tuple[int, int, int]:
-        """Drop files left mid-write or unlinked-while-open by a crash, ``doomed`` ones
-        (a salvage), and names that point nowhere. Files with data on a missing member
-        (degraded mount) are kept as :attr:`unreadable`, or dropped too with
-        ``drop_unreadable``. Returns (incomplete, unlinked, unreadable dropped)."""
-        doomed = {i for i in doomed if i in self.ns.inodes}
-        doomed.update(self.ns.scan_inodes(FLAG_WRITING | FLAG_QUARANTINED))
-        unreadable = self._on_missing_members(doomed, drop_unreadable)
-        incomplete = sum(1 for i in doomed if self.ns.inodes[i].nlink)
-        unlinked = len(doomed) - incomplete
-        if drop_unreadable:
-            doomed |= unreadable
-        else:
-            self.unreadable = unreadable
-        for ino in doomed:
-            self.ns.discard(ino)  # its names too
-        return incomplete, unlinked, len(unreadable) if drop_unreadable else 0
-
-    def _on_missing_members(self, doomed: set[int], drop: bool) -> set[int]:
-        """Files (other than ``doomed`` ones) with a unit on a missing member, logged:
-        their count and the first names."""
-        missing = self._missing
-        if not missing:
-            return set()
-        found = [
-            inode
-            for inode in self.ns.inodes.values()
-            if inode.ino not in doomed
-            and any(p != NO_UNIT and p >> DEV_SHIFT in missing for p in inode.units)
-        ]
-        log.warning(
-            "degraded: %d file(s), %d bytes, have data on missing member(s) %s: %s",
-            len(found),
-            sum(inode.size for inode in found),
-            ", ".join(str(i + 1) for i in sorted(missing)),
-            "dropped (--drop-unreadable)"
-            if drop
-            else "kept and listed; every read of them fails (EIO) until the member returns",
-        )
-        what = "dropped" if drop else "unreadable"
-        for inode in found[:LOGGED_NAMES]:
-            log.warning("%s: inode %d %s", what, inode.ino, inode.name.decode(errors="replace"))
-        if len(found) > LOGGED_NAMES:
-            log.warning("%s: %d more file(s) not named here", what, len(found) - LOGGED_NAMES)
-        return {inode.ino for inode in found}
-
-    def _rebuild_allocator(self) -> None:
-        """Claim every mapped unit; a file in one contiguous extent (the common case)
-        is claimed in one step, read from the namespace's columns (no views).
-        Units on a missing member are skipped: the allocator has none there."""
-        missing = self._missing
-        mark = self.alloc.mark_used
-        firsts, rest = self.ns.unit_columns()
-        fragments = self.alloc.claim_firsts(firsts, missing)
-        for first, count in itertools.chain(((p, 1) for p in fragments), rest):
-            if first >> DEV_SHIFT not in missing:
-                mark(first >> DEV_SHIFT, first & UNIT_MASK, count)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve: start the background tasks, checkpoint the recovered state unless
         it came from a clean unmount, run until cancelled. Callers should use
         :meth:`close` before cancelling."""
         async with trio.open_nursery() as nursery:
-            self._nursery = nursery
+            self._nursery = self.writer.nursery = nursery
             await nursery.start(self.journal.run)
             await self.journal.start()
             nursery.start_soon(self.space.evict_loop)
@@ -487,23 +238,9 @@ class Store:
         if self._nursery is not None:
             self._nursery.start_soon(fn, *args)
 
-    def _take_offline(self, dev: int) -> None:
-        if dev not in self.alloc.offline:
-            log.error(
-                "device %s failed a write: no new data goes there", self.pool.devices[dev].path
-            )
-            self.alloc.set_offline(dev)
-
     # ------------------------------------------------------------------ handles
-    def _state(self, ino: int) -> FileState:
-        st = self._files.get(ino)
-        if st is None:
-            st = self._files[ino] = FileState()
-            st.idle.set()
-        return st
-
     def handle(self, fh: int) -> Handle:
-        return self._handles[fh]
+        return self.handles[fh]
 
     async def open(self, ino: int, flags: int, caller: Caller = ROOT) -> int:
         """A handle on a live file; Stale (ESTALE) for one kvfs removed, so an open
@@ -515,37 +252,23 @@ class Store:
             raise Corruption(f"inode {ino} is quarantined")
         writable = flags & os.O_ACCMODE != os.O_RDONLY
         if writable and flags & os.O_TRUNC:
-            await self._truncate_at_open(inode, caller)
+            await self.writer.truncate_at_open(inode, caller)
             inode = self.ns.get(ino)  # the await may have let an eviction in
         inode.opens += 1
         owner = self.evictor.opened(inode, caller.pid)
         if writable:
-            self._state(ino).writers += 1
-        fh = self._next_fh
-        self._next_fh += 1
-        self._handles[fh] = Handle(ino, writable, caller.pid, owner, caller.uid)
-        pins = self._pins.setdefault(caller.uid, {})
-        pins[ino] = pins.get(ino, 0) + 1
-        return fh
+            self.writer.state(ino).writers += 1
+        return self.handles.add(Handle(ino, writable, caller.pid, owner, caller.uid))
 
     def _pinned(self, uid: int) -> int:
         """Bytes of the files user ``uid`` holds open (they cannot be evicted), the
         ones still in memory (dirty, being written back) included."""
         inodes, files, units = self.ns.inodes, self._files, 0
-        for ino in self._pins.get(uid, ()):
+        for ino in self.handles.pinned(uid):
             inode, st = inodes.get(ino), files.get(ino)
             units += inode.mapped_units if inode is not None else 0
             units += len(st.dirty) + len(st.inflight) if st is not None else 0
         return units * self.unit
-
-    def _unpin(self, h: Handle) -> None:
-        pins = self._pins.get(h.uid)
-        if pins is not None and h.ino in pins:
-            pins[h.ino] -= 1
-            if not pins[h.ino]:
-                del pins[h.ino]
-                if not pins:
-                    del self._pins[h.uid]
 
     async def flush(self, fh: int) -> None:
         """A close of a handle (FUSE flush): commit what it wrote, unless its writer
@@ -559,16 +282,16 @@ class Store:
         the file, as an fsync mid-write does. Such a prefix is never taken for the
         whole file: a killed opener's handle that wrote makes the file incomplete
         again, committed or not."""
-        h = self._handles[fh]
+        h = self.handles[fh]
         inode = self.ns.inodes.get(h.ino)
         if not h.writable or inode is None:
             return
         if self.direct.pending(fh):  # closed before its direct write's commit
             self.direct.abandon(fh)  # the file is incomplete: dropped at last close
             return
-        unfinished = inode.flags & FLAG_WRITING or fh in self._wrote
+        unfinished = inode.flags & FLAG_WRITING or fh in self.handles.wrote
         if unfinished and h.owner is not None and procs.killed(*h.owner):
-            st = self._state(inode.ino)
+            st = self.writer.state(inode.ino)
             if st.error is None:
                 log.warning(
                     "inode %d: its writer (pid %d) was killed before closing it; "
@@ -576,19 +299,13 @@ class Store:
                     inode.ino,
                     h.owner[0],
                 )
-                self._fail(st, Incomplete(f"inode {inode.ino}: writer killed mid-write"))
+                self.writer.fail(st, Incomplete(f"inode {inode.ino}: writer killed mid-write"))
                 if not inode.flags & FLAG_WRITING:  # uncommitted again: its last close
                     inode.flags |= FLAG_WRITING  # removes it, recovery drops it
                     self.ns.commit(inode)
                     await self.journal.wait_durable(self.journal.last_seq)
             return
         await self.commit(inode, h.pid)
-
-    def _fail(self, st: FileState, error: KvfsError) -> None:
-        """Make a file's failure sticky (see :class:`FileState`)."""
-        if st.error is None:
-            st.error = error
-            self._incomplete += 1
 
     async def check_metadata_room(self) -> None:
         """Room in the metadata area for an operation that grows the index. Metadata
@@ -650,9 +367,7 @@ class Store:
         return found
 
     async def release(self, fh: int) -> None:
-        h = self._handles.pop(fh)
-        self._wrote.discard(fh)
-        self._unpin(h)
+        h = self.handles.remove(fh)
         inode = self.ns.inodes.get(h.ino)
         if inode is None:
             return
@@ -679,19 +394,9 @@ class Store:
         than ever serve the gaps as data."""
         if self.ns.inodes.get(inode.ino) is not inode:
             return
-        self._discard_dirty(inode.ino)
+        self.writer.discard_dirty(inode.ino)
         log.warning("inode %d could not be committed; removing the incomplete file", inode.ino)
         self._unlink_everywhere(inode)
-
-    def _discard_dirty(self, ino: int, first: int = 0) -> None:
-        """Drop dirty units ``first``.. of a file, and the space they had claimed."""
-        st = self._files.get(ino)
-        if st is None:
-            return
-        for u in [u for u in st.dirty if u >= first]:
-            del st.dirty[u]
-            self._dirty_bytes -= self.unit
-            self._claimed -= 1
 
     def _maybe_forget_state(self, inode: Inode) -> None:
         st = self._files.get(inode.ino)
@@ -716,44 +421,16 @@ class Store:
             return
         if self.ns.inodes.get(inode.ino) is not inode:
             return
-        self._free_units(inode, 0)
+        self.writer.free_units(inode, 0)
         self.unreadable.discard(inode.ino)
-        self._discard_dirty(inode.ino)
+        self.writer.discard_dirty(inode.ino)
         self._files.pop(inode.ino, None)
         self.evictor.forget(inode.ino)
         self.ns.drop(inode)
 
-    def _free_units(self, inode: Inode, first: int) -> None:
-        freed = 0
-        units, csums = self.ns.edit_map(inode)
-        for u in range(first, len(units)):
-            p = units[u]
-            if p != NO_UNIT:
-                # a unit on a missing member is not in the allocator: unmapped, it is
-                # released implicitly (free when the member returns, as no file maps it)
-                if p >> DEV_SHIFT not in self._missing:
-                    self.direct.free_later(inode.ino, p)
-                freed += 1
-            self.cache.discard((inode.ino, u))
-        self.space.charge(inode, -freed)
-        del units[first:]
-        del csums[first:]
-
     def allocated_bytes(self, inode: Inode) -> int:
-        """Bytes of device space the file has (``st_blocks``): its mapped units and
-        fragment tails, plus the dirty or in-flight units not mapped yet (a whole
-        unit each: their space is already claimed, as ext4 counts delayed
-        allocation); holes count nothing."""
-        units = inode.units
-        n = inode.mapped_units * self.unit
-        # a fragment run is a file's tail, or one that was before a truncate grew it
-        n -= sum(self.unit - extent(p, self.unit)[2] for p in units if p > 0 and is_fragment(p))
-        st = self._files.get(inode.ino)
-        if st is not None and (st.dirty or st.inflight):
-            n += self.unit * sum(
-                1 for u in {*st.dirty, *st.inflight} if u >= len(units) or units[u] == NO_UNIT
-            )
-        return n
+        """Bytes of device space the file has (``st_blocks``)."""
+        return self.writer.allocated_bytes(inode)
 
     # ------------------------------------------------------------------ write path
     def _begin_data_change(self, inode: Inode) -> None:
@@ -763,418 +440,60 @@ class Store:
             inode.flags |= FLAG_WRITING
             self.ns.commit(inode)
 
-    def _grow_map(self, inode: Inode, size: int) -> None:
-        need = -(-size // self.unit) - inode.nunits
-        if need > 0:
-            units, csums = self.ns.edit_map(inode)
-            units.extend([NO_UNIT] * need)
-            csums.extend([0] * need)
-
     async def write(self, fh: int, off: int, data: bytes) -> int:
         """Accept ``data`` at ``off``: the space it needs is claimed first, so a full
         pool or quota fails this write (ENOSPC/EDQUOT) before any byte is taken, and
         never a later close."""
-        h = self._handles[fh]
+        h = self.handles[fh]
         inode = self.ns.get(h.ino)
         end = off + len(data)
-        self._check_size(inode, end)
-        st = self._state(inode.ino)
-        self._check_failed(st)
+        self.writer.check_size(inode, end)
+        st = self.writer.state(inode.ino)
+        check_failed(st)
         if not data:
             return 0
         st.active += 1
         try:
-            if fh in self._wrote and not inode.flags & FLAG_WRITING:
+            if fh in self.handles.wrote and not inode.flags & FLAG_WRITING:
                 # committed while this handle goes on writing (an fsync, or the FLUSH
                 # of another process's close): the committed prefix must not come back
                 # from a crash as the whole file: uncommitted, durably, before it grows
                 self._begin_data_change(inode)
                 await self.journal.wait_durable(self.journal.last_seq)
-            await self._write(h, inode, st, off, data)
+            await self.writer.write(h, inode, st, off, data)
         except (NoSpace, QuotaExceeded) as e:
             # the writer cannot store what it meant to: its file is incomplete (a
             # short chunk must never be served as a whole one), removed at its close
-            self._fail(st, e)
+            self.writer.fail(st, e)
             raise
         finally:
             st.active -= 1
         self._writes += 1
         self._bytes_written += len(data)
-        self._wrote.add(fh)
-        await self._maybe_writeback(self.ns.get(h.ino), st)
+        self.handles.wrote.add(fh)
+        await self.writer.maybe_writeback(self.ns.get(h.ino), st)
         return len(data)
-
-    async def _write(self, h: Handle, inode: Inode, st: FileState, off: int, data: bytes) -> None:
-        """Copy ``data`` into dirty units. The size (and the map) grow with each piece
-        copied, before the next await: a write that spans units may wait for space
-        between them, and a commit running then (a FLUSH from any close of the file,
-        e.g. a forked child closing the fds it inherited) writes back every dirty
-        unit, sizing a partial last unit's fragments by ``inode.size``. A byte in a
-        dirty buffer past the size would be dropped there, and the unit served with
-        zeros under a checksum that matches them."""
-        u_size, end = self.unit, off + len(data)
-        span = range(off // u_size, (end - 1) // u_size + 1)
-        claims = [sum(1 for u in span if u not in st.dirty)]
-        claims[0] += off > inode.size  # the old last unit, zeroed past the old end
-        await self._claim(inode, claims[0])
-        try:
-            inode = self.ns.get(h.ino)  # not evicted (open), but maybe quarantined
-            self._check_failed(st)
-            self._begin_data_change(inode)
-            if off > inode.size:
-                await self._zero_tail(inode, st, inode.size, claims)
-            view = memoryview(data)
-            pos = off
-            while pos < end:
-                u, uo = divmod(pos, u_size)
-                n = min(u_size - uo, end - pos)
-                buf = st.dirty.get(u)
-                if buf is None:
-                    covers = uo == 0 and pos + n >= min((u + 1) * u_size, inode.size)
-                    buf = await self._dirty_unit(
-                        inode, st, u, load=not covers, whole=n == u_size, claims=claims
-                    )
-                    self._check_failed(st)
-                    self._begin_data_change(inode)  # a commit may have run during the await
-                buf[uo : uo + n] = view[pos - off : pos - off + n]
-                pos += n
-                if pos > inode.size:  # no await since the copy (see the docstring)
-                    inode.size = pos
-                    self._grow_map(inode, pos)
-        finally:
-            self._claimed -= claims[0]  # claimed but not needed (others got there first)
-        inode.touch()
-
-    def max_file_size(self, inode: Inode) -> int:
-        """The size ``inode`` may reach: its top-level directory's setting, else the
-        mount's, else a quarter of the pool; never over FILE_SIZE_LIMIT."""
-        own = self.evictor.group_max_file_size(self.evictor.group_of(inode))
-        limit = own or self.cfg.max_file_size or self.alloc.total_units * self.unit // 4
-        return min(limit, FILE_SIZE_LIMIT)
-
-    def _check_size(self, inode: Inode, size: int) -> None:
-        """EFBIG for a size past the limit: before any byte is taken, so nothing is
-        evicted for a file that could never fit (a 10 GiB write into a 4 GiB pool)."""
-        if size > self.max_file_size(inode):
-            raise FileTooLarge(
-                f"inode {inode.ino}: {size} bytes exceed the maximum file size of "
-                f"{self.max_file_size(inode)} bytes"
-            )
 
     def owner_changed(self, inode: Inode, old_uid: int) -> None:
         """chown: the file's bytes now count for its new owner."""
         self.space.owner_changed(inode, old_uid)
 
-    def _check_failed(self, st: FileState) -> None:
-        if st.error is not None:
-            raise st.error
-
-    async def _claim(self, inode: Inode, units: int) -> None:
-        """Promise ``units`` units of device space to a write (evicting for them if
-        need be); NoSpace/QuotaExceeded when they cannot be had. A promise is held by
-        the dirty unit it becomes, until that unit is allocated or discarded."""
-        if units:
-            await self._ensure_space(inode, units)
-            self._claimed += units  # no await since the check: the room is still there
-
-    async def _dirty_unit(
-        self,
-        inode: Inode,
-        st: FileState,
-        u: int,
-        load: bool,
-        whole: bool = False,
-        claims: list[int] | None = None,
-    ) -> mmap.mmap:
-        """A private, writable copy of unit ``u``, registered as dirty; ``whole``: the
-        caller overwrites all of it before its next await (no zeroing needed). Takes
-        one of ``claims`` (the caller's claimed units), or claims its own."""
-        own = claims is None or claims[0] <= 0
-        if own:  # also when a write-back took a unit the caller saw dirty when it claimed
-            await self._claim(inode, 1)
-            claims = [1]
-        assert claims is not None
-        try:
-            existing = st.dirty.get(u)
-            if existing is not None:  # another writer made it dirty while we claimed
-                return existing
-            buf = self._buffer_pool(self.unit).take(zeroed=not (load or whole))
-            if load:
-                src = await self.reader.unit_view(inode, u)
-                existing = st.dirty.get(u)
-                if existing is not None:  # another writer got there during the await
-                    return existing
-                buf[:] = src
-            claims[0] -= 1  # the claim is now held by the dirty unit
-            st.dirty[u] = buf
-            self._dirty_bytes += self.unit
-            return buf
-        finally:
-            if own:
-                self._claimed -= claims[0]
-
-    def _buffer_pool(self, size: int) -> BufferPool:
-        """The pool of ``size``-byte I/O buffers (one unit, or a read run of units)."""
-        pool = self._pools.get(size)
-        if pool is None:
-            keep = max(self.cfg.buffer_pool_bytes // size, 2)
-            pool = self._pools[size] = BufferPool(size, keep)
-        return pool
-
-    async def _zero_tail(
-        self, inode: Inode, st: FileState, size: int, claims: list[int] | None = None
-    ) -> None:
-        """Zero bytes from ``size`` to the end of its unit (before the file grows
-        past them, so bytes that were never written read as zeros)."""
-        u, uo = divmod(size, self.unit)
-        if uo == 0 or u >= inode.nunits:
-            return
-        buf = st.dirty.get(u)
-        if buf is None:
-            # a unit still being written back holds the old tail too: copy it dirty
-            if inode.unit(u) == NO_UNIT and u not in st.inflight:
-                return
-            buf = await self._dirty_unit(inode, st, u, load=True, claims=claims)
-        self._begin_data_change(inode)
-        buf[uo:] = bytes(self.unit - uo)
-
-    async def _maybe_writeback(self, inode: Inode, st: FileState) -> None:
-        """Start writing back complete dirty units once a batch has gathered."""
-        if len(st.dirty) > self.cfg.writeback_units:
-            full = inode.size // self.unit
-            ready = sorted(u for u in st.dirty if u < full)
-            if len(ready) >= self.cfg.writeback_units:
-                self._start_writeback(inode, st, ready)
-        while self._dirty_bytes > self.cfg.max_dirty_bytes and (st.busy or st.dirty):
-            self._check_failed(st)
-            if st.dirty:
-                self._start_writeback(inode, st, sorted(st.dirty))
-            await st.idle.wait()
-
-    def _start_writeback(self, inode: Inode, st: FileState, units: list[int]) -> None:
-        """Allocate the units (their space was claimed when they were written, so
-        this cannot fail for room) and write them in the background."""
-        plan = self._allocate(inode, units)
-        self._claimed -= len(units)  # the promise is kept: the units are allocated
-        bufs = {u: st.dirty.pop(u) for u in units}
-        st.inflight.update(bufs)
-        st.busy += 1
-        if st.busy == 1:
-            # a fresh event only when the file goes busy: replacing the one that
-            # waiters already hold (busy > 0) would leave them waiting forever, since
-            # only the current event is set when busy returns to 0
-            st.idle = trio.Event()
-        assert self._nursery is not None
-        self._nursery.start_soon(self._writeback, inode, st, plan, bufs)
-
-    def _tail_fragments(self, inode: Inode, u: int, size: int | None = None) -> int:
-        """Fragments that unit ``u`` takes if it is the file's partial last unit (0:
-        it takes a whole unit). Decided at write-back, when the size is known; a file
-        that grows later rewrites this unit as a new dirty unit anyway."""
-        tail = (inode.size if size is None else size) - u * self.unit
-        if not 0 < tail < self.unit:
-            return 0
-        n = -(-tail // self._fragment)
-        return n if n < self.alloc.fragments_per_unit else 0
-
-    def _allocate(
-        self, inode: Inode, units: list[int], size: int | None = None
-    ) -> list[tuple[int, int, list[int]]]:
-        """Place units as (device, first physical unit, logical units) runs: logically
-        consecutive units go to one device in stripes of ``stripe_units``, stripes
-        rotate over the devices so one file's I/O spreads across all of them. A
-        partial last unit gets a fragment run instead: (device, fragment field, [u]).
-        ``size``: the size the file is going to have (a direct write's), if not its
-        size now."""
-        ndev = len(self.pool.devices)
-        groups: list[tuple[int, list[int]]] = []
-        tail = units[-1] if units and self._tail_fragments(inode, units[-1], size) else -1
-        for u in units:
-            if u == tail:
-                continue
-            dev = (inode.ino + u // self.cfg.stripe_units) % ndev
-            if groups and groups[-1][0] == dev and groups[-1][1][-1] == u - 1:
-                groups[-1][1].append(u)
-            else:
-                groups.append((dev, [u]))
-        plan: list[tuple[int, int, list[int]]] = []
-        try:
-            for dev, lus in groups:
-                prev = inode.unit(lus[0] - 1) if lus[0] > 0 else NO_UNIT
-                near = (
-                    (prev & UNIT_MASK) + 1
-                    if prev != NO_UNIT and prev >> DEV_SHIFT == dev and not is_fragment(prev)
-                    else -1
-                )
-                i = 0
-                for d, start, count in self.alloc.allocate(len(lus), dev, near):
-                    plan.append((d, start, lus[i : i + count]))
-                    i += count
-            if tail >= 0:
-                dev = (inode.ino + tail // self.cfg.stripe_units) % ndev
-                frags = self._tail_fragments(inode, tail, size)
-                d, field = self.alloc.allocate_fragments(frags, dev)
-                plan.append((d, field, [tail]))
-        except KvfsError:
-            for d, start, lus in plan:
-                self.alloc.free(d, start, len(lus))
-            raise
-        return plan
-
-    async def _writeback(
-        self,
-        inode: Inode,
-        st: FileState,
-        plan: list[tuple[int, int, list[int]]],
-        bufs: dict[int, mmap.mmap],
-    ) -> None:
-        csums: dict[int, int] = {}
-        try:
-            async with domain_nursery() as nursery:
-                for dev, start, lus in plan:
-                    nursery.start_soon(
-                        self._write_run, dev, start, [bufs[u] for u in lus], lus, csums
-                    )
-        except KvfsError as e:
-            log.error("write-back of inode %d failed: %s", inode.ino, e)
-            for dev, _, _ in plan:
-                if self.pool.devices[dev].statistics().errors:
-                    self._take_offline(dev)
-            # the file lost these bytes: it must never be committed or served
-            self._fail(st, Incomplete(f"inode {inode.ino}: write-back failed: {e}"))
-            for dev, start, lus in plan:
-                self.alloc.free(dev, start, len(lus))
-            for u, buf in bufs.items():
-                if st.inflight.get(u) is buf:
-                    del st.inflight[u]
-        else:
-            self._install(inode, st, plan, bufs, csums)
-        finally:
-            self._dirty_bytes -= self.unit * len(bufs)
-            st.busy -= 1
-            if not st.busy:
-                st.idle.set()
-            bufs.clear()  # our last references: the pool may now reuse what no reader sees
-            self._buffer_pool(self.unit).reap()
-
-    async def _write_run(
-        self, dev: int, start: int, bufs: list[mmap.mmap], lus: list[int], csums: dict[int, int]
-    ) -> None:
-        device = self.pool.devices[dev]
-        unit, skip, length = extent(start, self.unit)
-        offset = self.pool.unit_offset(dev, unit) + skip
-        zeros = self.reader.zero
-
-        def work() -> list[int]:
-            if is_fragment(start):  # a tail: its fragments, the rest of the unit is zeros
-                view = memoryview(bufs[0])[:length]
-                digest = xxhash.xxh3_64(view)
-                digest.update(zeros[length:])
-                device.write(offset, [view])
-                return [digest.intdigest()]
-            sums = [xxhash.xxh3_64_intdigest(b) for b in bufs]
-            device.write(offset, [memoryview(b) for b in bufs])
-            return sums
-
-        for u, c in zip(lus, await self._io(dev, work), strict=True):
-            csums[u] = c
-        self.journal.note_data_write(dev)
-
-    def _install(
-        self,
-        inode: Inode,
-        st: FileState,
-        plan: list[tuple[int, int, list[int]]],
-        bufs: dict[int, mmap.mmap],
-        csums: dict[int, int],
-    ) -> None:
-        """Point the unit map at freshly written units (still uncommitted)."""
-        alive = self.ns.inodes.get(inode.ino) is inode
-        for dev, start, lus in plan:
-            for i, u in enumerate(lus):
-                p = phys(dev, start + i)
-                if not alive or st.inflight.get(u) is not bufs[u] or u >= inode.nunits:
-                    self.alloc.free(dev, start + i)  # superseded or truncated meanwhile
-                    continue
-                del st.inflight[u]
-                self._begin_data_change(inode)  # the map changes: uncommitted until commit
-                old = inode.unit(u)
-                if old != NO_UNIT:
-                    self.direct.free_later(inode.ino, old)
-                else:
-                    self.space.charge(inode, 1)
-                units, sums = self.ns.edit_map(inode)
-                units[u], sums[u] = p, csums[u]
-                self.cache.discard((inode.ino, u))
-
     async def commit(self, inode: Inode, pid: int = 0) -> None:
         """Make the file's data and metadata durable (flush, fsync, close)."""
-        st = self._files.get(inode.ino)
-        if st is not None:
-            async with st.lock:
-                while (st.dirty and st.error is None) or st.busy:
-                    if st.dirty and st.error is None:
-                        self._start_writeback(inode, st, sorted(st.dirty))
-                    await st.idle.wait()
-                self._check_failed(st)
-        # a write still in progress (the kernel sends one O_DIRECT write as many
-        # concurrent requests) means the file is not complete yet: its data is
-        # stored, but it stays WRITING until a commit with none (a FLUSH from
-        # another process's close or an fsync may come at any moment)
-        writing = st is not None and st.active > 0
-        if self.ns.inodes.get(inode.ino) is inode and inode.flags & FLAG_WRITING and not writing:
-            inode.flags &= ~FLAG_WRITING
-            self.ns.commit(inode)
-            self.evictor.committed(inode, pid)
-        # Always: a close/fsync is a durable point for everything logged before it,
-        # even when this file had nothing left to commit (an O_TRUNC to an empty file,
-        # a commit another handle already made) -- engines rely on close ordering.
-        await self.journal.wait_durable(self.journal.last_seq)
-
-    async def _truncate_at_open(self, inode: Inode, caller: Caller) -> None:
-        """open(O_TRUNC). libfuse enables ``atomic_o_trunc``, so the kernel sends no
-        SETATTR and leaves all of ext4's truncation to the open: size 0, mtime and
-        ctime now even if the file was already empty, and setuid/setgid dropped for
-        an unprivileged caller (``posix.drop_suid_sgid``), in the same record."""
-        inode.mode = posix.drop_suid_sgid(inode.mode, inode.gid, caller)
-        if inode.size:
-            await self.truncate(inode, 0)
-            return
-        inode.touch()
-        self.ns.commit(inode)
+        await self.writer.commit(inode, pid)
 
     async def truncate(self, inode: Inode, size: int) -> None:
-        self._check_size(inode, size)
-        if inode.is_dir:
-            raise IsADirectory(f"inode {inode.ino}")
-        st = self._state(inode.ino)
-        self._check_failed(st)
-        if size == 0:  # a full rewrite needs none of the old bytes, missing ones included
-            self.unreadable.discard(inode.ino)
-        self._begin_data_change(inode)
-        if size < inode.size:
-            keep = -(-size // self.unit)
-            self._discard_dirty(inode.ino, keep)
-            for u in [u for u in st.inflight if u >= keep]:
-                del st.inflight[u]
-            self._free_units(inode, keep)
-            inode.size = size
-            await self._zero_tail(inode, st, size)
-        elif size > inode.size:
-            await self._zero_tail(inode, st, inode.size)
-            inode.size = size
-            self._grow_map(inode, size)
-        inode.touch()
-        self.ns.commit(inode)
-        if not st.writers:
-            await self.commit(inode)
+        await self.writer.truncate(inode, size)
+
+    def max_file_size(self, inode: Inode) -> int:
+        return self.writer.max_file_size(inode)
 
     # ------------------------------------------------------------------ read path
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
         """Every byte of ``off``..``off + size`` up to EOF, or an error: EIO for a
         file that is quarantined, whose bytes were not all stored, or that has data
         on a missing member (degraded mount)."""
-        ino = self._handles[fh].ino
+        ino = self.handles[fh].ino
         inode = self.ns.inodes.get(ino)
         if inode is None or inode.flags & FLAG_QUARANTINED:
             raise Corruption(f"inode {ino} is quarantined or gone")
@@ -1182,7 +501,7 @@ class Store:
             raise self._unreadable_error(inode)
         st = self._files.get(ino)
         if st is not None:
-            self._check_failed(st)
+            check_failed(st)
         end = min(off + size, inode.size)
         if off >= end:
             return b""
@@ -1198,24 +517,6 @@ class Store:
             f"inode {inode.ino}: data on missing member {', '.join(str(d + 1) for d in members)} "
             "(degraded mount)"
         )
-
-    def _quarantine(self, inode: Inode, u: int, p: int) -> NoReturn:
-        self._bad_units.add((inode.ino, u))
-        if inode.flags & FLAG_QUARANTINED:  # a concurrent read found it first
-            raise Corruption(f"inode {inode.ino}: checksum mismatch in unit {u}")
-        self._quarantined += 1
-        path = self.pool.devices[p >> DEV_SHIFT].path
-        log.error(
-            "checksum mismatch: inode %d unit %d at %s unit %d; file quarantined",
-            inode.ino,
-            u,
-            path,
-            extent(p, self.unit)[0],  # a fragment tail: its host unit
-        )
-        inode.flags |= FLAG_QUARANTINED
-        self.ns.commit(inode)
-        self._unlink_everywhere(inode)
-        raise Corruption(f"inode {inode.ino}: checksum mismatch in unit {u}")
 
     def _unlink_everywhere(self, inode: Inode) -> None:
         """Remove ``inode`` for good (quarantine, eviction, an abandoned incomplete
@@ -1258,6 +559,104 @@ class Store:
         await self.check_metadata_room()
         await self.space.ensure(inode, units)
 
+    # ------------------------------------------------------------------ names, attributes
+    def lookup(self, parent: int, name: bytes) -> Inode | None:
+        """What ``name`` in directory ``parent`` names (``.`` and ``..`` too), if any."""
+        return self.ns.find(parent, name)
+
+    def get_inode(self, ino: int) -> Inode:
+        """A live inode (NotFound otherwise)."""
+        return self.ns.get(ino)
+
+    def find_inode(self, ino: int) -> Inode | None:
+        return self.ns.inodes.get(ino)
+
+    @property
+    def inode_count(self) -> int:
+        return len(self.ns.inodes)
+
+    def directory(self, ino: int) -> DirView:
+        """A directory's entries, name to inode (NotADirectory for a file)."""
+        return self.ns.directory(ino)
+
+    def unlink(self, parent: int, name: bytes) -> None:
+        self.maybe_drop(self.ns.remove(parent, name, want_dir=False))
+
+    def rmdir(self, parent: int, name: bytes) -> None:
+        self.maybe_drop(self.ns.remove(parent, name, want_dir=True))
+
+    async def link(self, ino: int, parent: int, name: bytes) -> Inode:
+        await self.check_metadata_room()
+        return self.ns.link(ino, parent, name)
+
+    async def setattr(
+        self,
+        ino: int,
+        caller: Caller,
+        *,
+        size: int | None = None,
+        mode: int | None = None,
+        uid: int | None = None,
+        gid: int | None = None,
+        times: tuple[int | None, int | None, int | None] = (None, None, None),
+    ) -> Inode:
+        """chmod, chown, truncate and utimens of one SETATTR (what is not None). The
+        times (atime, mtime, ctime; a ctime not given is now) are checked before
+        anything changes."""
+        node = self.ns.get(ino)
+        atime, mtime, _ = node.times()
+        at, mt, ct = times
+        new_times = (
+            atime if at is None else at,
+            mtime if mt is None else mt,
+            time.time_ns() if ct is None else ct,
+        )
+        check_times(*new_times)  # refused before anything changes
+        if size is not None:
+            await self.truncate(node, size)
+        if mode is not None:
+            node.mode = stat.S_IFMT(node.mode) | stat.S_IMODE(mode)
+        if uid is not None and node.uid != uid:
+            old_uid, node.uid = node.uid, uid
+            self.owner_changed(node, old_uid)
+        if gid is not None:
+            node.gid = gid
+        if size is not None:
+            # the kernel's FUSE code asks for the older rule (S_ISGID only if group-
+            # executable); ext4's also drops it for a caller outside the file's group
+            node.mode = posix.drop_suid_sgid(node.mode, node.gid, caller)
+        node.set_times(*new_times)
+        self.ns.commit(node)
+        return node
+
+    @property
+    def xattr_names(self) -> tuple[bytes, ...]:
+        """Every xattr name stored since the pool was made (interned, never removed)."""
+        return self.ns.xattr_names
+
+    def get_xattr(self, ino: int, name: bytes) -> bytes:
+        return self.ns.get_xattr(ino, name)
+
+    def list_xattrs(self, ino: int) -> list[bytes]:
+        return list(self.ns.get(ino).xattrs or ())
+
+    async def set_xattr(self, ino: int, name: bytes, value: bytes) -> None:
+        await self.check_metadata_room()
+        self.ns.set_xattr(ino, name, value)
+        self.xattr_changed(ino, name)
+
+    def remove_xattr(self, ino: int, name: bytes) -> None:
+        self.ns.set_xattr(ino, name, None)
+        self.xattr_changed(ino, name)
+
+    async def wait_durable(self) -> None:
+        """Until everything logged so far is durable (fsync of a directory)."""
+        await self.journal.wait_durable()
+
+    def request_checkpoint(self) -> None:
+        """Start a metadata checkpoint now (it runs in the background)."""
+        self.journal.request_checkpoint()
+
     # ------------------------------------------------------------------ reporting
     def device_space(self) -> list[DeviceSpace]:
         """Data capacity and free space of each member: kvfs uses all of every
@@ -1274,6 +673,20 @@ class Store:
             )
         ]
 
+    def all_statistics(self) -> dict[str, Any]:
+        """Every part's statistics, as ``kvfs stats`` shows them."""
+        return {
+            "store": asdict(self.statistics()),
+            "allocator": asdict(self.alloc.statistics()),
+            "cache": asdict(self.cache.statistics()),
+            "journal": asdict(self.journal.statistics()),
+            "metadata": asdict(self.space.metadata_statistics()),
+            "eviction": asdict(self.evictor.statistics()),
+            "devices": [asdict(d.statistics()) for d in self.pool.devices],
+            "space": [asdict(d) for d in self.device_space()],
+            "direct": asdict(self.direct.statistics()),
+        }
+
     def statistics(self) -> StoreStatistics:
         # claimed units are spoken for; free fragments in host units are free bytes
         free = max(self.space.available(), 0) * self.unit
@@ -1287,7 +700,7 @@ class Store:
             capacity_bytes=cap,
             used_bytes=cap - free,
             free_bytes=free,
-            dirty_bytes=self._dirty_bytes,
+            dirty_bytes=self.writer.dirty_bytes,
             pending_free_bytes=self.space.pending_free() * self.unit,
             reads=self._reads,
             writes=self._writes,
@@ -1295,13 +708,13 @@ class Store:
             bytes_written=self._bytes_written,
             device_bytes_read=sum(d.bytes_read for d in devs),
             device_bytes_written=sum(d.bytes_written for d in devs),
-            corruptions=len(self._bad_units),
-            incomplete=self._incomplete,
+            corruptions=len(self.reader.bad_units),
+            incomplete=self.writer.incomplete,
             evictions=self.evictor.evictions,
             orphan_evictions=self.evictor.orphan_evictions,
-            quarantined=self._quarantined,
+            quarantined=self.reader.quarantined,
             unreadable_files=len(self.unreadable),
-            open_handles=len(self._handles),
+            open_handles=len(self.handles),
         )
 
 

@@ -265,7 +265,8 @@ def flush_while_waiting_for_space(
     """Every time a write waits for space, a FLUSH commits ``inode`` first (as any
     close of a copy of its descriptor may), then ``then()`` runs; yields the units
     each wait asked for."""
-    original, calls = store._ensure_space, []
+    writer = store.writer
+    original, calls = writer._ensure_space, []
 
     async def ensure(target: object, units: int) -> None:
         calls.append(units)
@@ -273,11 +274,11 @@ def flush_while_waiting_for_space(
         then()
         await original(target, units)  # type: ignore[arg-type]
 
-    store._ensure_space = ensure  # type: ignore[method-assign,assignment]
+    writer._ensure_space = ensure
     try:
         yield calls
     finally:
-        store._ensure_space = original  # type: ignore[method-assign]
+        writer._ensure_space = original
 
 
 async def test_a_commit_while_a_write_waits_between_units_keeps_every_byte() -> None:

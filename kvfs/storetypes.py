@@ -1,0 +1,134 @@
+"""The data types the store, its write path (:mod:`kvfs.writepath`) and its read path
+(:mod:`kvfs.readpath`) share: the store's settings, a file's runtime data state, an
+open handle, and what the store reports. A module of its own so that all of them can
+import these without importing each other."""
+
+from __future__ import annotations
+
+import mmap
+from dataclasses import dataclass, field
+
+import trio
+
+from kvfs.errors import KvfsError
+from kvfs.evict import FRESH_GRACE
+from kvfs.policy import DEFAULT_POLICY
+
+FILE_SIZE_LIMIT = 1 << 40
+"""No file is larger than this (1 TiB), whatever the settings."""
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Tunables, validated once; see ``docs/design.md`` for the measured reasons."""
+
+    cache_bytes: int = 256 << 20
+    readahead_units: int = 8
+    writeback_units: int = 8
+    stripe_units: int = 8
+    read_piece_units: int = 4
+    max_dirty_bytes: int = 512 << 20
+    io_timeout: float = 30.0
+    queue_depth: int = 4
+    max_file_size: int = 0
+    """Bytes a file may reach (EFBIG past it, before anything is evicted for it);
+    0: a quarter of the pool. A top-level directory may set its own
+    (``user.kvfs.max_file_size``). Never more than ``FILE_SIZE_LIMIT``."""
+    reserve: float = 0.05
+    """Share of the pool only root (and the mount's owner) may fill, as ext4's
+    reserved blocks: another user can never starve them."""
+    commit_interval: float = 0.05
+    buffer_pool_bytes: int = 64 << 20
+    eviction_policy: str = DEFAULT_POLICY
+    default_policy: str = "kvfs-managed"
+    fresh_grace: float = FRESH_GRACE
+    """Seconds after its close during which a file is evicted only as a last resort."""
+    high_watermark: float = 0.97
+    low_watermark: float = 0.94
+    discard: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 < self.low_watermark < self.high_watermark <= 1:
+            raise ValueError("watermarks must satisfy 0 < low < high <= 1")
+        for name in ("readahead_units", "writeback_units", "stripe_units", "read_piece_units"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.fresh_grace < 0:
+            raise ValueError("fresh_grace must be >= 0")
+        if self.io_timeout <= 0 or self.queue_depth < 1 or self.cache_bytes < 0:
+            raise ValueError("io_timeout, queue_depth and cache_bytes must be positive")
+        if not 0 <= self.reserve < 0.5:
+            raise ValueError("the reserve must be a fraction in [0, 0.5)")
+        if not 0 <= self.max_file_size <= FILE_SIZE_LIMIT:
+            raise ValueError(f"the maximum file size must be at most {FILE_SIZE_LIMIT} bytes")
+
+
+@dataclass(eq=False)
+class FileState:
+    """Runtime data state of one inode: dirty and in-flight units, writer count.
+
+    ``error`` is sticky: once a write-back failed or a writer died mid-write, the
+    file's bytes are not all stored, so every later write, read, flush and fsync of
+    it fails (EIO), it is never committed, and its last close removes it."""
+
+    dirty: dict[int, mmap.mmap] = field(default_factory=dict)
+    inflight: dict[int, mmap.mmap] = field(default_factory=dict)
+    busy: int = 0
+    idle: trio.Event = field(default_factory=trio.Event)
+    lock: trio.Lock = field(default_factory=trio.Lock)
+    error: KvfsError | None = None
+    writers: int = 0
+    active: int = 0
+    """``write`` calls in progress: while one is, a commit is no end of the file."""
+
+
+def check_failed(st: FileState) -> None:
+    """Raise the file's sticky failure, if it has one."""
+    if st.error is not None:
+        raise st.error
+
+
+@dataclass(frozen=True)
+class Handle:
+    ino: int
+    writable: bool
+    pid: int
+    owner: tuple[int, int] | None = None
+    """The opening process as (pid, start time): is it dying when it closes?"""
+    uid: int = 0
+    """The opener's user: what it holds open, it pins (bounded per user)."""
+
+
+@dataclass(frozen=True)
+class DeviceSpace:
+    path: str
+    data_bytes: int
+    free_bytes: int
+    writable: bool
+    """False once the member failed a write (no new data goes there)."""
+
+
+@dataclass(frozen=True)
+class StoreStatistics:
+    files: int
+    directories: int
+    unit_size: int
+    capacity_bytes: int
+    used_bytes: int
+    free_bytes: int
+    dirty_bytes: int
+    pending_free_bytes: int
+    reads: int
+    writes: int
+    bytes_read: int
+    bytes_written: int
+    device_bytes_read: int
+    device_bytes_written: int
+    corruptions: int
+    incomplete: int
+    evictions: int
+    orphan_evictions: int
+    quarantined: int
+    unreadable_files: int
+    """Files with data on a missing member (degraded mount): listed, reads fail."""
+    open_handles: int
