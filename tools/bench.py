@@ -19,6 +19,27 @@ with ``--direct-io=on`` (so the host page cache never serves a "device" read):
 - **kvfs**: mounted on the third device, same calls as ext4 (close is durable in
   kvfs). Cold reads follow an unmount + remount (kvfs has its own unit cache) and
   ``drop_caches``.
+- **ceiling** (``--ceiling``, or ``--backends`` naming it): the binding ceiling,
+  ``tools/ceiling_fs.py`` on a fourth identical device: a minimal pyfuse3 + trio
+  filesystem (1 MiB units at fixed device offsets, one O_DIRECT ``preadv``/``pwritev``
+  per FUSE request in ``trio.to_thread``, aligned buffers, no checksums, cache, index
+  or journal; close does one ``fdatasync``). What kvfs's own work costs is kvfs over
+  this, per cell. Cold reads follow ``drop_caches`` (it has no cache of its own).
+
+App modes (``--modes``): ``buffered`` (the calls above) and ``direct`` (the
+application opens the files on ext4/ceiling/kvfs with ``O_DIRECT`` and reads and
+writes from page-aligned buffers; raw is O_DIRECT either way and is measured once
+per repetition, its numbers serve both modes). Every phase also records the
+backing loop device's request counts (``/sys/block/loopN/stat`` deltas) and, for
+the FUSE daemons, their FUSE READ count, so device requests per FUSE request and
+bytes per request are in the JSON.
+
+``--ceiling`` runs raw, ext4, ceiling and kvfs in both modes (1/4/16 streams x
+1/8/32 MiB; ``--quick`` 1/4 x 1/32) into ``ceiling.json`` with the ratios
+kvfs/ceiling per cell (target >= 0.9) and kvfs/ext4 cold reads at 4+ streams
+(target >= 1.0)::
+
+    .venv/bin/python tools/bench.py --ceiling --out docs/bench
 
 Per (file size, streams): write, cold read, warm re-read; each stream is a thread
 with its own files; throughput = bytes / phase wall time, latency = per file (open
@@ -64,6 +85,9 @@ TARGETS = {  # (phase, streams) -> minimum kvfs/raw ratio, for 32 MiB files
     ("cold", 4): 0.9,
 }
 LOOKUP_TARGET = 0.5  # kvfs/ext4 cold lookup-storm throughput
+CEILING_TARGET = 0.9  # kvfs/ceiling, every cell (issue 11, part 1)
+COLD_VS_EXT4_TARGET = 1.0  # kvfs/ext4 cold reads at 4+ streams
+CEILING_FS = Path(__file__).resolve().parent / "ceiling_fs.py"
 
 
 @dataclass(frozen=True)
@@ -75,6 +99,7 @@ class Plan:
     reps: int
     lookup_names: int
     backends: tuple[str, ...]
+    modes: tuple[str, ...] = ("buffered",)
 
 
 # ---------------------------------------------------------------- measurements
@@ -101,6 +126,13 @@ class PhaseResult:
         if self.rss_bytes is not None:
             out["daemon_rss_mib"] = self.rss_bytes / MiB
         out.update(self.extra)
+        ios, fuse = self.extra.get("dev_read_ios"), self.extra.get("fuse_reads")
+        if ios is not None:  # 0 when there was nothing to divide (warm phases)
+            out["dev_read_kib_per_io"] = self.extra["dev_read_bytes"] / 1024 / ios if ios else 0.0
+            out["dev_read_bytes_per_byte"] = self.extra["dev_read_bytes"] / self.nbytes
+        if fuse is not None:
+            out["fuse_read_kib"] = self.nbytes / 1024 / fuse if fuse else 0.0
+            out["dev_reads_per_fuse_read"] = ios / fuse if fuse and ios is not None else 0.0
         return out
 
 
@@ -165,22 +197,46 @@ def check_sample(buf: mmap.mmap | memoryview, src: mmap.mmap, size: int) -> None
 # ---------------------------------------------------------------- backends
 class Backend(Protocol):
     name: str
+    dev: str
+    direct: bool
 
     def write(self, files: list[list[int]], size: int, src: mmap.mmap) -> PhaseResult: ...
     def read(
         self, files: list[list[int]], size: int, src: mmap.mmap, cold: bool
     ) -> PhaseResult: ...
+    def make_cold(self) -> None: ...
+    def counters(self) -> dict[str, int]: ...
     def clear(self, files: list[list[int]]) -> None: ...
+
+
+def device_counters(dev: str) -> dict[str, int]:
+    """Completed requests and bytes of a block device (``/sys/block/NAME/stat``)."""
+    with open(f"/sys/block/{os.path.basename(os.path.realpath(dev))}/stat") as f:
+        v = [int(x) for x in f.read().split()]
+    return {
+        "dev_read_ios": v[0],
+        "dev_read_bytes": v[2] * 512,
+        "dev_write_ios": v[4],
+        "dev_write_bytes": v[6] * 512,
+    }
 
 
 class RawBackend:
     """Files are offsets on an O_DIRECT descriptor of the loop device."""
 
     name = "raw"
+    direct = True  # O_DIRECT whatever the app mode
 
     def __init__(self, dev: str, dev_bytes: int) -> None:
+        self.dev = dev
         self.fd = os.open(dev, os.O_RDWR | os.O_DIRECT)
         self.slots = dev_bytes // MiB
+
+    def make_cold(self) -> None:
+        drop_caches()
+
+    def counters(self) -> dict[str, int]:
+        return device_counters(self.dev)
 
     def close(self) -> None:
         os.close(self.fd)
@@ -227,11 +283,21 @@ class RawBackend:
 
 
 class FileBackend:
-    """A directory of a mounted filesystem, used the LMCache way."""
+    """A directory of a mounted filesystem, used the LMCache way; with ``direct``
+    the files are opened with O_DIRECT (the buffers are page-aligned)."""
 
-    def __init__(self, name: str, root: Path) -> None:
+    def __init__(self, name: str, root: Path, dev: str = "") -> None:
         self.name = name
         self.root = root
+        self.dev = dev
+        self.direct = False
+
+    @property
+    def _odirect(self) -> int:
+        return os.O_DIRECT if self.direct else 0
+
+    def counters(self) -> dict[str, int]:
+        return device_counters(self.dev) if self.dev else {}
 
     def path(self, f: int) -> str:
         return str(self.root / f"model@1@0@{f:016x}@bfloat16.pt")
@@ -242,7 +308,8 @@ class FileBackend:
         def stream(i: int, lat: list[float]) -> None:
             for f in files[i]:
                 t = time.perf_counter()
-                fd = os.open(self.path(f), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | self._odirect
+                fd = os.open(self.path(f), flags, 0o644)
                 try:
                     done = 0
                     while done < size:
@@ -260,7 +327,7 @@ class FileBackend:
             view = memoryview(bufs[i])
             for f in files[i]:
                 t = time.perf_counter()
-                fd = os.open(self.path(f), os.O_RDONLY)
+                fd = os.open(self.path(f), os.O_RDONLY | self._odirect)
                 try:
                     got = 0
                     while got < size:
@@ -287,8 +354,8 @@ class FileBackend:
 
 
 class Ext4Backend(FileBackend):
-    def __init__(self, root: Path) -> None:
-        super().__init__("ext4", root)
+    def __init__(self, root: Path, dev: str = "") -> None:
+        super().__init__("ext4", root, dev)
 
     def write(self, files: list[list[int]], size: int, src: mmap.mmap) -> PhaseResult:
         res = super().write(files, size, src)
@@ -299,27 +366,25 @@ class Ext4Backend(FileBackend):
         return res
 
 
-class KvfsBackend(FileBackend):
-    """kvfs on a loop device, in a foreground daemon this process started."""
+class DaemonBackend(FileBackend):
+    """A FUSE filesystem on a loop device, served by a foreground daemon this
+    process started; its CPU time and RSS are measured per phase."""
 
-    def __init__(self, mountpoint: Path, dev: str, log_file: Path) -> None:
-        super().__init__("kvfs", mountpoint)
-        self.dev = dev
+    stats_xattr = ""
+    """Root xattr holding the daemon's counters as JSON (FUSE READs served)."""
+
+    def __init__(self, name: str, mountpoint: Path, dev: str, log_file: Path) -> None:
+        super().__init__(name, mountpoint, dev)
         self.log_file = log_file
         self.proc: subprocess.Popen[bytes] | None = None
         self.peak_rss = 0
 
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
     def mount(self) -> None:
-        cmd = [
-            *kvfs_command(),
-            "mount",
-            "--foreground",
-            str(self.root),
-            self.dev,
-            "--log-file",
-            str(self.log_file),
-        ]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        with open(self.log_file, "ab") as log:
+            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=log)
         wait_mounted(self.proc, self.root, 30.0)
 
     def unmount(self) -> None:
@@ -328,12 +393,14 @@ class KvfsBackend(FileBackend):
             code = stop(self.proc, self.root)
             self.proc = None
             if code != 0:
-                raise RuntimeError(f"kvfs daemon exited with {code}; see {self.log_file}")
+                raise RuntimeError(f"{self.name} daemon exited with {code}; see {self.log_file}")
 
-    def make_cold(self) -> None:
-        self.unmount()
-        drop_caches()
-        self.mount()
+    def fuse_reads(self) -> int:
+        stats = json.loads(os.getxattr(self.root, self.stats_xattr))
+        return int(stats.get("store", stats).get("reads", 0))
+
+    def counters(self) -> dict[str, int]:
+        return {**super().counters(), "fuse_reads": self.fuse_reads()}
 
     def write(self, files: list[list[int]], size: int, src: mmap.mmap) -> PhaseResult:
         assert self.proc is not None
@@ -352,6 +419,44 @@ class KvfsBackend(FileBackend):
         res.cpu_s = _proc_cpu(self.proc.pid) - before
         res.rss_bytes = _proc_status(self.proc.pid, "VmRSS")
         return res
+
+
+class KvfsBackend(DaemonBackend):
+    """kvfs on a loop device, in a foreground daemon this process started."""
+
+    stats_xattr = "user.kvfs.stats"
+
+    def __init__(self, mountpoint: Path, dev: str, log_file: Path) -> None:
+        super().__init__("kvfs", mountpoint, dev, log_file)
+
+    def command(self) -> list[str]:
+        return [
+            *kvfs_command(),
+            "mount",
+            "--foreground",
+            str(self.root),
+            self.dev,
+            "--log-file",
+            str(self.log_file),
+        ]
+
+    def make_cold(self) -> None:
+        self.unmount()
+        drop_caches()
+        self.mount()
+
+
+class CeilingBackend(DaemonBackend):
+    """The binding ceiling, ``tools/ceiling_fs.py`` (no cache of its own: cold is
+    ``drop_caches``, as for ext4)."""
+
+    stats_xattr = "user.ceiling.stats"
+
+    def __init__(self, mountpoint: Path, dev: str, log_file: Path) -> None:
+        super().__init__("ceiling", mountpoint, dev, log_file)
+
+    def command(self) -> list[str]:
+        return [sys.executable, str(CEILING_FS), self.dev, str(self.root)]
 
 
 def _proc_cpu(pid: int) -> float:
@@ -416,7 +521,8 @@ def backends(plan: Plan, work: Path) -> Iterator[dict[str, Any]]:
                 "nodiscard,lazy_itable_init=0,lazy_journal_init=0",
                 devs["ext4"],
             )
-            out["ext4"] = Ext4Backend(stack.enter_context(fs_mounted(devs["ext4"], work / "ext4")))
+            mnt = stack.enter_context(fs_mounted(devs["ext4"], work / "ext4"))
+            out["ext4"] = Ext4Backend(mnt, devs["ext4"])
         if "kvfs" in devs:
             _run(*kvfs_command(), "format", "--force", devs["kvfs"])
             preallocate(work / "kvfs.img", plan.image_bytes)  # format discarded it all
@@ -426,6 +532,13 @@ def backends(plan: Plan, work: Path) -> Iterator[dict[str, Any]]:
             stack.callback(kv.unmount)
             kv.mount()
             out["kvfs"] = kv
+        if "ceiling" in devs:
+            ce = CeilingBackend(work / "ceiling", devs["ceiling"], work / "ceiling.log")
+            (work / "ceiling").mkdir(exist_ok=True)
+            stack.callback(unmount, work / "ceiling")
+            stack.callback(ce.unmount)
+            ce.mount()
+            out["ceiling"] = ce
         yield out
 
 
@@ -440,23 +553,32 @@ Log = Callable[[str], None]
 
 def run_transfers(plan: Plan, bks: dict[str, Any], log: Log) -> list[dict[str, Any]]:
     """Every (size, streams) point, the backends interleaved repetition by repetition
-    (raw, ext4, kvfs, raw, ...) so that load from other jobs hits them alike."""
+    (raw, ext4, kvfs, raw, ...; with two app modes raw, ext4, kvfs, ext4 O_DIRECT,
+    kvfs O_DIRECT, raw, ...) so that load from other jobs hits them alike. Raw is the
+    same in every mode: measured once per repetition, its rows are mode "buffered"."""
     rows: list[dict[str, Any]] = []
     src = pattern(max(plan.sizes))
     serial = 0
+    runs = [
+        (mode, name)
+        for i, mode in enumerate(plan.modes)
+        for name in plan.backends
+        if name != "raw" or i == 0
+    ]
     for size in plan.sizes:
         for streams in plan.streams:
-            reps: dict[str, dict[str, list[Any]]] = {
-                name: {"write": [], "cold": [], "warm": []} for name in plan.backends
+            reps: dict[tuple[str, str], dict[str, list[Any]]] = {
+                run: {"write": [], "cold": [], "warm": []} for run in runs
             }
             for _ in range(plan.reps):
-                for name in plan.backends:
+                for mode, name in runs:
                     files = file_sets(size, streams, plan.moved_bytes, serial)
                     serial += sum(len(f) for f in files)
-                    _measure(bks[name], files, size, src, reps[name])
-            for name in plan.backends:
-                for phase, got in reps[name].items():
-                    rows.append(_row(name, size, streams, phase, got, log))
+                    bks[name].direct = mode == "direct" or name == "raw"
+                    _measure(bks[name], files, size, src, reps[(mode, name)])
+            for mode, name in runs:
+                for phase, got in reps[(mode, name)].items():
+                    rows.append(_row(name, size, streams, phase, got, log, mode))
     return rows
 
 
@@ -473,15 +595,23 @@ def _measure(
 
 
 def _row(
-    name: str, size: int, streams: int, phase: str, got: list[dict[str, Any]], log: Log
+    name: str,
+    size: int,
+    streams: int,
+    phase: str,
+    got: list[dict[str, Any]],
+    log: Log,
+    mode: str = "buffered",
 ) -> dict[str, Any]:
     m = _medians(got)
+    tag = "" if mode == "buffered" else " O_DIRECT"
     log(
-        f"{name:5} {size // MiB:3} MiB x{streams:<2} {phase:5} "
+        f"{name:7} {size // MiB:3} MiB x{streams:<2} {phase:5}{tag:9} "
         f"{m['mbps']:8.0f} MB/s  p50 {m['p50_ms']:7.1f} ms  p99 {m['p99_ms']:7.1f} ms"
     )
     return {
         "backend": name,
+        "mode": mode,
         "size_mib": size // MiB,
         "streams": streams,
         "phase": phase,
@@ -493,11 +623,22 @@ def _row(
 def _one_rep(
     bk: Backend, files: list[list[int]], size: int, src: mmap.mmap
 ) -> dict[str, PhaseResult]:
-    """Write, then read cold, then re-read warm (in this order: dict order is kept)."""
-    out = {"write": bk.write(files, size, src)}
-    out["cold"] = bk.read(files, size, src, True)
-    out["warm"] = bk.read(files, size, src, False)
+    """Write, then read cold, then re-read warm (in this order: dict order is kept);
+    each with the device's (and a FUSE daemon's) request counts over the phase alone
+    (a cold read's remount or ``drop_caches`` is not in them)."""
+    out = {"write": _counted(bk, lambda: bk.write(files, size, src))}
+    bk.make_cold()
+    out["cold"] = _counted(bk, lambda: bk.read(files, size, src, False))
+    out["warm"] = _counted(bk, lambda: bk.read(files, size, src, False))
     return out
+
+
+def _counted(bk: Backend, phase: Callable[[], PhaseResult]) -> PhaseResult:
+    before = bk.counters()
+    res = phase()
+    after = bk.counters()
+    res.extra.update({k: float(after[k] - v) for k, v in before.items()})
+    return res
 
 
 def _medians(reps: list[dict[str, Any]]) -> dict[str, float]:
@@ -560,7 +701,11 @@ def run_lookups(plan: Plan, bks: dict[str, Any], log: Log) -> list[dict[str, Any
 def ratios(rows: list[dict[str, Any]], lookups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """kvfs over raw and over ext4 for every point: the median over repetitions of the
     paired ratio (repetition i of each backend ran back to back, under the same load)."""
-    by = {(r["backend"], r["size_mib"], r["streams"], r["phase"]): r for r in rows}
+    by = {
+        (r["backend"], r["size_mib"], r["streams"], r["phase"]): r
+        for r in rows
+        if r.get("mode", "buffered") == "buffered"
+    }
     out = []
     for (bk, size, streams, phase), r in sorted(by.items()):
         if bk != "kvfs":
@@ -603,6 +748,57 @@ def _paired(mine: list[dict[str, Any]], theirs: list[dict[str, Any]], k1: str, k
     return float(statistics.median(a[k1] / b[k2] for a, b in zip(mine, theirs, strict=True)))
 
 
+def ceiling_ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per (mode, size, streams, phase): kvfs over the binding ceiling (target
+    ``CEILING_TARGET`` on every cell), both over raw, kvfs over ext4; cold reads at
+    4+ streams also against ext4 (``COLD_VS_EXT4_TARGET``). Paired ratios: the
+    median over repetitions of kvfs rep i / other rep i (run back to back)."""
+    by = {(r["backend"], r["mode"], r["size_mib"], r["streams"], r["phase"]): r for r in rows}
+    cells: list[dict[str, Any]] = []
+    for (bk, mode, size, streams, phase), r in sorted(by.items()):
+        ce = by.get(("ceiling", mode, size, streams, phase))
+        if bk != "kvfs" or ce is None:
+            continue
+        cell: dict[str, Any] = {
+            "mode": mode,
+            "size_mib": size,
+            "streams": streams,
+            "phase": phase,
+            "kvfs_mbps": r["median"]["mbps"],
+            "ceiling_mbps": ce["median"]["mbps"],
+            "kvfs_over_ceiling": _paired(r["reps"], ce["reps"], "mbps", "mbps"),
+        }
+        cell["meets_ceiling_target"] = cell["kvfs_over_ceiling"] >= CEILING_TARGET
+        raw = by.get(("raw", "buffered", size, streams, phase))
+        if raw is not None:
+            cell["raw_mbps"] = raw["median"]["mbps"]
+            cell["kvfs_over_raw"] = _paired(r["reps"], raw["reps"], "mbps", "mbps")
+            cell["ceiling_over_raw"] = _paired(ce["reps"], raw["reps"], "mbps", "mbps")
+        ext4 = by.get(("ext4", mode, size, streams, phase))
+        if ext4 is not None:
+            cell["ext4_mbps"] = ext4["median"]["mbps"]
+            cell["kvfs_over_ext4"] = _paired(r["reps"], ext4["reps"], "mbps", "mbps")
+            if phase == "cold" and streams >= 4:
+                cell["meets_cold_vs_ext4_target"] = cell["kvfs_over_ext4"] >= COLD_VS_EXT4_TARGET
+        for k in ("daemon_cpu_s_per_gib", "dev_read_kib_per_io", "dev_reads_per_fuse_read"):
+            if k in r["median"]:
+                cell[f"kvfs_{k}"] = r["median"][k]
+                cell[f"ceiling_{k}"] = ce["median"].get(k)
+        cells.append(cell)
+    cold4 = [c for c in cells if "meets_cold_vs_ext4_target" in c]
+    return {
+        "ceiling_target": CEILING_TARGET,
+        "cold_vs_ext4_target": COLD_VS_EXT4_TARGET,
+        "cells": cells,
+        "cells_meeting_ceiling_target": sum(c["meets_ceiling_target"] for c in cells),
+        "cold_4plus_meeting_ext4_target": sum(c["meets_cold_vs_ext4_target"] for c in cold4),
+        "cold_4plus_cells": len(cold4),
+        "all_met": bool(cells)
+        and all(c["meets_ceiling_target"] for c in cells)
+        and all(c["meets_cold_vs_ext4_target"] for c in cold4),
+    }
+
+
 # ---------------------------------------------------------------- plot
 def plot(result: dict[str, Any], path: Path) -> bool:
     try:
@@ -612,11 +808,11 @@ def plot(result: dict[str, Any], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    rows = result["transfers"]
+    rows = [r for r in result["transfers"] if r.get("mode", "buffered") == "buffered"]
     sizes = sorted({r["size_mib"] for r in rows})
     streams = sorted({r["streams"] for r in rows})
-    bks = [b for b in ("raw", "ext4", "kvfs") if any(r["backend"] == b for r in rows)]
-    colors = {"raw": "#888888", "ext4": "#4C72B0", "kvfs": "#DD8452"}
+    bks = [b for b in ("raw", "ext4", "ceiling", "kvfs") if any(r["backend"] == b for r in rows)]
+    colors = {"raw": "#888888", "ext4": "#4C72B0", "ceiling": "#55A868", "kvfs": "#DD8452"}
     phases = ("write", "cold", "warm")
     fig, axes = plt.subplots(
         len(phases), len(sizes), figsize=(4 * len(sizes), 8), squeeze=False, sharey="row"
@@ -654,13 +850,19 @@ def plot(result: dict[str, Any], path: Path) -> bool:
 
 # ---------------------------------------------------------------- main
 def _plan(args: argparse.Namespace) -> Plan:
+    backends = args.backends
+    if backends is None:
+        backends = ("raw", "ext4", "ceiling", "kvfs") if args.ceiling else ("raw", "ext4", "kvfs")
     if args.quick:
-        plan = Plan(1 * GiB, 256 * MiB, (MiB, 32 * MiB), (1, 4), 3, 4000, args.backends)
+        plan = Plan(1 * GiB, 256 * MiB, (MiB, 32 * MiB), (1, 4), 3, 4000, backends)
     else:
-        plan = Plan(
-            2 * GiB, 512 * MiB, (MiB, 8 * MiB, 32 * MiB), (1, 4, 16), 3, 10000, args.backends
-        )
+        plan = Plan(2 * GiB, 512 * MiB, (MiB, 8 * MiB, 32 * MiB), (1, 4, 16), 3, 10000, backends)
     overrides: dict[str, Any] = {}
+    if args.ceiling:  # the transfer matrix in both app modes; no lookup storm
+        overrides["modes"] = ("buffered", "direct")
+        overrides["lookup_names"] = 0
+    if args.modes:
+        overrides["modes"] = tuple(args.modes.split(","))
     if args.sizes:
         overrides["sizes"] = tuple(int(s) * MiB for s in args.sizes.split(","))
     if args.streams:
@@ -681,8 +883,17 @@ def main(argv: list[str] | None = None) -> int:
         "--quick", action="store_true", help="<1 minute run (1 and 32 MiB, 1 and 4 streams)"
     )
     p.add_argument(
-        "--backends", type=lambda s: tuple(s.split(",")), default=("raw", "ext4", "kvfs")
+        "--backends",
+        type=lambda s: tuple(s.split(",")),
+        help="raw,ext4,kvfs (default) and/or ceiling (tools/ceiling_fs.py)",
     )
+    p.add_argument(
+        "--ceiling",
+        action="store_true",
+        help="issue 11's binding ceiling: raw,ext4,ceiling,kvfs in both app modes, "
+        "no lookup storm, into ceiling.json (the ceiling_ratios section)",
+    )
+    p.add_argument("--modes", help="app modes, comma separated: buffered (default), direct")
     p.add_argument("--sizes", help="file sizes in MiB, comma separated (override)")
     p.add_argument("--streams", help="stream counts, comma separated (override)")
     p.add_argument("--moved-mib", type=int, help="MiB moved per measurement (override)")
@@ -698,6 +909,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = "quick" if args.quick else "bench"
+    stem = ("ceiling-quick" if args.quick else "ceiling") if args.ceiling else stem
     stem += f"-{args.tag}" if args.tag else ""
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     load_start = os.getloadavg()  # other jobs share these CPUs: read the ratios
@@ -711,15 +923,17 @@ def main(argv: list[str] | None = None) -> int:
         with backends(plan, work) as bks:
             transfers = run_transfers(plan, bks, log)
             lookups = run_lookups(plan, bks, log) if plan.lookup_names else []
-            kv = bks.get("kvfs")
-            if kv is not None:
-                kv.unmount()
+            kv, ce = bks.get("kvfs"), bks.get("ceiling")
+            for daemon in (kv, ce):
+                if daemon is not None:
+                    daemon.unmount()
             peak = kv.peak_rss if kv is not None else 0
+            ceiling_peak = ce.peak_rss if ce is not None else 0
     finally:
         if (work / "kvfs.log").exists():  # keep the daemon's log for a post-mortem
             shutil.copy(work / "kvfs.log", Path(args.workdir) / "kvfs-bench-last.log")
         shutil.rmtree(work, ignore_errors=True)
-    result = {
+    result: dict[str, Any] = {
         "meta": {
             "command": " ".join([".venv/bin/python", "tools/bench.py", *(argv or sys.argv[1:])]),
             "started": started,
@@ -736,11 +950,22 @@ def main(argv: list[str] | None = None) -> int:
         "lookups": lookups,
         "ratios": ratios(transfers, lookups),
     }
+    if "ceiling" in plan.backends:
+        result["meta"]["ceiling_daemon_peak_rss_mib"] = ceiling_peak / MiB
+        result["ceiling_ratios"] = ceiling_ratios(transfers)
     (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
     png = out_dir / f"{stem}.png"
-    log(f"wrote {out_dir / (stem + '.json')}" + (f" and {png}" if plot(result, png) else ""))
+    drew = not args.ceiling and plot(result, png)  # --ceiling: the JSON only
+    log(f"wrote {out_dir / (stem + '.json')}" + (f" and {png}" if drew else ""))
     for r in result["ratios"]:
         log(json.dumps(r))
+    if "ceiling_ratios" in result:
+        for c in result["ceiling_ratios"]["cells"]:
+            vs_ext4 = f"  kvfs/ext4 {c['kvfs_over_ext4']:.2f}" if "kvfs_over_ext4" in c else ""
+            log(
+                f"{c['mode']:8} {c['size_mib']:2} MiB x{c['streams']:<2} {c['phase']:5} "
+                f"kvfs/ceiling {c['kvfs_over_ceiling']:.2f}{vs_ext4}"
+            )
     return 0
 
 
