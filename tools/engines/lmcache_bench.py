@@ -1,22 +1,29 @@
 #!/usr/bin/env python3
-"""The REAL LMCache store/retrieve loop on kvfs vs on ext4, same-size loop devices.
+"""The REAL LMCache store/retrieve loop on kvfs vs on ext4, same-size loop devices:
+LMCache's ``local_disk`` on ext4 and on kvfs, and kvfs's storage plugin
+(:mod:`kvfs.lmcache_plugin`, through :mod:`kvfs.direct`) on kvfs, in one run.
 
 Reproduce (root, FUSE, loop devices, the engines venv from tools/engines_env.sh)::
 
-    .venv/bin/python tools/engines/lmcache_bench.py --out docs/bench/lmcache.json
+    .venv/bin/python tools/engines/lmcache_bench.py --out docs/bench/lmcache_plugin.json
 
 Two images of the same size on the same host filesystem, each a loop device with
 ``--direct-io=on`` (no host page cache below, as tools/bench.py). ext4: ``mkfs.ext4``
 + ``mount -o noatime``. kvfs: ``kvfs format`` + mount (defaults), directory policy
-engine-managed. On each, per repetition, a fresh LMCache engine (lmcache 0.5.6,
-tools/engines/lmcache_driver.py ``bench``: Llama-3-8B bf16, 256-token chunks of
-32 MiB, ``local_cpu`` off so every hit is a disk read, 4 writer threads, one
-``engine.store`` per 2-chunk request) stores N chunks — timed until LMCache has
-indexed them all, i.e. every ``write()`` returned — then the read is made cold
-(ext4: ``sync`` + ``drop_caches``; kvfs: unmount + remount + ``drop_caches``, since
-kvfs keeps its own unit cache), then every chunk is retrieved (timed) and compared
-bit for bit. Throughput = bytes / phase wall time; the median of ``--reps`` runs is
-reported, in buffered and in O_DIRECT (``extra_config: {use_odirect: true}``) mode.
+engine-managed. Per repetition, every variant once, in an order rotated by one each
+repetition: ``local_disk`` buffered and O_DIRECT (``extra_config: {use_odirect:
+true}``) on ext4 and on kvfs, and the plugin on kvfs. Each is a fresh LMCache engine
+(lmcache 0.5.6, tools/engines/lmcache_plugin_driver.py ``bench``: Llama-3-8B bf16,
+256-token chunks of 32 MiB, ``local_cpu`` off so every hit is a disk read, 4 writer
+threads, one ``engine.store`` per 2-chunk request) that stores N chunks — timed until
+LMCache has indexed them all, i.e. every write returned; then a ``syncfs`` of the
+directory's file system, timed apart: store + syncfs is the *durable* store (kvfs and
+the plugin are durable at close, so their syncfs costs ~nothing) — then the read is
+made cold (ext4: ``sync`` + ``drop_caches``; kvfs: unmount + remount +
+``drop_caches``, since kvfs keeps its own unit cache), then every chunk is retrieved
+(timed, and per request) and compared bit for bit. Throughput = bytes / phase wall
+time. Reported: the median of ``--reps`` runs per variant, and the median of the
+per-repetition (paired) ratios.
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ from bench import drop_caches, fs_mounted, loop_dev, preallocate  # noqa: E402
 from kvfs.harness import kvfs_command, make_image, stop, unmount, wait_mounted  # noqa: E402
 
 ENGINES_PY = Path(os.environ.get("KVFS_ENGINES_VENV", REPO / ".venv-engines")) / "bin" / "python"
-DRIVER = REPO / "tools" / "engines" / "lmcache_driver.py"
+DRIVER = REPO / "tools" / "engines" / "lmcache_plugin_driver.py"
 
 
 class Kvfs:
@@ -82,15 +89,18 @@ class Kvfs:
         self.mount()
 
 
-def one_run(root: Path, mode: str, chunks: int, cold: Any) -> dict[str, Any]:
+def one_run(root: Path, variant: str, chunks: int, cold: Any) -> dict[str, Any]:
     if root.exists():
         shutil.rmtree(root)
+    mode, _, _ = variant.split("/")
     cmd = [
         str(ENGINES_PY),
         str(DRIVER),
         "bench",
         "--dir",
         str(root),
+        "--backend",
+        "plugin" if mode == "plugin" else "local_disk",
         "--chunks",
         "2",
         "--requests",
@@ -104,6 +114,7 @@ def one_run(root: Path, mode: str, chunks: int, cold: Any) -> dict[str, Any]:
     if mode == "odirect":
         cmd.append("--odirect")
     env = {**os.environ, "PYTHONHASHSEED": "0"}
+    env.pop("PYTHONPATH", None)
     p = subprocess.Popen(
         cmd,
         stdin=subprocess.PIPE,
@@ -117,30 +128,132 @@ def one_run(root: Path, mode: str, chunks: int, cold: Any) -> dict[str, Any]:
     line = p.stdout.readline()
     if line.strip() != "STORED":
         p.kill()
-        raise RuntimeError(f"driver said {line!r}")
+        raise RuntimeError(f"{variant}: driver said {line!r}")
     cold()
     p.stdin.write("go\n")
     p.stdin.flush()
     out = p.stdout.read()
     if p.wait() != 0:
-        raise RuntimeError(f"driver exited {p.returncode}")
+        raise RuntimeError(f"{variant}: driver exited {p.returncode}")
     res: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
     return res
 
 
+METRICS = ("store_MBps", "store_durable_MBps", "retrieve_MBps")
+RATIOS = {
+    # name: (numerator variant, numerator metric, denominator variant, its metric)
+    "odirect: kvfs/ext4 retrieve": (
+        "odirect/kvfs/local_disk",
+        "retrieve_MBps",
+        "odirect/ext4/local_disk",
+        "retrieve_MBps",
+    ),
+    "buffered: kvfs/ext4 retrieve": (
+        "buffered/kvfs/local_disk",
+        "retrieve_MBps",
+        "buffered/ext4/local_disk",
+        "retrieve_MBps",
+    ),
+    "odirect: kvfs store / ext4 durable store": (
+        "odirect/kvfs/local_disk",
+        "store_MBps",
+        "odirect/ext4/local_disk",
+        "store_durable_MBps",
+    ),
+    "buffered: kvfs store / ext4 durable store": (
+        "buffered/kvfs/local_disk",
+        "store_MBps",
+        "buffered/ext4/local_disk",
+        "store_durable_MBps",
+    ),
+    "odirect: kvfs store / ext4 store": (
+        "odirect/kvfs/local_disk",
+        "store_MBps",
+        "odirect/ext4/local_disk",
+        "store_MBps",
+    ),
+    "buffered: kvfs store / ext4 store": (
+        "buffered/kvfs/local_disk",
+        "store_MBps",
+        "buffered/ext4/local_disk",
+        "store_MBps",
+    ),
+    "plugin/kvfs local_disk odirect retrieve": (
+        "plugin/kvfs/plugin",
+        "retrieve_MBps",
+        "odirect/kvfs/local_disk",
+        "retrieve_MBps",
+    ),
+    "plugin/kvfs local_disk odirect store": (
+        "plugin/kvfs/plugin",
+        "store_MBps",
+        "odirect/kvfs/local_disk",
+        "store_MBps",
+    ),
+    "plugin/ext4 odirect retrieve": (
+        "plugin/kvfs/plugin",
+        "retrieve_MBps",
+        "odirect/ext4/local_disk",
+        "retrieve_MBps",
+    ),
+    "plugin/ext4 buffered retrieve": (
+        "plugin/kvfs/plugin",
+        "retrieve_MBps",
+        "buffered/ext4/local_disk",
+        "retrieve_MBps",
+    ),
+    "plugin/ext4 odirect durable store": (
+        "plugin/kvfs/plugin",
+        "store_MBps",
+        "odirect/ext4/local_disk",
+        "store_durable_MBps",
+    ),
+    "plugin/ext4 odirect store": (
+        "plugin/kvfs/plugin",
+        "store_MBps",
+        "odirect/ext4/local_disk",
+        "store_MBps",
+    ),
+}
+
+
+def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    med: dict[str, Any] = {}
+    for v, rs in runs.items():
+        if not rs:
+            continue
+        med[v] = {k: statistics.median(r[k] for r in rs) for k in METRICS}
+        med[v]["retrieve_ms_per_request"] = statistics.median(
+            x for r in rs for x in r["retrieve_ms"]
+        )
+        med[v]["store_call_ms_per_request"] = statistics.median(
+            x for r in rs for x in r["store_call_ms"]
+        )
+    ratios = {}
+    for name, (a, ka, b, kb) in RATIOS.items():
+        n = min(len(runs.get(a, [])), len(runs.get(b, [])))
+        if n:
+            per_rep = [runs[a][i][ka] / runs[b][i][kb] for i in range(n)]
+            ratios[name] = {"median": statistics.median(per_rep), "per_rep": per_rep}
+    return {"median": med, "paired_ratios": ratios}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, default=REPO / "docs" / "bench" / "lmcache.json")
+    ap.add_argument("--out", type=Path, default=REPO / "docs" / "bench" / "lmcache_plugin.json")
     ap.add_argument("--chunks", type=int, default=16, help="32 MiB chunks per run")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--image", type=int, default=2 << 30)
-    ap.add_argument("--modes", default="buffered,odirect")
+    ap.add_argument("--modes", default="buffered,odirect,plugin")
     ap.add_argument("--work", type=Path, default=None)
     a = ap.parse_args()
     modes = a.modes.split(",")
+    variants = [f"{m}/{fs}/local_disk" for m in modes if m != "plugin" for fs in ("ext4", "kvfs")]
+    if "plugin" in modes:
+        variants.append("plugin/kvfs/plugin")
     t_start = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="kvfs-lmcache-bench-", dir=a.work))
-    runs: dict[str, dict[str, list[dict[str, Any]]]] = {m: {"ext4": [], "kvfs": []} for m in modes}
+    runs: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
     try:
         with ExitStack() as stack:
             devs = {}
@@ -184,58 +297,51 @@ def main() -> None:
                 capture_output=True,
             )
             for rep in range(a.reps):
-                for mode in modes:
-                    for name in ("ext4", "kvfs"):
-                        root = (
-                            (ext4 if name == "ext4" else work / "kvfs")
-                            / "lmcache"
-                            / f"run-{mode}-{rep}"
-                        )
-                        cold = drop_caches if name == "ext4" else kv.cold
-                        r = one_run(root, mode, a.chunks, cold)
-                        runs[mode][name].append(r)
-                        print(
-                            f"{mode:8s} {name:4s} rep {rep}: store {r['store_MBps']:7.0f} MB/s"
-                            f"  retrieve {r['retrieve_MBps']:7.0f} MB/s",
-                            flush=True,
-                        )
-                        shutil.rmtree(root)
+                k = rep % len(variants)
+                for v in variants[k:] + variants[:k]:
+                    fs = v.split("/")[1]
+                    base = ext4 if fs == "ext4" else work / "kvfs"
+                    root = base / "lmcache" / f"run-{v.replace('/', '-')}-{rep}"
+                    cold = drop_caches if fs == "ext4" else kv.cold
+                    r = one_run(root, v, a.chunks, cold)
+                    runs[v].append(r)
+                    print(
+                        f"rep {rep} {v:24s}: store {r['store_MBps']:6.0f} MB/s"
+                        f" (durable {r['store_durable_MBps']:6.0f})"
+                        f"  retrieve {r['retrieve_MBps']:6.0f} MB/s",
+                        flush=True,
+                    )
+                    shutil.rmtree(root)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    summary: dict[str, Any] = {}
-    for mode in modes:
-        s: dict[str, Any] = {}
-        for name in ("ext4", "kvfs"):
-            s[name] = {
-                k: statistics.median(r[k] for r in runs[mode][name])
-                for k in ("store_MBps", "retrieve_MBps")
-            }
-        s["kvfs_over_ext4"] = {
-            k: s["kvfs"][k] / s["ext4"][k] for k in ("store_MBps", "retrieve_MBps")
-        }
-        summary[mode] = s
+    summary = summarize(runs)
     doc = {
         "meta": {
-            "command": ".venv/bin/python tools/engines/lmcache_bench.py --out docs/bench/lmcache.json",
-            "engine": "lmcache 0.5.6 LMCacheEngine + LocalDiskBackend (CPU connector stand-in)",
+            "command": f".venv/bin/python tools/engines/lmcache_bench.py --out {a.out}"
+            + (f" --reps {a.reps}" if a.reps != 3 else "")
+            + (f" --chunks {a.chunks}" if a.chunks != 16 else ""),
+            "engine": "lmcache 0.5.6 LMCacheEngine; LocalDiskBackend or the kvfs storage "
+            "plugin (kvfs.lmcache_plugin.KvfsDirectBackend); CPU connector stand-in",
             "chunk_bytes": 33554432,
             "chunks_per_run": a.chunks,
             "reps": a.reps,
             "image_bytes": a.image,
             "loop": "--direct-io=on, same host filesystem",
             "cold_read": "ext4: sync + drop_caches; kvfs: remount + drop_caches",
+            "durable_store": "store + syncfs of the directory's file system",
             "host": platform.node(),
             "kernel": platform.release(),
             "cpus": os.cpu_count(),
             "seconds": round(time.monotonic() - t_start, 1),
         },
-        "median": summary,
+        **summary,
         "runs": runs,
     }
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(doc, indent=1) + "\n")
-    print(json.dumps(summary, indent=1))
+    print(json.dumps(summary["median"], indent=1))
+    print(json.dumps({k: v["median"] for k, v in summary["paired_ratios"].items()}, indent=1))
 
 
 if __name__ == "__main__":

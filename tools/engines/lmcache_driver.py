@@ -85,12 +85,19 @@ def make_engine(args: argparse.Namespace, max_disk_gib: float) -> LMCacheEngine:
         extra_config=extra,
         lmcache_instance_id=f"kvfs-test-{uuid.uuid4().hex[:8]}",
     )
+    return build_engine(config, args.world_size, args.worker_id)
+
+
+def build_engine(
+    config: LMCacheEngineConfig, world_size: int = 1, worker_id: int = 0
+) -> LMCacheEngine:
+    """LMCache's engine for ``config``, over this file's model shape and CPU connector."""
     metadata = LMCacheMetadata(
         model_name=MODEL,
-        world_size=args.world_size,
-        local_world_size=args.world_size,
-        worker_id=args.worker_id,
-        local_worker_id=args.worker_id,
+        world_size=world_size,
+        local_world_size=world_size,
+        worker_id=worker_id,
+        local_worker_id=worker_id,
         kv_dtype=DTYPE,
         kv_shape=(LAYERS, 2, CHUNK, KV_HEADS, HEAD_DIM),
     )
