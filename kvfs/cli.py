@@ -441,11 +441,16 @@ def _daemon_pids(mountpoint: str) -> list[int]:
 
 
 def _alive(pid: int) -> bool:
+    """Still running: not exited, or exited but with threads of it still ending (a
+    zombie leader whose last thread is still tearing the memory down, which a parent's
+    wait does not report yet)."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[-1][:1] not in ("Z", "X")
+        with open(f"/proc/{pid}/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
     except OSError:
         return False
+    state = fields.get("State", "").strip()[:1]
+    return state not in ("Z", "X") or int(fields.get("Threads", "1")) > 1
 
 
 def cmd_fsck(args: argparse.Namespace) -> int:

@@ -80,8 +80,7 @@ class Statistics:
 
 _stats = Statistics()
 _lock = threading.Lock()
-_pool: ThreadPoolExecutor | None = None
-_file_pool: ThreadPoolExecutor | None = None
+_pools: dict[str, ThreadPoolExecutor] = {}
 _fds: dict[tuple[str, bool, tuple[int, ...]], int] = {}
 
 
@@ -103,30 +102,30 @@ def aligned(nbytes: int) -> mmap.mmap:
     return aligned_buffer(nbytes)
 
 
+def _threads(name: str) -> ThreadPoolExecutor:
+    with _lock:
+        pool = _pools.get(name)
+        if pool is None:
+            pool = _pools[name] = ThreadPoolExecutor(16, thread_name_prefix=f"kvfs-{name}")
+        return pool
+
+
 def _workers() -> ThreadPoolExecutor:
     """The threads that move pieces (and never wait for other jobs)."""
-    global _pool
-    with _lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvfs-direct")
-        return _pool
+    return _threads("direct")
 
 
 def _files() -> ThreadPoolExecutor:
     """The threads that each store one file of :func:`write_many` (they wait for
     their pieces on :func:`_workers`)."""
-    global _file_pool
-    with _lock:
-        if _file_pool is None:
-            _file_pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvfs-file")
-        return _file_pool
+    return _threads("file")
 
 
 def _forked() -> None:
     """A forked child has none of its parent's worker threads (a job given to an
     inherited pool would never run), and a lock may have been held at the fork."""
-    global _pool, _file_pool, _lock
-    _pool = _file_pool = None
+    global _lock
+    _pools.clear()
     _lock = threading.Lock()
 
 

@@ -191,21 +191,20 @@ class Reader:
         # a fragment tail reads only its fragments, into a zeroed unit buffer
         start, skip, length = extent(run[0][1], u_size)
         device, whole_units = self.pool.devices[dev], not is_fragment(run[0][1])
-        buf = self._buffers(u_size * len(run)).take(zeroed=not whole_units)  # or all read
+        # one-unit buffers of the one pool the cache's units come back to (a run is
+        # one vectored request): reused, never a fresh mapping per read
+        pool = self._buffers(u_size)
+        bufs = [pool.take(zeroed=not whole_units) for _ in run]  # or all read
         offset = self.pool.unit_offset(dev, start) + skip
 
         def work() -> list[int]:
-            view = memoryview(buf)
-            device.read_into(offset, view if whole_units else view[:length])
-            return [
-                xxhash.xxh3_64_intdigest(view[i * u_size : (i + 1) * u_size])
-                for i in range(len(run))
-            ]
+            views = [memoryview(b) for b in bufs]
+            device.read_vec(offset, views if whole_units else [views[0][:length]])
+            return [xxhash.xxh3_64_intdigest(v) for v in views]
 
         sums: list[int] = await self._io(dev, work)
-        whole = memoryview(buf).toreadonly()
         for i, (u, p, csum) in enumerate(run):
-            view = whole[i * u_size : (i + 1) * u_size]
+            view = memoryview(bufs[i]).toreadonly()
             current = inode.unit(u)
             if sums[i] != csum:
                 if current != p:  # rewritten while we read: serve the new data

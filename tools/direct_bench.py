@@ -103,7 +103,7 @@ def main() -> int:
                                 direct.write_from(mnt / f"d{i}-{j}", src)
 
                         def b_w(i: int, per: int = per) -> None:
-                            direct.write_many((mnt / f"d{i}-{j}", src) for j in range(per))
+                            direct.write_many((mnt / f"b{i}-{j}", src) for j in range(per))
 
                         def f_w(i: int, per: int = per) -> None:
                             for j in range(per):
@@ -133,7 +133,7 @@ def main() -> int:
                         fmt = ("--format", "--force", "--meta-size", "8M")
                         with harness.mounted(mnt, [kvdev], *fmt, log_file=log):
                             row["direct write"] = streams(k, moved, d_w)
-                            row["batch write"] = streams(k, moved, b_w)  # same names: replaces
+                            row["batch write"] = streams(k, moved, b_w)
                             row["fuse write"] = streams(k, moved, f_w)
                         drop_caches()
                         with harness.mounted(mnt, [kvdev], log_file=log):
