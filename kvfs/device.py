@@ -45,16 +45,13 @@ _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 
 
-def aligned_buffer(size: int, populate: bool = False) -> mmap.mmap:
-    """Page-aligned, zero-filled anonymous memory, usable for O_DIRECT; ``populate``:
-    faulted in now, in one call (an O_DIRECT read into fresh pages costs ~0.8 ms of
-    CPU per MiB in page faults, ~0.1 ms into pages already there).
+def aligned_buffer(size: int) -> mmap.mmap:
+    """Page-aligned, zero-filled anonymous memory, usable for O_DIRECT.
 
     Private, not the default shared mapping: shared anonymous memory is shmem, whose
     page faults and teardown cost ~2.5x more (1.7 vs 0.66 ms per MiB mapped, filled
     and unmapped, measured on the 2-core test VM; ``docs/performance.md``)."""
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (mmap.MAP_POPULATE if populate else 0)
-    return mmap.mmap(-1, max(size, ALIGN), flags=flags)
+    return mmap.mmap(-1, max(size, ALIGN), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
 class BufferPool:
@@ -90,10 +87,6 @@ class BufferPool:
             self.fresh += 1
         self._loaned.append(buf)
         return buf
-
-    def give(self, bufs: list[mmap.mmap]) -> None:
-        """Add fresh ``size``-byte buffers to the free list (up to ``keep``)."""
-        self._free.extend(bufs[: max(self.keep - len(self._free), 0)])
 
     def reap(self) -> None:
         """Move buffers that only this pool still references to the free list (up to

@@ -200,7 +200,6 @@ class Store:
             await self.journal.start()
             nursery.start_soon(self.space.evict_loop)
             nursery.start_soon(self.space.trim_loop)
-            nursery.start_soon(self.writer.prefault)
             task_status.started()
             await trio.sleep_forever()
 

@@ -27,7 +27,7 @@ import xxhash
 from kvfs import posix
 from kvfs.alloc import Allocator
 from kvfs.cache import UnitCache
-from kvfs.device import BufferPool, aligned_buffer
+from kvfs.device import BufferPool
 from kvfs.errors import FileTooLarge, Incomplete, IsADirectory, KvfsError
 from kvfs.evict import Evictor
 from kvfs.format.records import (
@@ -322,21 +322,6 @@ class Writer:
             keep = max((self.cfg.buffer_pool_bytes + cached) // size, 2)
             pool = self._pools[size] = BufferPool(size, keep)
         return pool
-
-    async def prefault(self) -> None:
-        """Map and fault in, off the trio thread, the one-unit buffers the cache
-        will fill, so the first reads after a mount do not pay the page faults
-        (``aligned_buffer``); a background task at mount."""
-        pool, left = self.buffer_pool(self.unit), self.cfg.cache_bytes // self.unit
-        step = max(1, (16 << 20) // self.unit)  # ~16 MiB a slice: an unmount waits for one
-
-        def some() -> list[mmap.mmap]:
-            return [aligned_buffer(self.unit, populate=True) for _ in range(min(left, step))]
-
-        while left > 0:
-            bufs = await trio.to_thread.run_sync(some)
-            left -= len(bufs)
-            pool.give(bufs)
 
     async def maybe_writeback(self, inode: Inode, st: FileState) -> None:
         """Start writing back complete dirty units once a batch has gathered."""
