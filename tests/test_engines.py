@@ -99,6 +99,12 @@ def start_driver(script: str, *args: object) -> subprocess.Popen[str]:
     )
 
 
+def _notable(err: str) -> str:
+    """The driver's stderr without the engines' INFO chatter (LMCache logs every
+    step at INFO), which would push a failed store's traceback out of the tail."""
+    return "\n".join(line for line in err.splitlines() if " INFO" not in line[:60])
+
+
 def finish_driver(
     proc: subprocess.Popen[str], mount: KvfsMount, timeout: float = 180
 ) -> dict[str, Any]:
@@ -120,7 +126,9 @@ def finish_driver(
     lines = out.strip().splitlines()
     if proc.returncode != 0 or not lines:
         pytest.fail(
-            f"driver {proc.args!r} exited {proc.returncode}\n--- stderr (tail) ---\n{err[-4000:]}",
+            f"driver {proc.args!r} exited {proc.returncode}\n"
+            f"--- stderr: warnings, errors and tracebacks ---\n{_notable(err)[-6000:]}\n"
+            f"--- stderr (tail) ---\n{err[-3000:]}",
             pytrace=False,
         )
     result: dict[str, Any] = json.loads(lines[-1])
