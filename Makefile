@@ -5,7 +5,14 @@ DEMO_DIR ?= /tmp/kvfs-demo
 
 .PHONY: install engines-env demo test lint format bench trace clean
 
+BINDIR ?= /usr/local/bin
+
+# The venv, then the kvfs command on PATH: $(BINDIR)/kvfs -> this checkout's
+# .venv/bin/kvfs (mount -t fuse.kvfs and fstab run `kvfs` from mount's fixed PATH).
 install: $(VENV)/.installed
+	@if [ -w $(BINDIR) ]; then \
+	  ln -sfn $(CURDIR)/$(VENV)/bin/kvfs $(BINDIR)/kvfs && echo "$(BINDIR)/kvfs -> $(CURDIR)/$(VENV)/bin/kvfs"; \
+	else echo "$(BINDIR) is not writable: run kvfs as $(CURDIR)/$(VENV)/bin/kvfs (or make install as root)"; fi
 
 $(VENV)/.installed: pyproject.toml
 	@command -v fusermount3 >/dev/null && pkg-config --exists fuse3 || { \

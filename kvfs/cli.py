@@ -56,7 +56,12 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--allow-other", action="store_true", help="let other users access it")
     m.add_argument("--cache", type=parse_size, default=256 << 20, help="read cache (256M)")
     m.add_argument("--io-timeout", type=float, default=30.0, help="device deadline, s")
-    m.add_argument("--log-file", help="log here (default: stderr; syslog-less daemons)")
+    m.add_argument(
+        "--log-file",
+        help="log here; SIGHUP reopens it (default: stderr in the foreground, syslog "
+        "when daemonized)",
+    )
+    m.add_argument("--fuse-option", action="append", default=[], help=argparse.SUPPRESS)
     m.add_argument(
         "--eviction",
         choices=POLICY_NAMES,
@@ -170,12 +175,21 @@ def _format_options(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.debug else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        filename=getattr(args, "log_file", None),
-    )
+    from kvfs import daemon, mounthelper
+
+    parser = _parser()
+    argv = sys.argv[1:] if argv is None else argv
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    if mounthelper.is_helper_call(argv, set(sub.choices)):  # mount -t fuse.kvfs, fstab
+        try:
+            argv = mounthelper.translate(argv, sub.choices["mount"])
+        except UserError as e:
+            print(f"kvfs: {e}", file=sys.stderr)
+            return e.exit_code
+    args = parser.parse_args(argv)
+    if getattr(args, "log_file", None):
+        args.log_file = os.path.abspath(args.log_file)  # the daemon chdirs to /
+    daemon.configure_logging(args.debug, getattr(args, "log_file", None))
     logging.getLogger("pyfuse3").addFilter(_abandoned_reply)
     commands: dict[str, Callable[[argparse.Namespace], int]] = {
         "format": cmd_format,
@@ -256,6 +270,7 @@ def _check_mountpoint(path: str) -> None:
 def cmd_mount(args: argparse.Namespace) -> int:
     if args.drop_unreadable and not args.degraded:
         raise UserError("--drop-unreadable is an option of --degraded mounts")
+    args.mountpoint = os.path.realpath(args.mountpoint)  # the daemon chdirs to /
     _check_mountpoint(args.mountpoint)
     if not os.path.exists("/dev/fuse"):
         raise UserError("/dev/fuse is missing: load the fuse module or install fuse3")
@@ -270,6 +285,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
 
 def _daemonize(args: argparse.Namespace) -> int:
     """Fork; the child mounts and reports readiness (or its error) through a pipe."""
+    from kvfs import daemon
+
     rfd, wfd = os.pipe()
     pid = os.fork()
     if pid:
@@ -283,6 +300,7 @@ def _daemonize(args: argparse.Namespace) -> int:
         return EXIT_USAGE if msg.startswith("usage:") else EXIT_FAIL
     os.close(rfd)
     os.setsid()
+    os.umask(0o022)
     w = os.fdopen(wfd, "w")
 
     def ready() -> None:
@@ -291,11 +309,9 @@ def _daemonize(args: argparse.Namespace) -> int:
         devnull = os.open(os.devnull, os.O_RDWR)
         for fd in (0, 1, 2):  # never hold the caller's pipes: `$(kvfs mount ...)` returns
             os.dup2(devnull, fd)
-        if args.log_file:  # tracebacks that bypass logging still reach the log
-            err = os.open(args.log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            os.dup2(err, 2)
-            os.close(err)
         os.close(devnull)
+        os.chdir("/")
+        daemon.detach_logging(args.log_file)  # the log file, or syslog
 
     try:
         code = _run_mount(args, ready)
@@ -330,12 +346,17 @@ def release_free_heap() -> None:
 
 
 def _run_mount(args: argparse.Namespace, ready: Callable[[], None]) -> int:
+    import signal
+
     import trio
 
+    from kvfs import daemon
     from kvfs.fs import serve
     from kvfs.pool import open_pool
     from kvfs.store import Store, StoreConfig
 
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # never unmounts; reopens logs once serving
+    pidfile: list[str | None] = []
     pool = open_pool(args.devices, degraded=args.degraded, heal=True)
     try:
         try:
@@ -369,23 +390,36 @@ def _run_mount(args: argparse.Namespace, ready: Callable[[], None]) -> int:
                 report.unreadable,
                 report.dropped_unreadable,
             )
-        options = {"fsname=kvfs", "subtype=kvfs", "default_permissions", "noatime"}
+        label = pool.superblocks[0].label
+        fsname = f"kvfs:{label}" if label else os.path.abspath(args.devices[0])
+        options = {f"fsname={fsname.replace(',', '_')}", "subtype=kvfs"}
+        options |= {"default_permissions", "noatime", *args.fuse_option}
         if args.allow_other:
             options.add("allow_other")
-        trio.run(serve, store, args.mountpoint, options, ready)
+
+        def up() -> None:  # the pidfile first: `kvfs umount` may follow at once
+            pidfile.append(daemon.write_pidfile(args.mountpoint))
+            ready()
+            daemon.notify(f"READY=1\nMAINPID={os.getpid()}")
+
+        trio.run(serve, store, args.mountpoint, options, up)
     finally:
+        daemon.remove_pidfile(pidfile[0] if pidfile else None)
         pool.close()
     return EXIT_OK
 
 
 def cmd_umount(args: argparse.Namespace) -> int:
-    path = os.path.abspath(args.mountpoint)
-    fstype = _mount_type(path)
-    if fstype is None:
+    from kvfs import daemon
+
+    path = os.path.realpath(args.mountpoint)
+    mount = daemon.mount_at(path)
+    if mount is None:
         raise UserError(f"{path} is not mounted")
-    if fstype != KVFS_FSTYPE:
-        raise UserError(f"{path} is a {fstype} mount, not kvfs; refusing to unmount it")
-    pids = _daemon_pids(path)
+    if mount.fstype != KVFS_FSTYPE:
+        raise UserError(f"{path} is a {mount.fstype} mount, not kvfs; refusing to unmount it")
+    pid = daemon.daemon_pid(mount)  # its pidfile, keyed by the FUSE connection
+    pids = [] if pid is None else [pid]
     try:
         os.stat(path)
         dead = False
@@ -421,25 +455,6 @@ def _mount_type(path: str) -> str | None:
     return found
 
 
-def _daemon_pids(mountpoint: str) -> list[int]:
-    """kvfs processes serving ``mountpoint`` (to wait for their final checkpoint)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
-        serves = b"mount" in argv and any(b"kvfs" in a for a in argv[:3])
-        if serves and any(
-            os.path.abspath(a.decode(errors="replace")) == mountpoint for a in argv if a
-        ):
-            pids.append(int(entry))
-    return pids
-
-
 def _alive(pid: int) -> bool:
     """Still running: not exited, or exited but with threads of it still ending (a
     zombie leader whose last thread is still tearing the memory down, which a parent's
@@ -473,7 +488,13 @@ def cmd_upgrade(args: argparse.Namespace) -> int:
 def cmd_policy(args: argparse.Namespace) -> int:
     """Policy, quota and maximum file size are the xattrs user.kvfs.policy,
     user.kvfs.quota and user.kvfs.max_file_size of a top-level directory."""
+    from kvfs import daemon
+
     d = args.directory
+    mount = daemon.mount_containing(d)
+    if mount is None or mount.fstype != KVFS_FSTYPE:
+        where = f"a {mount.fstype} mount" if mount else "no mount"
+        raise UserError(f"{d} is not inside a kvfs mount (it is on {where}); nothing changed")
     try:
         if args.set:
             os.setxattr(d, "user.kvfs.policy", args.set.encode())

@@ -423,8 +423,19 @@ async def serve(
 
 
 async def _on_signals(signal: Any) -> None:
+    """SIGTERM and SIGINT unmount (cleanly: final commit and checkpoint); SIGHUP only
+    reopens the log file (logrotate). Still listening while the unmount runs, so a
+    late SIGHUP cannot kill the final checkpoint."""
+    from kvfs import daemon
+
+    stopping = False
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
-        async for _ in signals:
-            log.info("signal received: unmounting")
-            pyfuse3.terminate()
-            return
+        async for signum in signals:
+            if signum == signal.SIGHUP:
+                daemon.reopen_logs()
+                log.info("SIGHUP: log file reopened")
+            elif not stopping:
+                stopping = True
+                log.info("signal %d received: unmounting", signum)
+                daemon.notify("STOPPING=1")
+                pyfuse3.terminate()

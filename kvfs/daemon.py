@@ -1,0 +1,219 @@
+"""What a mount daemon does around serving: logging (a file, syslog, stderr), the
+systemd readiness protocol, and the pidfile ``kvfs umount`` waits on.
+
+The pidfile is keyed by the FUSE connection: the mount's device number in
+``/proc/self/mountinfo`` (``0:MINOR``, MINOR being the connection id of
+``/sys/fs/fuse/connections/MINOR``), so ``kvfs umount`` finds the daemon of exactly
+that mount, however its mountpoint was spelled when it was mounted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import logging.handlers
+import os
+import re
+import socket
+import sys
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+RUN_DIR = os.environ.get("KVFS_RUN_DIR", "/run/kvfs")
+"""Where mount daemons keep their pidfiles (``KVFS_RUN_DIR`` overrides it)."""
+SYSLOG = "/dev/log"
+
+
+# ----------------------------------------------------------------------------- mounts
+@dataclass(frozen=True)
+class Mount:
+    devno: str
+    """``major:minor`` of the mounted filesystem (for FUSE, minor = connection id)."""
+    point: str
+    fstype: str
+    source: str
+
+
+def _unescape(field: str) -> str:
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), field)
+
+
+def mounts() -> list[Mount]:
+    out = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            sep = fields.index("-")
+            out.append(
+                Mount(fields[2], _unescape(fields[4]), fields[sep + 1], _unescape(fields[sep + 2]))
+            )
+    return out
+
+
+def mount_at(path: str) -> Mount | None:
+    """The mount on top at exactly ``path`` (works on a dead FUSE mount too)."""
+    found = None
+    for m in mounts():
+        if m.point == path:
+            found = m
+    return found
+
+
+def mount_containing(path: str) -> Mount | None:
+    """The mount that ``path`` lies on (the longest mount point above it)."""
+    real = os.path.realpath(path)
+    best: Mount | None = None
+    for m in mounts():
+        inside = real == m.point or real.startswith(m.point.rstrip("/") + "/")
+        if inside and (best is None or len(m.point) >= len(best.point)):
+            best = m
+    return best
+
+
+# ----------------------------------------------------------------------------- pidfile
+def pidfile_path(devno: str) -> str:
+    return os.path.join(RUN_DIR, devno.replace(":", "-") + ".pid")
+
+
+def write_pidfile(mountpoint: str) -> str | None:
+    """Record this process as the daemon of the mount at ``mountpoint`` (a real path:
+    called before the mount serves, nothing may touch it); the path, or
+    None where it cannot be written (then ``kvfs umount`` cannot wait for it)."""
+    m = mount_at(mountpoint)  # no realpath here: it would stat our own, unserved mount
+    if m is None:
+        return None
+    path = pidfile_path(m.devno)
+    try:
+        os.makedirs(RUN_DIR, mode=0o755, exist_ok=True)
+        tmp = f"{path}.{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(f"{os.getpid()}\n{m.point}\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        log.debug("no pidfile (%s): %s", path, e)
+        return None
+    return path
+
+
+def remove_pidfile(path: str | None) -> None:
+    if path is not None and read_pid(path) == os.getpid():
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def read_pid(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.readline())
+    except (OSError, ValueError):
+        return None
+
+
+def daemon_pid(mount: Mount) -> int | None:
+    """The pid of the daemon serving ``mount``, from its pidfile (None if unknown)."""
+    pid = read_pid(pidfile_path(mount.devno))
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"kvfs" not in f.read():
+                return None  # a stale pidfile whose pid was reused
+    except OSError:
+        return None
+    return pid
+
+
+# ----------------------------------------------------------------------------- notify
+def notify(state: str) -> bool:
+    """Send ``state`` (``READY=1``, ``STOPPING=1``) to the service manager through
+    ``$NOTIFY_SOCKET`` (sd_notify's protocol: one datagram on a unix socket, a name
+    starting with ``@`` being abstract). False where there is none."""
+    addr = os.environ.get("NOTIFY_SOCKET", "")
+    if not addr or addr[0] not in "/@":
+        return False
+    if addr[0] == "@":
+        addr = "\0" + addr[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+            s.connect(addr)
+            s.sendall(state.encode())
+    except OSError as e:
+        log.debug("notify %r: %s", state, e)
+        return False
+    return True
+
+
+# ----------------------------------------------------------------------------- logging
+class ReopenableFileHandler(logging.FileHandler):
+    """A log file that SIGHUP reopens at its path (after logrotate moved it)."""
+
+    def reopen(self) -> None:
+        with self.lock if self.lock is not None else _nolock():
+            if self.stream is not None:
+                self.stream.close()
+            self.stream = self._open()
+
+
+class _nolock:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_state: dict[str, object] = {"stderr_to_log": False}
+
+
+def configure_logging(debug: bool, log_file: str | None) -> None:
+    """One line per event: to ``log_file``, else to stderr (``detach_logging`` moves
+    a daemon's stderr logging to syslog)."""
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    handler: logging.Handler
+    handler = ReopenableFileHandler(log_file) if log_file else logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(FORMAT))
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG if debug else logging.INFO)
+
+
+def detach_logging(log_file: str | None) -> None:
+    """A daemon just left its terminal: with a log file, stderr (tracebacks that
+    bypass logging) goes to it too; without one, logging goes to syslog (journald
+    reads ``/dev/log``), or nowhere if there is no syslog."""
+    root = logging.getLogger()
+    if log_file:
+        fd = os.open(log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(fd, 2)
+        os.close(fd)
+        _state["stderr_to_log"] = log_file
+        return
+    for h in list(root.handlers):
+        if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
+            root.removeHandler(h)
+    if os.path.exists(SYSLOG):
+        try:
+            sys_handler = logging.handlers.SysLogHandler(
+                SYSLOG, facility=logging.handlers.SysLogHandler.LOG_DAEMON
+            )
+        except OSError:
+            return
+        sys_handler.setFormatter(
+            logging.Formatter(f"kvfs[{os.getpid()}]: %(levelname)s %(name)s: %(message)s")
+        )
+        root.addHandler(sys_handler)
+
+
+def reopen_logs() -> None:
+    """SIGHUP: reopen the log file at its path (and a daemon's stderr with it)."""
+    for h in logging.getLogger().handlers:
+        if isinstance(h, ReopenableFileHandler):
+            h.reopen()
+    path = _state["stderr_to_log"]
+    if isinstance(path, str):
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(fd, 2)
+        os.close(fd)
