@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import os
 import subprocess
@@ -60,6 +59,11 @@ def _parser() -> argparse.ArgumentParser:
         "--log-file",
         help="log here; SIGHUP reopens it (default: stderr in the foreground, syslog "
         "when daemonized)",
+    )
+    m.add_argument(
+        "--metrics",
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (e.g. 127.0.0.1:9480)",
     )
     m.add_argument("--fuse-option", action="append", default=[], help=argparse.SUPPRESS)
     m.add_argument(
@@ -143,9 +147,12 @@ def _parser() -> argparse.ArgumentParser:
     u.add_argument("mountpoint")
     u.add_argument("--timeout", type=float, default=60.0)
 
-    s = sub.add_parser("stats", help="statistics of a mounted pool")
-    s.add_argument("mountpoint")
-    s.add_argument("--json", action="store_true")
+    from kvfs import plan, statsview
+
+    statsview.add_arguments(sub.add_parser("stats", help="statistics of a mounted pool"))
+    plan.add_arguments(
+        sub.add_parser("plan", help="what a pool holds for a model: chunk size, tokens, unit size")
+    )
     return p
 
 
@@ -196,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         "mount": cmd_mount,
         "umount": cmd_umount,
         "stats": cmd_stats,
+        "plan": cmd_plan,
         "policy": cmd_policy,
         "fsck": cmd_fsck,
         "upgrade": cmd_upgrade,
@@ -357,6 +365,9 @@ def _run_mount(args: argparse.Namespace, ready: Callable[[], None]) -> int:
 
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # never unmounts; reopens logs once serving
     pidfile: list[str | None] = []
+    from kvfs import metrics
+
+    exporter = metrics.bind(args.metrics) if args.metrics else None  # UserError if taken
     pool = open_pool(args.devices, degraded=args.degraded, heal=True)
     try:
         try:
@@ -402,8 +413,10 @@ def _run_mount(args: argparse.Namespace, ready: Callable[[], None]) -> int:
             ready()
             daemon.notify(f"READY=1\nMAINPID={os.getpid()}")
 
-        trio.run(serve, store, args.mountpoint, options, up)
+        trio.run(serve, store, args.mountpoint, options, up, exporter)
     finally:
+        if exporter is not None:
+            exporter.close()
         daemon.remove_pidfile(pidfile[0] if pidfile else None)
         pool.close()
     return EXIT_OK
@@ -468,6 +481,18 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X") or int(fields.get("Threads", "1")) > 1
 
 
+def cmd_stats(args: argparse.Namespace) -> int:
+    from kvfs import statsview
+
+    return statsview.run(args)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from kvfs import plan
+
+    return plan.run(args)
+
+
 def cmd_fsck(args: argparse.Namespace) -> int:
     """Exit codes as e2fsck: 0 clean, 1 corrected, 4 uncorrected, 8 operational error."""
     from kvfs.fsck import fsck
@@ -518,54 +543,6 @@ def cmd_policy(args: argparse.Namespace) -> int:
         f"{d}: policy {values['policy']}, quota {values['quota']}, "
         f"max file size {values['max_file_size']}"
     )
-    return EXIT_OK
-
-
-def cmd_stats(args: argparse.Namespace) -> int:
-    from kvfs.fs import STATS_XATTR
-
-    try:
-        raw = os.getxattr(args.mountpoint, STATS_XATTR.decode())
-    except OSError as e:
-        raise UserError(f"{args.mountpoint}: not a kvfs mount ({e.strerror})") from None
-    stats = json.loads(raw)
-    if args.json:
-        print(json.dumps(stats, indent=2))
-        return EXIT_OK
-    s = stats["store"]
-    gib = 2**30
-    print(f"files       {s['files']:>12}   directories {s['directories']:>10}")
-    print(
-        f"capacity    {s['capacity_bytes'] / gib:>10.2f} GiB   used {s['used_bytes'] / gib:.2f} GiB"
-        f"   free {s['free_bytes'] / gib:.2f} GiB"
-    )
-    print(f"reads       {s['reads']:>12}   {s['bytes_read'] / gib:.2f} GiB served")
-    print(f"writes      {s['writes']:>12}   {s['bytes_written'] / gib:.2f} GiB accepted")
-    print(
-        f"device I/O  read {s['device_bytes_read'] / gib:.2f} GiB, "
-        f"written {s['device_bytes_written'] / gib:.2f} GiB"
-    )
-    c = stats["cache"]
-    print(
-        f"cache       {c['bytes'] >> 20} / {c['capacity'] >> 20} MiB, "
-        f"{c['hits']} hits, {c['misses']} misses"
-    )
-    print(f"integrity   {s['corruptions']} checksum failures, {s['quarantined']} quarantined")
-    print(f"eviction    {s['evictions']} files evicted ({s['orphan_evictions']} orphans)")
-    m = stats["metadata"]
-    print(
-        f"metadata    checkpoint {m['checkpoint_bytes'] / 2**20:.1f} MiB of "
-        f"{m['limit_bytes'] / 2**20:.1f} MiB allowed, journal {m['journal_bytes'] / 2**20:.1f} "
-        f"MiB, area {m['area_bytes'] / 2**20:.0f} MiB; {m['evictions']} files evicted for room"
-    )
-    for d, space in zip(stats["devices"], stats["space"], strict=True):
-        state = "" if space["writable"] else ", failed a write: no new data"
-        print(
-            f"device      {d['path']}: {space['data_bytes'] / gib:.2f} GiB of data, "
-            f"{space['free_bytes'] / gib:.2f} GiB free, {d['errors']} errors{state}"
-        )
-    if len({space["data_bytes"] for space in stats["space"]}) > 1:
-        print("            (members of different sizes: all of each is used)")
     return EXIT_OK
 
 

@@ -14,7 +14,7 @@ import logging
 import os
 import stat
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 import pyfuse3
 import trio
@@ -25,6 +25,9 @@ from kvfs.evict import GROUP_XATTRS, check_group_xattr
 from kvfs.namespace import Inode
 from kvfs.posix import Caller
 from kvfs.store import Store
+
+if TYPE_CHECKING:
+    from kvfs.metrics import Exporter
 
 log = logging.getLogger(__name__)
 P = ParamSpec("P")
@@ -400,6 +403,7 @@ async def serve(
     mountpoint: str,
     options: set[str],
     ready: Callable[[], None] = lambda: None,
+    exporter: Exporter | None = None,
     readahead_kib: int = 4096,
 ) -> None:
     """Mount, serve until unmounted or signalled, then commit and checkpoint."""
@@ -412,6 +416,8 @@ async def serve(
         try:
             nursery.start_soon(_on_signals, signal)
             nursery.start_soon(tune_readahead, mountpoint, readahead_kib)
+            if exporter is not None:
+                nursery.start_soon(exporter.serve, store, ops)
             ready()
             await pyfuse3.main()
         finally:

@@ -56,13 +56,14 @@ from kvfs.handles import Handles
 from kvfs.inodes import DirView
 from kvfs.journal import Journal
 from kvfs.loading import Loader, RecoveryReport
-from kvfs.namespace import Inode, Namespace, check_times
+from kvfs.namespace import ROOT_INO, Inode, Namespace, check_times
 from kvfs.pool import Pool
 from kvfs.posix import ROOT, Caller
 from kvfs.readpath import Reader
 from kvfs.space import Space
 from kvfs.storetypes import (
     DeviceSpace,
+    DirectoryUsage,
     FileState,
     Handle,
     StoreConfig,
@@ -673,6 +674,38 @@ class Store:
             )
         ]
 
+    DIRECTORY_LIMIT = 256
+    """Top-level directories ``directory_usage`` reports at most (the largest)."""
+
+    def directory_usage(self) -> list[DirectoryUsage]:
+        """Usage, quota and policy of each top-level directory, largest first (at most
+        :attr:`DIRECTORY_LIMIT`), then the root's own files as ``/`` if it has any. The
+        first call sums each directory's files once (one pass over the index); the
+        sums are then kept up to date by every write, truncate, unlink and rename."""
+        root = self.ns.inodes[ROOT_INO]
+        rows: list[DirectoryUsage] = []
+        own = 0
+        for name, ino in (root.entries or {}).items():
+            node = self.ns.inodes.get(ino)
+            if node is None:
+                continue
+            if node.entries is None:
+                own += node.mapped_units * self.unit
+                continue
+            rows.append(
+                DirectoryUsage(
+                    name.decode(errors="replace"),
+                    self.space.group_usage(ino),
+                    self.evictor.group_quota(ino),
+                    self.evictor.group_policy(ino),
+                )
+            )
+        rows.sort(key=lambda r: (-r.used_bytes, r.name))
+        del rows[self.DIRECTORY_LIMIT :]
+        if own:
+            rows.append(DirectoryUsage("/", own, 0, self.evictor.group_policy(ROOT_INO)))
+        return rows
+
     def all_statistics(self) -> dict[str, Any]:
         """Every part's statistics, as ``kvfs stats`` shows them."""
         return {
@@ -685,6 +718,7 @@ class Store:
             "devices": [asdict(d.statistics()) for d in self.pool.devices],
             "space": [asdict(d) for d in self.device_space()],
             "direct": asdict(self.direct.statistics()),
+            "directories": [asdict(d) for d in self.directory_usage()],
         }
 
     def statistics(self) -> StoreStatistics:

@@ -109,6 +109,19 @@ class DeviceSpace:
 
 
 @dataclass(frozen=True)
+class DirectoryUsage:
+    """A top-level directory (an eviction and quota group): ``kvfs stats``, metrics."""
+
+    name: str
+    used_bytes: int
+    """Bytes of device space its files map (whole units)."""
+    quota_bytes: int
+    """Its ``user.kvfs.quota``, or the mount's default; 0: no quota."""
+    policy: str
+    """``kvfs-managed`` or ``engine-managed``."""
+
+
+@dataclass(frozen=True)
 class StoreStatistics:
     files: int
     directories: int
