@@ -433,6 +433,8 @@ def cmd_umount(args: argparse.Namespace) -> int:
         raise UserError(f"{path} is a {mount.fstype} mount, not kvfs; refusing to unmount it")
     pid = daemon.daemon_pid(mount)  # its pidfile, keyed by the FUSE connection
     pids = [] if pid is None else [pid]
+    if pid is None:  # a daemon of a release before pidfiles, or one that just exited
+        log.warning("%s: no pidfile for its daemon; not waiting for it to exit", path)
     try:
         os.stat(path)
         dead = False
@@ -453,19 +455,6 @@ def cmd_umount(args: argparse.Namespace) -> int:
 
 
 KVFS_FSTYPE = "fuse.kvfs"
-
-
-def _mount_type(path: str) -> str | None:
-    """The filesystem type mounted at ``path`` (``/proc/self/mountinfo``), or None.
-    Works on a dead FUSE mount too, where ``os.path.ismount`` says False."""
-    found = None  # the last match is the mount on top
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            point = fields[4].encode().decode("unicode_escape")  # octal escapes: \040
-            if point == path:
-                found = fields[fields.index("-") + 1]
-    return found
 
 
 def _alive(pid: int) -> bool:
