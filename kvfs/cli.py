@@ -9,12 +9,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import os
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from typing import Any, NoReturn
 
+from kvfs import sizes
 from kvfs.errors import KvfsError, UserError
 from kvfs.policy import DEFAULT_POLICY, POLICY_NAMES
 
@@ -24,37 +27,73 @@ EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
 
 def parse_size(text: str) -> int:
-    """'1G', '512M', '4096' -> bytes (binary units)."""
-    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    suffix = t[-1:] if t[-1:] in units and t[-1:] else ""
+    """A size option (grammar: :mod:`kvfs.sizes`) as bytes, for argparse."""
     try:
-        value = float(t[: len(t) - len(suffix)] if suffix else t)
+        return sizes.parse_size(text)
+    except sizes.SizeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def parse_seconds(text: str) -> float:
+    """A duration in seconds: a finite number >= 0 (``30``, ``0.5``)."""
+    try:
+        value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"negative size: {text!r}")
-    return int(value * units[suffix])
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds (e.g. 30, 0.5)")
+    return value
+
+
+def parse_fraction(text: str) -> float:
+    """A share of the pool: a number in [0, 1] (``0.97``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value <= 1:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction between 0 and 1")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error on one line that says where the help is."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: {message} (see: {self.prog} --help)\n")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvfs", description="KV-cache filesystem on raw NVMe")
+    p = _Parser(
+        prog="kvfs",
+        description="KV-cache filesystem on raw NVMe. Sizes are bytes or take a unit: "
+        "K/M/G/T/P (also KiB..PiB) are powers of 1024, KB/MB/GB/TB/PB powers of 1000.",
+        epilog="kvfs help COMMAND shows a command's options. docs/operations.md: the guide.",
+    )
     p.add_argument("--debug", action="store_true", help="verbose logging")
-    sub = p.add_subparsers(dest="command", required=True)
+    p.add_argument("--version", action="version", version=version_line())
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
+    common = _Parser(add_help=False)
+    common.add_argument(  # after the command too: `kvfs mount --debug ...`
+        "--debug", action="store_true", default=argparse.SUPPRESS, help="verbose logging"
+    )
 
-    f = sub.add_parser("format", help="create an empty pool on devices (destroys data)")
-    f.add_argument("devices", nargs="+", help="block devices or image files")
+    def add(name: str, **kw: Any) -> argparse.ArgumentParser:
+        return sub.add_parser(name, parents=[common], **kw)
+
+    f = add("format", help="create an empty pool on devices (destroys data)")
+    f.add_argument("devices", nargs="+", metavar="DEVICE", help=DEVICES_HELP)
     _format_options(f)
 
-    m = sub.add_parser("mount", help="mount a pool")
-    m.add_argument("mountpoint")
-    m.add_argument("devices", nargs="+")
+    m = add("mount", help="mount a pool")
+    m.add_argument("mountpoint", help="an empty directory to mount the pool on")
+    m.add_argument("devices", nargs="+", metavar="DEVICE", help=DEVICES_HELP)
     m.add_argument("--format", action="store_true", help="format the devices first")
     _format_options(m)
     m.add_argument("--foreground", "-f", action="store_true", help="do not daemonize")
     m.add_argument("--allow-other", action="store_true", help="let other users access it")
     m.add_argument("--cache", type=parse_size, default=256 << 20, help="read cache (256M)")
-    m.add_argument("--io-timeout", type=float, default=30.0, help="device deadline, s")
+    m.add_argument("--io-timeout", type=parse_seconds, default=30.0, help="device deadline, s")
     m.add_argument(
         "--log-file",
         help="log here; SIGHUP reopens it (default: stderr in the foreground, syslog "
@@ -80,19 +119,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     m.add_argument(
         "--fresh-grace",
-        type=float,
+        type=parse_seconds,
         default=5.0,
         help="seconds after a close during which a file is evicted only as a last resort (5)",
     )
     m.add_argument(
         "--high-watermark",
-        type=float,
+        type=parse_fraction,
         default=0.97,
         help="start evicting above this used fraction (0.97)",
     )
     m.add_argument(
         "--low-watermark",
-        type=float,
+        type=parse_fraction,
         default=0.94,
         help="evict down to this used fraction (0.94; deeper batches cost hit rate, "
         "see docs/eviction.md)",
@@ -100,7 +139,7 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--no-discard", action="store_true", help="do not TRIM freed extents")
     m.add_argument(
         "--reserve",
-        type=float,
+        type=parse_fraction,
         default=0.05,
         help="share of the pool only root and the mount's owner may fill (0.05)",
     )
@@ -125,35 +164,64 @@ def _parser() -> argparse.ArgumentParser:
         "(for good: they stay gone when the member returns)",
     )
 
-    ck = sub.add_parser("fsck", help="check (and --repair) an unmounted pool")
-    ck.add_argument("devices", nargs="+")
+    ck = add("fsck", help="check (and --repair) an unmounted pool")
+    ck.add_argument("devices", nargs="+", metavar="DEVICE", help=DEVICES_HELP)
     ck.add_argument("--repair", action="store_true", help="drop what cannot be trusted")
     ck.add_argument("--no-data", action="store_true", help="skip reading every data unit")
 
-    up = sub.add_parser(
-        "upgrade", help="give an unmounted format-version-1 pool backup superblocks, in place"
-    )
-    up.add_argument("devices", nargs="+", help="every device of the pool")
+    up = add("upgrade", help="give an unmounted format-version-1 pool backup superblocks, in place")
+    up.add_argument("devices", nargs="+", metavar="DEVICE", help="every device of the pool")
 
-    pol = sub.add_parser("policy", help="show or set a top-level directory's policy/quota")
-    pol.add_argument("directory")
-    pol.add_argument("--set", choices=("kvfs-managed", "engine-managed"))
+    pol = add("policy", help="show or set a top-level directory's policy/quota")
+    pol.add_argument("directory", help="a top-level directory of a kvfs mount")
+    pol.add_argument(
+        "--set",
+        choices=("kvfs-managed", "engine-managed"),
+        help="kvfs-managed: kvfs evicts in policy order; engine-managed: only orphans",
+    )
     pol.add_argument("--quota", help="byte quota, e.g. 100G (0 removes it)")
     pol.add_argument(
         "--max-file-size", help="largest file in the directory, e.g. 8G (0 removes it)"
     )
 
-    u = sub.add_parser("umount", help="unmount and wait for the daemon to finish")
-    u.add_argument("mountpoint")
-    u.add_argument("--timeout", type=float, default=60.0)
+    u = add("umount", help="unmount and wait for the daemon to finish")
+    u.add_argument("mountpoint", help="where the pool is mounted")
+    u.add_argument(
+        "--timeout", type=parse_seconds, default=60.0, help="seconds to wait for the daemon (60)"
+    )
 
+    for parser_ in sub.choices.values():  # one metavar per kind of value
+        for action in parser_._actions:
+            kind = {parse_size: "SIZE", parse_seconds: "SECONDS", parse_fraction: "FRACTION"}
+            if action.metavar is None and action.type in kind:
+                action.metavar = kind[action.type]
+    h = add("help", help="a command's options in full: kvfs help mount")
+    h.add_argument("topic", nargs="?", metavar="COMMAND", help="a command (none: all commands)")
     from kvfs import plan, statsview
 
-    statsview.add_arguments(sub.add_parser("stats", help="statistics of a mounted pool"))
+    statsview.add_arguments(add("stats", help="statistics of a mounted pool"))
     plan.add_arguments(
-        sub.add_parser("plan", help="what a pool holds for a model: chunk size, tokens, unit size")
+        add("plan", help="what a pool holds for a model: chunk size, tokens, unit size")
     )
     return p
+
+
+DEVICES_HELP = (
+    "block devices (e.g. /dev/nvme0n1) or image files, in the pool's order; a pool's "
+    "members may be named in any order when mounting"
+)
+
+
+def version_line() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    from kvfs.format.superblock import FORMAT_VERSION
+
+    try:
+        release = version("kvfs")
+    except PackageNotFoundError:  # run from a checkout without installing
+        release = "unknown"
+    return f"kvfs {release} (on-device format {FORMAT_VERSION})"
 
 
 def _format_options(p: argparse.ArgumentParser) -> None:
@@ -178,7 +246,7 @@ def _format_options(p: argparse.ArgumentParser) -> None:
         default=0,
         help="create missing image files of SIZE (sparse)",
     )
-    p.add_argument("--label", default="")
+    p.add_argument("--label", default="", help="a name for the pool (df shows kvfs:LABEL)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kvfs: {e}", file=sys.stderr)
             return e.exit_code
     args = parser.parse_args(argv)
+    if args.command == "help":
+        return cmd_help(parser, sub, args.topic)
     if getattr(args, "log_file", None):
         args.log_file = os.path.abspath(args.log_file)  # the daemon chdirs to /
     daemon.configure_logging(args.debug, getattr(args, "log_file", None))
@@ -209,7 +279,10 @@ def main(argv: list[str] | None = None) -> int:
         "upgrade": cmd_upgrade,
     }
     try:
-        return commands[args.command](args)
+        try:
+            return commands[args.command](args)
+        except BaseExceptionGroup as group:  # a trio nursery's: report what went wrong
+            raise root_cause(group) from None
     except UserError as e:
         print(f"kvfs: {e}", file=sys.stderr)
         return e.exit_code
@@ -218,6 +291,48 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAIL
     except KeyboardInterrupt:
         return EXIT_FAIL
+    except BrokenPipeError:  # `kvfs ... | head`: the reader left; nothing to say
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # no second error flushing stdout at exit
+        return EXIT_OK
+
+
+def root_cause(e: BaseException) -> BaseException:
+    """The exception a person should read: inside exception groups (trio nurseries),
+    the first kvfs error if there is one, else the first leaf."""
+    leaves: list[BaseException] = []
+    stack = [e]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, BaseExceptionGroup):
+            stack.extend(reversed(x.exceptions))
+        else:
+            leaves.append(x)
+    ours = [x for x in leaves if isinstance(x, (UserError, KvfsError))]
+    return (ours or leaves or [e])[0]
+
+
+def describe(e: BaseException) -> str:
+    """One line for a person: the message, not the exception's repr."""
+    e = root_cause(e)
+    if isinstance(e, OSError) and e.strerror:
+        where = f"{e.filename}: " if e.filename else ""
+        return f"{where}{e.strerror}"
+    return str(e) or type(e).__name__
+
+
+def cmd_help(
+    parser: argparse.ArgumentParser, sub: argparse._SubParsersAction[Any], topic: str | None
+) -> int:
+    if topic is None:
+        parser.print_help()
+        return EXIT_OK
+    if topic not in sub.choices:
+        names = ", ".join(c for c in sub.choices if c != "help")
+        print(f"kvfs help: no command {topic!r} (commands: {names})", file=sys.stderr)
+        return EXIT_USAGE
+    sub.choices[topic].print_help()
+    return EXIT_OK
 
 
 def _abandoned_reply(record: logging.LogRecord) -> bool:
@@ -279,6 +394,12 @@ def cmd_mount(args: argparse.Namespace) -> int:
     if args.drop_unreadable and not args.degraded:
         raise UserError("--drop-unreadable is an option of --degraded mounts")
     args.mountpoint = os.path.realpath(args.mountpoint)  # the daemon chdirs to /
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if args.cache > ram // 2:
+        raise UserError(
+            f"--cache {sizes.format_size(args.cache)} is more than half of this machine's "
+            f"memory ({sizes.format_size(ram)})"
+        )
     _check_mountpoint(args.mountpoint)
     if not os.path.exists("/dev/fuse"):
         raise UserError("/dev/fuse is missing: load the fuse module or install fuse3")
@@ -323,15 +444,18 @@ def _daemonize(args: argparse.Namespace) -> int:
 
     try:
         code = _run_mount(args, ready)
-    except UserError as e:
-        if not w.closed:
-            w.write(f"usage:kvfs: {e}\n")
-            w.close()
-        os._exit(e.exit_code)
     except BaseException as e:
+        cause = root_cause(e)
+        if isinstance(cause, UserError):
+            if not w.closed:
+                w.write(f"usage:kvfs: {cause}\n")
+                w.close()
+            os._exit(cause.exit_code)
         if not w.closed:
-            w.write(f"kvfs: mount failed: {e}\n")
+            w.write(f"kvfs: mount failed: {describe(cause)}\n")
             w.close()
+        else:
+            log.error("mount ended: %s", describe(cause))
         os._exit(EXIT_FAIL)
     os._exit(code)
 
@@ -515,17 +639,25 @@ def cmd_policy(args: argparse.Namespace) -> int:
         for name, value in (("quota", args.quota), ("max_file_size", args.max_file_size)):
             if value is None:
                 continue
-            if value.strip() in ("0", ""):
+            try:
+                nbytes = sizes.parse_size(value)
+            except sizes.SizeError as e:
+                raise UserError(f"--{name.replace('_', '-')}: {e}; nothing changed") from None
+            if nbytes == 0:
                 with contextlib.suppress(OSError):
                     os.removexattr(d, f"user.kvfs.{name}")
             else:
-                os.setxattr(d, f"user.kvfs.{name}", value.encode())
+                os.setxattr(d, f"user.kvfs.{name}", value.strip().encode())
         values = {}
         for name in ("policy", "quota", "max_file_size"):
             try:
                 values[name] = os.getxattr(d, f"user.kvfs.{name}").decode()
             except OSError:
                 values[name] = "(default)"
+                continue
+            if name != "policy":
+                with contextlib.suppress(sizes.SizeError):
+                    values[name] += f" ({sizes.format_size(sizes.parse_size(values[name]))})"
     except OSError as e:
         raise UserError(f"{d}: {e.strerror}") from None
     print(

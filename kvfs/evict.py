@@ -37,6 +37,7 @@ from kvfs.format.owners import MAX_PROCESSES, OWNERS_BLOB, PART_OWNERS, PART_POL
 from kvfs.inodes import F_DEAD
 from kvfs.namespace import EVICTOR_TAG, ROOT_INO, Inode, Namespace
 from kvfs.policy import DEFAULT_POLICY, EvictionPolicy, make_policy
+from kvfs.sizes import SizeError, parse_size
 from kvfs.slots import ROWS, SHIFT, SlotColumn, runs
 
 log = logging.getLogger(__name__)
@@ -63,13 +64,12 @@ GONE_MIN = 1024
 
 
 def parse_quota(value: bytes) -> int:
-    """'100G', '5368709120', '0' (no quota) -> bytes; InvalidArgument otherwise."""
-    text = value.decode(errors="replace").strip().upper().removesuffix("B").removesuffix("I")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(text[-1:], 1)
-    digits = text[:-1] if mult > 1 else text
-    if not digits.isdigit():
-        raise InvalidArgument(f"bad quota {value!r}: use bytes or a K/M/G/T suffix")
-    return int(digits) * mult
+    """A quota or maximum file size xattr (``100G``, ``5368709120``; ``0``: none) as
+    bytes, in the size grammar of :mod:`kvfs.sizes`; InvalidArgument otherwise."""
+    try:
+        return parse_size(value.decode(errors="replace"))
+    except SizeError as e:
+        raise InvalidArgument(str(e)) from None
 
 
 def check_group_xattr(name: bytes, value: bytes) -> None:

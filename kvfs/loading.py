@@ -113,7 +113,15 @@ class Loader:
             unreadable=len(self.unreadable),
             dropped_unreadable=dropped,
         )
-        log.info("recovered %s", report)
+        log.info(
+            "index recovered: generation %d, %d journal transactions replayed, dropped "
+            "%d incomplete and %d unlinked files, %.2f s",
+            report.generation,
+            report.transactions,
+            report.dropped_incomplete,
+            report.dropped_unlinked,
+            report.seconds,
+        )
         return report
 
     def _salvage(self, found: Recovered, skipped: int) -> set[int]:

@@ -1,0 +1,168 @@
+"""The command line for a person: the size grammar, one-line errors, --version,
+help for every option, ``kvfs help CMD``, ``--debug`` after the command, and no
+traceback when a pipe's reader leaves."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from kvfs import cli, sizes
+from kvfs.errors import InvalidArgument, UserError
+from kvfs.evict import parse_quota
+
+KVFS = [sys.executable, "-m", "kvfs"]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("4096", 4096),
+        ("0", 0),
+        ("1K", 1024),
+        ("1k", 1024),
+        ("1KiB", 1024),
+        ("1KB", 1000),
+        ("1M", 1 << 20),
+        ("1MiB", 1 << 20),
+        ("1MB", 10**6),
+        ("1.5G", 3 << 29),
+        ("4T", 4 << 40),
+        ("4TB", 4 * 10**12),
+        ("2P", 2 << 50),
+        (" 8 G ", 8 << 30),
+        ("512B", 512),
+        ("0.5K", 512),
+    ],
+)
+def test_size_grammar(text: str, expected: int) -> None:
+    assert sizes.parse_size(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ("inf", "not a size"),
+        ("nan", "not a size"),
+        ("1e30", "not a size"),
+        ("-5G", "negative"),
+        ("abc", "not a size"),
+        ("", "not a size"),
+        ("1.3K", "whole number"),
+        ("1X", "unknown unit"),
+        ("9E", "unknown unit"),
+        ("8192P", "too large"),
+        ("0x10", "not a size"),
+    ],
+)
+def test_size_refusals(text: str, why: str) -> None:
+    with pytest.raises(sizes.SizeError, match=why) as e:
+        sizes.parse_size(text)
+    assert "\n" not in str(e.value)
+
+
+def test_format_size() -> None:
+    assert sizes.format_size(0) == "0 B"
+    assert sizes.format_size(1023) == "1023 B"
+    assert sizes.format_size(1536) == "1.50 KiB"
+    assert sizes.format_size(200 << 20) == "200 MiB"
+    assert sizes.format_size(245 * 10**12) == "223 TiB"
+
+
+def test_quota_xattrs_use_the_same_grammar() -> None:
+    assert parse_quota(b"100G") == 100 << 30
+    assert parse_quota(b"1MB") == 10**6
+    assert parse_quota(b"5368709120") == 5 << 30
+    for bad in (b"-5G", b"abc", b"inf", b"1e30"):
+        with pytest.raises(InvalidArgument):
+            parse_quota(bad)
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*KVFS, *args], capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["format", "--unit-size", "inf", "/nonexistent"],
+        ["format", "--unit-size", "1e30", "/nonexistent"],
+        ["mount", "--cache", "abc", "/mnt", "/nonexistent"],
+        ["mount", "--io-timeout", "nan", "/mnt", "/nonexistent"],
+        ["mount", "--high-watermark", "2", "/mnt", "/nonexistent"],
+        ["umount", "--timeout", "-1", "/mnt"],
+        ["mount", "/mnt"],
+        ["nosuchcommand"],
+    ],
+)
+def test_bad_arguments_are_one_line(argv: list[str]) -> None:
+    r = run(*argv)
+    assert r.returncode == 2, r
+    assert r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("kvfs"), lines
+    assert "Traceback" not in r.stderr
+
+
+def test_cache_larger_than_memory_is_refused(tmp_path: str) -> None:
+    r = run("mount", "--cache", "1P", str(tmp_path), "/nonexistent")
+    assert r.returncode == 2
+    assert "memory" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_version() -> None:
+    r = run("--version")
+    assert r.returncode == 0
+    assert r.stdout.startswith("kvfs 0.") and "on-device format" in r.stdout
+
+
+def test_every_option_has_help() -> None:
+    parser = cli._parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, p in sub.choices.items():
+        for action in p._actions:
+            if action.help == argparse.SUPPRESS:
+                continue
+            label = "/".join(action.option_strings) or action.dest
+            assert action.help, f"kvfs {name} {label} has no help"
+        assert sub._choices_actions, name
+    helps = {a.dest: a.help for a in sub._choices_actions}
+    assert all(helps.values()), helps
+
+
+def test_help_command() -> None:
+    r = run("help", "mount")
+    assert r.returncode == 0
+    assert "--metrics" in r.stdout and "SECONDS" in r.stdout
+    r = run("help", "nope")
+    assert r.returncode == 2 and "commands:" in r.stderr
+
+
+def test_debug_after_the_command() -> None:
+    args = cli._parser().parse_args(["umount", "--debug", "/mnt"])
+    assert args.debug is True
+    args = cli._parser().parse_args(["--debug", "umount", "/mnt"])
+    assert args.debug is True
+    args = cli._parser().parse_args(["umount", "/mnt"])
+    assert args.debug is False
+
+
+def test_root_cause_unwraps_nursery_errors() -> None:
+    inner = UserError("the pool is busy")
+    group = BaseExceptionGroup("nursery", [ExceptionGroup("inner", [ValueError("x"), inner])])
+    assert cli.root_cause(group) is inner
+    assert cli.describe(ExceptionGroup("g", [FileNotFoundError(2, "No such file", "/x")])) == (
+        "/x: No such file"
+    )
+
+
+def test_no_traceback_when_the_pipe_closes() -> None:
+    """`kvfs help mount | head -1`: the reader leaves after one line."""
+    cmd = f"{sys.executable} -m kvfs help mount | head -1"
+    r = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=60)
+    assert r.stdout.startswith("usage: kvfs mount")
+    assert "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr, r.stderr
