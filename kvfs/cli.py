@@ -482,7 +482,7 @@ def _run_mount(args: argparse.Namespace, ready: Callable[[], None]) -> int:
 
     import trio
 
-    from kvfs import daemon
+    from kvfs import daemon, progress
     from kvfs.fs import serve
     from kvfs.pool import open_pool
     from kvfs.store import Store, StoreConfig
@@ -510,7 +510,13 @@ def _run_mount(args: argparse.Namespace, ready: Callable[[], None]) -> int:
         except ValueError as e:
             raise UserError(str(e)) from None
         store = Store(pool, config)
-        report = store.load(drop_unreadable=args.drop_unreadable)
+
+        def loading() -> str:  # on the progress thread: plain counters only
+            read = sum(d.statistics().bytes_read for d in pool.devices)
+            return f"{store.ns.file_count:,} files, {sizes.format_size(read)} of metadata read"
+
+        with progress.Ticker("kvfs: loading the index", loading):
+            report = store.load(drop_unreadable=args.drop_unreadable)
         release_free_heap()
         log.info(
             "pool loaded: %d files, %d dirs in %.2f s (dropped %d incomplete)",

@@ -29,7 +29,7 @@ from kvfs.format.halves import encode_checkpoint, half_bounds
 from kvfs.format.records import DEV_SHIFT, NO_UNIT, UNIT_MASK, Image, extent
 from kvfs.format.superblock import FORMAT_VERSION, Superblock
 from kvfs.journal import ApplySink, recover
-from kvfs.namespace import Namespace
+from kvfs.namespace import Inode, Namespace
 from kvfs.pool import (
     Pool,
     inspect_pool,
@@ -39,6 +39,7 @@ from kvfs.pool import (
     upgraded,
     write_superblocks,
 )
+from kvfs.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -213,32 +214,39 @@ def _units_on(ns: Namespace, pool: Pool, index: int) -> Iterator[tuple[int, int,
 
 
 def _check_data(ns: Namespace, pool: Pool, report: Report) -> None:
-    u_size = pool.unit_size
-    buf = aligned_buffer(u_size)
-    view = memoryview(buf)
-    for inode in ns.inodes.values():
-        if inode.ino in report.doomed:
-            continue
-        for u, p in enumerate(inode.units):
-            if p == NO_UNIT:
+    view = memoryview(aligned_buffer(pool.unit_size))
+    with Progress("fsck: reading data", ns.file_count, "files") as progress:
+        for inode in ns.inodes.values():
+            if inode.is_dir:
                 continue
-            dev, unit = p >> DEV_SHIFT, extent(p, u_size)[0]
-            if dev >= len(pool.devices) or unit >= pool.superblocks[dev].data_units:
-                break
-            report.units_checked += 1
-            try:
-                _read_unit(pool, dev, p & UNIT_MASK, view)
-            except DeviceError as e:
-                report.problem(f"inode {inode.ino} unit {u}: device error: {e}", doom=inode.ino)
-                break
-            if xxhash.xxh3_64_intdigest(view) != inode.csum(u):
-                name = inode.name.decode(errors="replace")
-                report.problem(
-                    f"inode {inode.ino} ({name}) unit {u} at device {dev} unit "
-                    f"{unit}: checksum mismatch",
-                    doom=inode.ino,
-                )
-                break
+            progress.advance()
+            if inode.ino not in report.doomed:
+                _check_file(inode, pool, report, view)
+
+
+def _check_file(inode: Inode, pool: Pool, report: Report, view: memoryview) -> None:
+    """Read every unit of one file and check its checksum (the first failure dooms it)."""
+    u_size = pool.unit_size
+    for u, p in enumerate(inode.units):
+        if p == NO_UNIT:
+            continue
+        dev, unit = p >> DEV_SHIFT, extent(p, u_size)[0]
+        if dev >= len(pool.devices) or unit >= pool.superblocks[dev].data_units:
+            break
+        report.units_checked += 1
+        try:
+            _read_unit(pool, dev, p & UNIT_MASK, view)
+        except DeviceError as e:
+            report.problem(f"inode {inode.ino} unit {u}: device error: {e}", doom=inode.ino)
+            break
+        if xxhash.xxh3_64_intdigest(view) != inode.csum(u):
+            name = inode.name.decode(errors="replace")
+            report.problem(
+                f"inode {inode.ino} ({name}) unit {u} at device {dev} unit "
+                f"{unit}: checksum mismatch",
+                doom=inode.ino,
+            )
+            break
 
 
 def _repair(

@@ -166,3 +166,38 @@ def test_no_traceback_when_the_pipe_closes() -> None:
     r = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=60)
     assert r.stdout.startswith("usage: kvfs mount")
     assert "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr, r.stderr
+
+
+def test_progress_draws_only_on_a_terminal() -> None:
+    """fsck and a mount's index load show progress on a terminal, never in a pipe."""
+    import io
+    import os
+    import select
+    import time
+
+    from kvfs import progress
+
+    master, slave = os.openpty()
+    try:
+        with os.fdopen(slave, "w", closefd=False) as tty:
+            with progress.Progress("fsck: reading data", 10, "files", stream=tty) as p:
+                for _ in range(10):
+                    p.advance()
+                    time.sleep(progress.INTERVAL / 3)
+            with progress.Ticker("kvfs: loading", lambda: "42 files", delay=0, stream=tty):
+                time.sleep(progress.INTERVAL * 3)
+        shown = ""
+        while select.select([master], [], [], 0.5)[0]:  # all of it, however it is split
+            shown += os.read(master, 65536).decode()
+    finally:
+        os.close(master)
+        os.close(slave)
+    assert "fsck: reading data:" in shown and "of 10 files" in shown and "%" in shown
+    assert "kvfs: loading: 42 files" in shown
+    assert shown.endswith("\r")  # the line is erased at the end
+    pipe = io.StringIO()
+    with progress.Progress("fsck", 10, "files", stream=pipe) as p:
+        for _ in range(10):
+            p.advance()
+            time.sleep(progress.INTERVAL / 3)
+    assert pipe.getvalue() == ""

@@ -565,20 +565,24 @@ def run_transfers(plan: Plan, bks: dict[str, Any], log: Log) -> list[dict[str, A
         for name in plan.backends
         if name != "raw" or i == 0
     ]
-    for size in plan.sizes:
-        for streams in plan.streams:
-            reps: dict[tuple[str, str], dict[str, list[Any]]] = {
-                run: {"write": [], "cold": [], "warm": []} for run in runs
-            }
-            for _ in range(plan.reps):
-                for mode, name in runs:
-                    files = file_sets(size, streams, plan.moved_bytes, serial)
-                    serial += sum(len(f) for f in files)
-                    bks[name].direct = mode == "direct" or name == "raw"
-                    _measure(bks[name], files, size, src, reps[(mode, name)])
+    points = [(size, streams) for size in plan.sizes for streams in plan.streams]
+    t0 = time.monotonic()
+    for k, (size, streams) in enumerate(points):
+        if k:  # progress: the points left, at the pace so far
+            left = (time.monotonic() - t0) / k * (len(points) - k)
+            log(f"point {k + 1}/{len(points)} ({size >> 20} MiB x{streams}), ~{left:.0f} s left")
+        reps: dict[tuple[str, str], dict[str, list[Any]]] = {
+            run: {"write": [], "cold": [], "warm": []} for run in runs
+        }
+        for _ in range(plan.reps):
             for mode, name in runs:
-                for phase, got in reps[(mode, name)].items():
-                    rows.append(_row(name, size, streams, phase, got, log, mode))
+                files = file_sets(size, streams, plan.moved_bytes, serial)
+                serial += sum(len(f) for f in files)
+                bks[name].direct = mode == "direct" or name == "raw"
+                _measure(bks[name], files, size, src, reps[(mode, name)])
+        for mode, name in runs:
+            for phase, got in reps[(mode, name)].items():
+                rows.append(_row(name, size, streams, phase, got, log, mode))
     return rows
 
 
