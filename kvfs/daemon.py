@@ -16,6 +16,7 @@ import os
 import re
 import socket
 import sys
+import time
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -167,6 +168,38 @@ class _nolock:
 _state: dict[str, object] = {"stderr_to_log": False}
 
 
+class RateLimit(logging.Filter):
+    """At most ``burst`` lines of one message (logger and format string: "checksum
+    mismatch: inode %d ...") per ``interval`` seconds; the first line after that
+    says how many were held back. A failing device cannot flood the log, and the
+    count is never lost. DEBUG lines pass (``--debug`` wants them all)."""
+
+    def __init__(self, burst: int = 20, interval: float = 10.0) -> None:
+        super().__init__()
+        self.burst, self.interval = burst, interval
+        self._seen: dict[tuple[str, str], list[float]] = {}  # -> [window start, lines, held]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno <= logging.DEBUG:
+            return True
+        now = time.monotonic()
+        key = (record.name, str(record.msg))
+        seen = self._seen.get(key)
+        if seen is None or now - seen[0] >= self.interval:
+            held = int(seen[2]) if seen else 0
+            if len(self._seen) > 4096:  # many distinct messages: forget the old windows
+                self._seen.clear()
+            self._seen[key] = [now, 1, 0]
+            if held:
+                record.msg = f"{record.msg} [{held} more like this in the last {self.interval:g} s]"
+            return True
+        if seen[1] < self.burst:
+            seen[1] += 1
+            return True
+        seen[2] += 1
+        return False
+
+
 def configure_logging(debug: bool, log_file: str | None) -> None:
     """One line per event: to ``log_file``, else to stderr (``detach_logging`` moves
     a daemon's stderr logging to syslog)."""
@@ -176,6 +209,7 @@ def configure_logging(debug: bool, log_file: str | None) -> None:
     handler: logging.Handler
     handler = ReopenableFileHandler(log_file) if log_file else logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(FORMAT))
+    handler.addFilter(RateLimit())
     root.addHandler(handler)
     root.setLevel(logging.DEBUG if debug else logging.INFO)
 
@@ -204,6 +238,7 @@ def detach_logging(log_file: str | None) -> None:
         sys_handler.setFormatter(
             logging.Formatter(f"kvfs[{os.getpid()}]: %(levelname)s %(name)s: %(message)s")
         )
+        sys_handler.addFilter(RateLimit())
         root.addHandler(sys_handler)
 
 

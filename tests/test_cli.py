@@ -201,3 +201,33 @@ def test_progress_draws_only_on_a_terminal() -> None:
             p.advance()
             time.sleep(progress.INTERVAL / 3)
     assert pipe.getvalue() == ""
+
+
+def test_log_lines_are_rate_limited() -> None:
+    """A flood of one message (a failing device's checksum errors) keeps `burst`
+    lines per window; the next line says how many were held back."""
+    import io
+    import logging
+    import time
+
+    from kvfs.daemon import RateLimit
+
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.addFilter(RateLimit(burst=5, interval=0.2))
+    logger = logging.getLogger("kvfs.test-ratelimit")
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        for i in range(100):
+            logger.error("checksum mismatch: inode %d", i)
+        logger.warning("another message")
+        time.sleep(0.25)
+        logger.error("checksum mismatch: inode %d", 100)
+    finally:
+        logger.removeHandler(handler)
+    lines = out.getvalue().splitlines()
+    assert lines[:5] == [f"checksum mismatch: inode {i}" for i in range(5)]
+    assert lines[5] == "another message"
+    assert lines[6] == "checksum mismatch: inode 100 [95 more like this in the last 0.2 s]"
+    assert len(lines) == 7
