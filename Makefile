@@ -3,15 +3,17 @@ PY ?= .venv/bin/python
 VENV = .venv
 DEMO_DIR ?= /tmp/kvfs-demo
 
-.PHONY: install engines-env demo test lint format bench trace clean
+.PHONY: install engines-env demo test test-deps lint format bench trace clean
 
 BINDIR ?= /usr/local/bin
+DOCDIR ?= /usr/local/share/doc/kvfs
 
 # The venv, then the kvfs command on PATH: $(BINDIR)/kvfs -> this checkout's
 # .venv/bin/kvfs (mount -t fuse.kvfs and fstab run `kvfs` from mount's fixed PATH).
 install: $(VENV)/.installed
 	@if [ -w $(BINDIR) ]; then \
 	  ln -sfn $(CURDIR)/$(VENV)/bin/kvfs $(BINDIR)/kvfs && echo "$(BINDIR)/kvfs -> $(CURDIR)/$(VENV)/bin/kvfs"; \
+	  mkdir -p $(DOCDIR) && cp docs/operations.md $(DOCDIR)/; \
 	else echo "$(BINDIR) is not writable: run kvfs as $(CURDIR)/$(VENV)/bin/kvfs (or make install as root)"; fi
 
 $(VENV)/.installed: pyproject.toml
@@ -31,7 +33,13 @@ demo: install
 engines-env:
 	tools/engines_env.sh
 
-test: install engines-env
+# tmux (the live view's test), systemd-analyze (the unit's), util-linux mount (mount -t)
+test-deps:
+	@command -v tmux >/dev/null && command -v systemd-analyze >/dev/null || { \
+	  echo "installing tmux systemd (needs root; used by the tests)"; \
+	  apt-get update -qq && apt-get install -y -qq tmux systemd >/dev/null; }
+
+test: install engines-env test-deps
 	KVFS_ENGINES_VENV=$(CURDIR)/.venv-engines $(PY) -m pytest -q
 
 lint: install
