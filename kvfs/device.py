@@ -20,12 +20,14 @@ import stat
 import struct
 import sys
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvfs import identity
 from kvfs.errors import DeviceError, UserError
+from kvfs.timing import Histogram
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +102,10 @@ class BufferPool:
                 self._free.append(loaned[i])
 
 
+DEVICE_OPS = ("read", "write", "flush")
+"""The requests whose latency a device keeps."""
+
+
 @dataclass(frozen=True)
 class DeviceStatistics:
     path: str
@@ -123,6 +129,7 @@ class Device(ABC):
         self._lock = threading.Lock()
         self._reads = self._writes = self._bytes_read = self._bytes_written = 0
         self._discards = self._errors = 0
+        self._latency = {op: Histogram() for op in DEVICE_OPS}
 
     def _check(self, offset: int, length: int) -> None:
         if offset % ALIGN or length % ALIGN:
@@ -139,6 +146,7 @@ class Device(ABC):
         allows); a short or failed read raises DeviceError."""
         length = sum(len(b) for b in bufs)
         self._check(offset, length)
+        start = time.perf_counter()
         try:
             got = self._preadv(offset, bufs)
         except OSError as e:
@@ -147,9 +155,11 @@ class Device(ABC):
         if got != length:
             self._count_error()
             raise DeviceError(f"{self.path}: short read at {offset} ({got}/{length})")
+        elapsed = time.perf_counter() - start
         with self._lock:
             self._reads += 1
             self._bytes_read += got
+            self._latency["read"].observe(elapsed)
 
     def write(self, offset: int, bufs: Sequence[memoryview]) -> None:
         """Write the buffers back to back from ``offset``; all or DeviceError."""
@@ -158,6 +168,7 @@ class Device(ABC):
         for b in bufs:
             if len(b) % ALIGN:
                 raise ValueError("unaligned buffer length")
+        start = time.perf_counter()
         try:
             done = self._pwrite(offset, bufs)
         except OSError as e:
@@ -166,17 +177,23 @@ class Device(ABC):
         if done != length:
             self._count_error()
             raise DeviceError(f"{self.path}: short write at {offset} ({done}/{length})")
+        elapsed = time.perf_counter() - start
         with self._lock:
             self._writes += 1
             self._bytes_written += done
+            self._latency["write"].observe(elapsed)
 
     def flush(self) -> None:
         """Make completed writes durable (device write cache included)."""
+        start = time.perf_counter()
         try:
             self._flush()
         except OSError as e:
             self._count_error()
             raise DeviceError(f"{self.path}: flush: {e.strerror}") from e
+        elapsed = time.perf_counter() - start
+        with self._lock:
+            self._latency["flush"].observe(elapsed)
 
     def discard(self, offset: int, length: int) -> None:
         """Tell the device a range is free (TRIM); best effort, never raises."""
@@ -205,6 +222,12 @@ class Device(ABC):
                 self._discards,
                 self._errors,
             )
+
+    def latency(self) -> dict[str, Histogram]:
+        """Copies of the completed requests' latency histograms, by operation
+        (:data:`DEVICE_OPS`; a failed request counts as an error, not here)."""
+        with self._lock:
+            return {op: h.copy() for op, h in self._latency.items()}
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the device."""

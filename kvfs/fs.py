@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import stat
+import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
@@ -25,6 +26,7 @@ from kvfs.evict import GROUP_XATTRS, check_group_xattr
 from kvfs.namespace import Inode
 from kvfs.posix import Caller
 from kvfs.store import Store
+from kvfs.timing import Histogram
 
 if TYPE_CHECKING:
     from kvfs.metrics import Exporter
@@ -63,15 +65,47 @@ def has_labels(names: Iterable[bytes]) -> bool:
     return any(n.startswith(SECURITY) for n in names)
 
 
+class RequestCounters:
+    """Per FUSE operation: a latency histogram and the errors answered, by errno name
+    (the trio thread is the only writer)."""
+
+    def __init__(self) -> None:
+        self.latency: dict[str, Histogram] = {}
+        self.errors: dict[tuple[str, str], int] = {}
+        self.lookups = {"hit": 0, "miss": 0}
+        """LOOKUPs that reached the daemon (the kernel caches both answers for the
+        entry timeout), by outcome."""
+
+    def observe(self, op: str, seconds: float) -> None:
+        h = self.latency.get(op)
+        if h is None:
+            h = self.latency[op] = Histogram()
+        h.observe(seconds)
+
+    def error(self, op: str, code: int) -> None:
+        key = (op, errno.errorcode.get(code, str(code)))
+        self.errors[key] = self.errors.get(key, 0) + 1
+
+
 def _errors(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
+    op = fn.__name__
+
     @functools.wraps(fn)
     async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        counters: RequestCounters = args[0].requests  # type: ignore[attr-defined]
+        start = time.perf_counter()
         try:
             return await fn(*args, **kwargs)
         except KvfsError as e:
             if e.errno == errno.EIO:
-                log.error("%s: %s", fn.__name__, e)
+                log.error("%s: %s", op, e)
+            counters.error(op, e.errno)
             raise pyfuse3.FUSEError(e.errno) from None
+        except pyfuse3.FUSEError as e:
+            counters.error(op, e.errno)
+            raise
+        finally:
+            counters.observe(op, time.perf_counter() - start)
 
     return wrapper
 
@@ -91,6 +125,7 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
         super().__init__()
         self.store = store
         self.timeout = timeout
+        self.requests = RequestCounters()
         self.labels = has_labels(store.xattr_names)
         """False while no file of the pool has a ``security.*`` xattr: a get of a
         missing one is then EOPNOTSUPP, not ENODATA (see :meth:`getxattr`)."""
@@ -129,6 +164,7 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
         self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext | None = None
     ) -> pyfuse3.EntryAttributes:
         inode = self.store.lookup(parent_inode, name)
+        self.requests.lookups["miss" if inode is None else "hit"] += 1
         if inode is None:
             miss = pyfuse3.EntryAttributes()
             miss.st_ino = 0  # a cached negative entry: lookup storms of misses stay cheap
@@ -375,7 +411,9 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
         return True
 
     def stats_json(self) -> str:
-        return json.dumps(self.store.all_statistics())
+        stats = self.store.all_statistics()
+        stats["lookups"] = dict(self.requests.lookups)
+        return json.dumps(stats)
 
 
 async def tune_readahead(mountpoint: str, kib: int) -> None:

@@ -55,6 +55,7 @@ from kvfs.format.records import (
     encode_ops,
 )
 from kvfs.recovery import ApplySink, Damage, NullSink, Recovered, RecoverySink, recover, scan
+from kvfs.timing import Histogram
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +146,10 @@ class Journal:
         self._flushes = self._checkpoints = 0
         self._journal_bytes = 0
         self._last_ckpt_s = 0.0
+        self.commit_latency = Histogram()
+        """Seconds per group commit (its write and flush)."""
+        self.checkpoint_latency = Histogram()
+        """Seconds per checkpoint, snapshot to durable."""
         self._lock = trio.Lock()
 
     # ----------------------------------------------------------------- state
@@ -288,7 +293,9 @@ class Journal:
         seq += 1
         parts.append(commit_entry(gen, seq, seed))
         data = b"".join(parts)
+        t0 = time.monotonic()
         await self._write(self._writer, data, self._take_dirty(), flush_meta=True)
+        self.commit_latency.observe(time.monotonic() - t0)
         self._entry_seq = seq
         self._durable = pending[-1][0]
         self._flushes += 1
@@ -354,6 +361,7 @@ class Journal:
         self._ckpt_done += 1
         self._checkpoints += 1
         self._last_ckpt_s = time.monotonic() - t0
+        self.checkpoint_latency.observe(self._last_ckpt_s)
         log.info(
             "checkpoint generation %d: %d pieces, %d bytes + %d window transaction(s), %.3f s",
             generation,

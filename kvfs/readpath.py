@@ -78,6 +78,11 @@ class Reader:
         self._fetching: dict[tuple[int, int], trio.Event] = {}
         self.bad_units: set[tuple[int, int]] = set()  # (inode, unit) found corrupt
         self.quarantined = 0
+        self.bytes_from_memory = 0
+        """Bytes read served without waiting for a device (cache, readahead, unflushed
+        writes, holes)."""
+        self.bytes_from_device = 0
+        """Bytes read that waited for a device read."""
 
     def resident(self, inode: Inode, st: FileState | None, u: int) -> memoryview | None:
         """Unit ``u`` if it can be served without device I/O."""
@@ -109,10 +114,15 @@ class Reader:
                 missing.append(u)
             else:
                 views[u] = view
+        base = first * self.unit
+        waited = 0
         if missing:
             views.update(await self.fetch(inode, missing))
+            unit = self.unit
+            waited = sum(min(end, (u + 1) * unit) - max(off, u * unit) for u in missing)
+        self.bytes_from_device += waited
+        self.bytes_from_memory += end - off - waited
         self._readahead(inode, last)
-        base = first * self.unit
         if first == last:
             return views[first][off - base : end - base]
         parts = [views[u] for u in range(first, last + 1)]

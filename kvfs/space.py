@@ -158,6 +158,11 @@ class Space:
         self._meta_logged = -EVICTION_LOG_INTERVAL
         self._full_logged = -EVICTION_LOG_INTERVAL
         self.metadata_evictions = 0
+        self.evicted_by: dict[tuple[str, int], int] = {}
+        """Files evicted by (reason, top-level directory inode); reasons: ``space``
+        (the pool above its watermark or full), ``quota`` (a directory over its
+        quota), ``metadata`` (the index over its area), ``orphan`` (a file whose last writer
+        process is gone, whatever needed the room)."""
         self._meta_idle_until = 0.0  # no background retry before (nothing was evictable)
         self.stopping = False
         """Set by an unmount: background eviction stops (the kernel session ends soon,
@@ -331,6 +336,7 @@ class Space:
         owners: Collection[int] | None,
     ) -> int:
         freed = 0
+        cause = "quota" if group is not None else "metadata" if weigh is _file_weight else "space"
         self.evictor.reap()  # a writer that just exited leaves orphans: they go first
         candidates = self.evictor.candidates(self._evictable, group, include_fresh, owners)
         for inode, orphan in candidates:
@@ -345,6 +351,9 @@ class Space:
                 "orphan" if orphan else "policy",
                 mapped,
             )
+            reason = "orphan" if orphan else cause
+            key = (reason, self.evictor.group_of(inode))
+            self.evicted_by[key] = self.evicted_by.get(key, 0) + 1
             self._evict(inode)
             self.evictor.evictions += 1
             self.evictor.orphan_evictions += orphan

@@ -22,6 +22,7 @@ import logging
 import os
 import stat
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict
 from typing import Any, TypeVar
@@ -682,10 +683,9 @@ class Store:
         :attr:`DIRECTORY_LIMIT`), then the root's own files as ``/`` if it has any. The
         first call sums each directory's files once (one pass over the index); the
         sums are then kept up to date by every write, truncate, unlink and rename."""
-        root = self.ns.inodes[ROOT_INO]
         rows: list[DirectoryUsage] = []
         own = 0
-        for name, ino in (root.entries or {}).items():
+        for name, ino in self._top_level():
             node = self.ns.inodes.get(ino)
             if node is None:
                 continue
@@ -709,6 +709,7 @@ class Store:
     def all_statistics(self) -> dict[str, Any]:
         """Every part's statistics, as ``kvfs stats`` shows them."""
         return {
+            "pool": self.describe(),
             "store": asdict(self.statistics()),
             "allocator": asdict(self.alloc.statistics()),
             "cache": asdict(self.cache.statistics()),
@@ -719,7 +720,35 @@ class Store:
             "space": [asdict(d) for d in self.device_space()],
             "direct": asdict(self.direct.statistics()),
             "directories": [asdict(d) for d in self.directory_usage()],
+            "evictions": self.eviction_counts(),
         }
+
+    def describe(self) -> dict[str, str]:
+        """What identifies the mounted pool (the metrics' ``kvfs_pool_info``)."""
+        sb = self.pool.superblocks[0]
+        return {
+            "label": sb.label,
+            "uuid": str(uuid.UUID(bytes=sb.pool_uuid)),
+            "format": str(sb.version),
+            "devices": str(len(self.pool.devices)),
+            "unit_size": str(self.unit),
+            "eviction": self.evictor.policy.name,
+        }
+
+    def eviction_counts(self) -> list[dict[str, Any]]:
+        """Files evicted since the mount, by reason and top-level directory (``/``: the
+        root's own files; ``(removed)``: a directory gone since), most first."""
+        names = {ino: n.decode(errors="replace") for n, ino in self._top_level()}
+        names[ROOT_INO] = "/"
+        merged: dict[tuple[str, str], int] = {}
+        for (reason, group), n in self.space.evicted_by.items():
+            key = (reason, names.get(group, "(removed)"))
+            merged[key] = merged.get(key, 0) + n
+        order = sorted(merged.items(), key=lambda kv: (-kv[1], kv[0]))
+        return [{"reason": r, "directory": d, "files": n} for (r, d), n in order]
+
+    def _top_level(self) -> list[tuple[bytes, int]]:
+        return list((self.ns.inodes[ROOT_INO].entries or {}).items())
 
     def statistics(self) -> StoreStatistics:
         # claimed units are spoken for; free fragments in host units are free bytes
@@ -749,6 +778,8 @@ class Store:
             quarantined=self.reader.quarantined,
             unreadable_files=len(self.unreadable),
             open_handles=len(self.handles),
+            bytes_read_memory=self.reader.bytes_from_memory,
+            bytes_read_device=self.reader.bytes_from_device,
         )
 
 

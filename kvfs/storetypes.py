@@ -145,3 +145,8 @@ class StoreStatistics:
     unreadable_files: int
     """Files with data on a missing member (degraded mount): listed, reads fail."""
     open_handles: int
+    bytes_read_memory: int = 0
+    """Of ``bytes_read``: served from the daemon's memory (cache, readahead, unflushed
+    writes, holes) without waiting for a device."""
+    bytes_read_device: int = 0
+    """Of ``bytes_read``: waited for a device read."""
