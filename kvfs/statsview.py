@@ -241,18 +241,22 @@ def render(stats: dict[str, Any]) -> str:
             lines.append(f"  ... and {len(dirs) - DIRECTORY_ROWS} more (kvfs stats --json)")
     ev = stats.get("evictions", [])
     if ev:
-        rows = [[r["reason"], r["directory"], _n(r["files"])] for r in ev[:DIRECTORY_ROWS]]
-        lines += ["", _table(["EVICTED FOR", "DIRECTORY", "FILES"], rows)]
+        rows = [[r["reason"], _n(r["files"]), r["directory"]] for r in ev[:DIRECTORY_ROWS]]
+        lines += ["", _table(["EVICTED FOR", "FILES", "DIRECTORY"], rows)]
     return "\n".join(lines) + "\n"
 
 
 def _table(head: list[str], rows: list[list[str]]) -> str:
-    """Columns padded to their widest cell; the first left-aligned, the rest right."""
+    """Columns padded to their widest cell; the first and last (names, words)
+    left-aligned, the figures between right-aligned."""
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    last = len(head) - 1
 
     def line(cells: list[str]) -> str:
-        parts = [cells[0].ljust(widths[0])]
-        parts += [cell.rjust(w) for cell, w in zip(cells[1:], widths[1:], strict=True)]
+        parts = [
+            cell.ljust(w) if i in (0, last) else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(cells, widths, strict=True))
+        ]
         return "  ".join(parts).rstrip()
 
     return "\n".join(line(r) for r in [head, *rows])
