@@ -42,13 +42,15 @@ from typing import Any
 import pytest
 from conftest import META_SIZE, KvfsMount, _expected, _finish, require_fuse
 
-from kvfs import harness
+from kvfs import harness, plan
 
 REPO = Path(__file__).resolve().parent.parent
 DRIVERS = REPO / "tools" / "engines"
 ENGINES_VENV = Path(os.environ.get("KVFS_ENGINES_VENV", REPO / ".venv-engines"))
 MiB = 1 << 20
-CHUNK = 33_554_432  # LMCache, Llama-3-8B bf16, 256 tokens
+LLAMA3_8B = plan.MODELS["llama-3-8b"]
+"""The shape every engine driver here uses; ``kvfs plan`` must predict its files."""
+CHUNK = LLAMA3_8B.bytes_per_token() * 256  # LMCache's chunk: 33,554,432 (kvfs plan)
 LMCACHE_NAME = re.compile(r"^meta-llama-Meta-Llama-3-8B@(\d)@(\d)@-?[0-9a-f]+@bfloat16\.pt$")
 
 
@@ -342,7 +344,7 @@ def test_vllm_fs_tier_store_lookup_load_restart(engine_mount: MountFactory) -> N
     assert all(r["stored"])
     assert r["lookup"] == 32 and r["lookup_absent"] == 0
     assert r["loaded"] == [True] * 32
-    assert r["file_size"] == 2 * MiB
+    assert r["file_size"] == 2 * MiB == LLAMA3_8B.bytes_per_token() * 16  # as kvfs plan says
     assert re.fullmatch(
         r"meta-llama_Meta-Llama-3-8B_[0-9a-f]{12}_r0/[0-9a-f]{3}/[0-9a-f]{2}_g0/"
         r"[0-9a-f]{64}\.bin",
@@ -399,7 +401,11 @@ def test_sglang_hicache_file_roundtrip_restart(engine_mount: MountFactory) -> No
     assert r["batch_exists_v2_pages"] == 8
     assert r["got"] == [True] * 8
     assert r["reset"] == [True]
-    assert r["n_files"] == 8 and r["sizes"] == [8 * MiB] and r["tmp_leftovers"] == []
+    assert (
+        r["n_files"] == 8
+        and r["sizes"] == [8 * MiB] == [LLAMA3_8B.bytes_per_token() * 64]
+        and r["tmp_leftovers"] == []
+    )
     assert r["example"].endswith("_meta-llama-Meta-Llama-3-8B_0_1.bin")
     assert r["cached_after_restart"] == 8 and r["got_after_restart"] == [True] * 8
     assert r["vanished_exists"] is False and r["vanished_get"] is None

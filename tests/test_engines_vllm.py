@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 from conftest import META_SIZE, KvfsMount, _expected, _finish, require_fuse
 
-from kvfs import harness
+from kvfs import harness, plan
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "tools" / "engines" / "vllm_serve_bench.py"
@@ -149,6 +149,8 @@ def test_vllm_engine_fs_tier_hits_after_restart(vllm_mount: KvfsMount, tmp_path:
     assert len(files) == 4, files  # 2 users x 2 full chunks, all drained to the fs tier
     assert all(FS_PATH.fullmatch(f) for f in files), files
     assert {os.path.getsize(d / f) for f in files} == {CHUNK_FILE}
+    planned = plan.make_plan(plan.load_shape(str(model / "config.json")), 1 << 30, CHUNK_TOKENS)
+    assert planned.chunk_bytes == CHUNK_FILE, "kvfs plan mispredicts the engine's chunk file"
     assert not [f for _, _, fs in os.walk(d) for f in fs if f.endswith(".tmp")]
 
     mount.remount()  # cold: a new kvfs daemon, no unit cache
