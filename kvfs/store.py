@@ -61,7 +61,7 @@ from kvfs.namespace import ROOT_INO, Inode, Namespace, check_times
 from kvfs.pool import Pool
 from kvfs.posix import ROOT, Caller
 from kvfs.readpath import Reader
-from kvfs.space import Space
+from kvfs.space import SUM_BUDGET, Space
 from kvfs.storetypes import (
     DeviceSpace,
     DirectoryUsage,
@@ -680,27 +680,35 @@ class Store:
 
     def directory_usage(self) -> list[DirectoryUsage]:
         """Usage, quota and policy of each top-level directory, largest first (at most
-        :attr:`DIRECTORY_LIMIT`), then the root's own files as ``/`` if it has any. The
-        first call sums each directory's files once (one pass over the index); the
-        sums are then kept up to date by every write, truncate, unlink and rename."""
+        :attr:`DIRECTORY_LIMIT`), then the root's own files as ``/`` if it has any.
+        A directory is summed once (its files' units), then kept up to date by every
+        write, truncate, unlink and rename; one call walks at most ``SUM_BUDGET``
+        entries (root entries included), so it never holds the daemon's thread for a
+        pass over millions of files: a directory past that budget shows -1 (not
+        summed) until a quota on it sums it."""
         rows: list[DirectoryUsage] = []
-        own = 0
-        for name, ino in self._top_level():
+        own, budget = 0, SUM_BUDGET
+        for listed, (name, ino) in enumerate(self._top_level()):
+            if listed >= SUM_BUDGET:
+                own = -1  # a root of millions of entries: its own files are not summed
+                break
             node = self.ns.inodes.get(ino)
             if node is None:
                 continue
             if node.entries is None:
                 own += node.mapped_units * self.unit
                 continue
+            used, seen = self.space.known_group_usage(ino, max(budget, 0))
+            budget -= seen
             rows.append(
                 DirectoryUsage(
                     name.decode(errors="replace"),
-                    self.space.group_usage(ino),
+                    -1 if used is None else used,
                     self.evictor.group_quota(ino),
                     self.evictor.group_policy(ino),
                 )
             )
-        rows.sort(key=lambda r: (-r.used_bytes, r.name))
+        rows.sort(key=lambda r: (r.used_bytes >= 0, -r.used_bytes, r.name))  # unknown first
         del rows[self.DIRECTORY_LIMIT :]
         if own:
             rows.append(DirectoryUsage("/", own, 0, self.evictor.group_policy(ROOT_INO)))
@@ -738,17 +746,24 @@ class Store:
     def eviction_counts(self) -> list[dict[str, Any]]:
         """Files evicted since the mount, by reason and top-level directory (``/``: the
         root's own files; ``(removed)``: a directory gone since), most first."""
-        names = {ino: n.decode(errors="replace") for n, ino in self._top_level()}
-        names[ROOT_INO] = "/"
         merged: dict[tuple[str, str], int] = {}
         for (reason, group), n in self.space.evicted_by.items():
-            key = (reason, names.get(group, "(removed)"))
+            key = (reason, self._group_name(group))
             merged[key] = merged.get(key, 0) + n
         order = sorted(merged.items(), key=lambda kv: (-kv[1], kv[0]))
         return [{"reason": r, "directory": d, "files": n} for (r, d), n in order]
 
-    def _top_level(self) -> list[tuple[bytes, int]]:
-        return list((self.ns.inodes[ROOT_INO].entries or {}).items())
+    def _group_name(self, group: int) -> str:
+        """A top-level directory's name; ``/`` for the root, ``(removed)`` if gone."""
+        if group == ROOT_INO:
+            return "/"
+        inode = self.ns.inodes.get(group)
+        names = self.ns.names_of(inode) if inode is not None else []
+        top = [n for parent, n in names if parent == ROOT_INO]
+        return top[0].decode(errors="replace") if top else "(removed)"
+
+    def _top_level(self) -> Iterator[tuple[bytes, int]]:
+        return iter((self.ns.inodes[ROOT_INO].entries or {}).items())
 
     def statistics(self) -> StoreStatistics:
         # claimed units are spoken for; free fragments in host units are free bytes

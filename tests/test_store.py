@@ -818,3 +818,39 @@ async def test_a_read_that_finds_its_unit_rewritten_meanwhile_serves_the_new_dat
         store.ns.commit(inode)
         store.cache.discard((a, 0))
         assert await get(store, a) == old_data
+
+
+async def test_directory_usage_never_walks_more_than_its_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A directory too large to sum within a call's budget shows -1 (no pass over
+    millions of files on the daemon's thread); small ones are summed and then kept
+    current; a quota sums the large one, which then shows."""
+    import kvfs.space as space_mod
+    import kvfs.store as store_mod
+
+    monkeypatch.setattr(store_mod, "SUM_BUDGET", 8)
+    monkeypatch.setattr(space_mod, "SUM_BUDGET", 8)
+    async with serving(memory_pool(size=64 << 20)) as store:
+        big = await store.make(ROOT_INO, b"big", stat.S_IFDIR | 0o755)
+        small = await store.make(ROOT_INO, b"small", stat.S_IFDIR | 0o755)
+        for i in range(12):
+            inode = await store.create(big.ino, b"f%d" % i, FILE)
+            fh = await store.open(inode.ino, os.O_RDWR)
+            await store.write(fh, 0, b"x" * UNIT)
+            await store.commit(store.ns.get(inode.ino))
+            await store.release(fh)
+        inode = await store.create(small.ino, b"s", FILE)
+        fh = await store.open(inode.ino, os.O_RDWR)
+        await store.write(fh, 0, b"y" * (2 * UNIT))
+        await store.commit(store.ns.get(inode.ino))
+        await store.release(fh)
+        first = {r.name: r.used_bytes for r in store.directory_usage()}
+        assert first["big"] == -1  # the call's budget went on finding it too large
+        rows = {r.name: r.used_bytes for r in store.directory_usage()}
+        assert rows == {"big": -1, "small": 2 * UNIT}  # not walked again; the rest summed
+        assert store.space.group_usage(big.ino) == 12 * UNIT  # what a quota check does
+        rows = {r.name: r.used_bytes for r in store.directory_usage()}
+        assert rows == {"big": 12 * UNIT, "small": 2 * UNIT}
+        await store.truncate(store.ns.get(inode.ino), 0)
+        assert {r.name: r.used_bytes for r in store.directory_usage()}["small"] == 0
