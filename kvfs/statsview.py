@@ -224,6 +224,8 @@ def render(stats: dict[str, Any]) -> str:
             ],
         ),
     ]
+    if len({sp["data_bytes"] for sp in stats["space"]}) > 1:
+        lines.append("(members of different sizes: all of each is used)")
     dirs = stats.get("directories", [])
     if dirs:
         rows = [

@@ -737,7 +737,7 @@ def test_cli_stats_and_umount(kvfs_mount: KvfsMount) -> None:
     write_file(mnt / "x", pattern("x", 2 * MiB))
     r = kvfs_cli("stats", str(mnt))
     assert r.returncode == 0, r.stderr
-    assert "files" in r.stdout and "capacity" in r.stdout and "device" in r.stdout
+    assert "files" in r.stdout and "space" in r.stdout and "DEVICE" in r.stdout
     r = kvfs_cli("stats", str(mnt), "--json")
     assert r.returncode == 0, r.stderr
     stats = json.loads(r.stdout)
