@@ -255,8 +255,10 @@ class StoreCollector:
         )
 
         devices = [
-            (dev.path, dev.statistics(), dev.latency(), space)
-            for dev, space in zip(self.store.pool.devices, stats["space"], strict=True)
+            (st["path"], st, dev.latency(), space)
+            for dev, st, space in zip(
+                self.store.pool.devices, stats["devices"], stats["space"], strict=True
+            )
         ]
         per_device = [
             ("kvfs_device_read_bytes", "Bytes read from each device", "bytes_read"),
@@ -267,7 +269,7 @@ class StoreCollector:
         for name, doc, field in per_device:
             yield labelled(
                 CounterMetricFamily(name, doc, labels=["device"]),
-                [([p], getattr(st, field)) for p, st, _, _ in devices],
+                [([p], st[field]) for p, st, _, _ in devices],
             )
         yield labelled(
             GaugeMetricFamily(

@@ -262,12 +262,18 @@ class Space:
             return self._usage[group], 0
         if group in self._too_large or budget <= 0:
             return None, 0
+        total, seen = self._sum_group(group, budget)
+        if total is None and budget >= SUM_BUDGET:  # too large for a whole call
+            self._too_large.add(group)
+        return total, seen
+
+    def _sum_group(self, group: int, budget: float) -> tuple[int | None, int]:
+        """(bytes mapped under ``group``, entries visited), remembered in
+        ``_usage``; (None, visited) as soon as more than ``budget`` would be walked."""
         total, stack, seen = 0, [group], 0
         while stack:
             seen += 1
             if seen > budget:
-                if budget >= SUM_BUDGET:  # too large for a whole call: not walked again
-                    self._too_large.add(group)
                 return None, seen
             node = self.ns.inodes[stack.pop()]
             if node.entries is None:
@@ -279,14 +285,7 @@ class Space:
 
     def group_usage(self, group: int) -> int:
         if group not in self._usage:
-            total, stack = 0, [group]
-            while stack:
-                node = self.ns.inodes[stack.pop()]
-                if node.entries is None:
-                    total += node.mapped_units * self.unit
-                else:
-                    stack.extend(i for i in node.entries.values() if i in self.ns.inodes)
-            self._usage[group] = total
+            self._sum_group(group, float("inf"))
         return self._usage[group]
 
     def uid_usage(self) -> dict[int, int]:
