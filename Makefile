@@ -20,9 +20,13 @@ $(VENV)/.installed: pyproject.toml
 	@command -v fusermount3 >/dev/null && pkg-config --exists fuse3 || { \
 	  echo "installing fuse3 libfuse3-dev pkg-config (needs root)"; \
 	  apt-get update -qq && apt-get install -y -qq fuse3 libfuse3-dev pkg-config; }
+	@ldconfig -p | grep -q libibverbs.so.1 && ldconfig -p | grep -q librdmacm.so.1 && \
+	  ldconfig -p | grep -q libnuma.so.1 || { \
+	  echo "installing libibverbs1 librdmacm1 libnuma1 (the Mooncake client of --cluster; needs root)"; \
+	  apt-get update -qq && apt-get install -y -qq libibverbs1 librdmacm1 libnuma1 >/dev/null; }
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -e '.[dev]'
+	$(VENV)/bin/pip install -q -e '.[dev,cluster]'
 	touch $@
 
 demo: install

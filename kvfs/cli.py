@@ -151,6 +151,12 @@ def _parser() -> argparse.ArgumentParser:
         "directory may set its own with user.kvfs.max_file_size)",
     )
     m.add_argument(
+        "--cluster",
+        metavar="URL",
+        help="share files with other nodes through a Mooncake Store: "
+        "mooncake://MASTER_HOST:PORT?metadata=URL[&knob=value...] (docs/cluster.md)",
+    )
+    m.add_argument(
         "--degraded",
         action="store_true",
         help="mount even if members other than the first are missing: files with data "
@@ -400,6 +406,11 @@ def cmd_mount(args: argparse.Namespace) -> int:
             f"--cache {sizes.format_size(args.cache)} is more than half of this machine's "
             f"memory ({sizes.format_size(ram)})"
         )
+    if args.cluster:
+        from kvfs import cluster
+
+        cluster.parse_url(args.cluster)  # a bad URL is a usage error before anything
+        cluster.check_client()
     _check_mountpoint(args.mountpoint)
     if not os.path.exists("/dev/fuse"):
         raise UserError("/dev/fuse is missing: load the fuse module or install fuse3")
@@ -510,6 +521,10 @@ def _run_mount(args: argparse.Namespace, ready: Callable[[], None]) -> int:
         except ValueError as e:
             raise UserError(str(e)) from None
         store = Store(pool, config)
+        if args.cluster:
+            from kvfs.cluster import Cluster, parse_url
+
+            store.cluster = Cluster(store, parse_url(args.cluster))
 
         def loading() -> str:  # on the progress thread: plain counters only
             read = sum(d.statistics().bytes_read for d in pool.devices)

@@ -32,6 +32,7 @@ import trio
 from kvfs import directpath, posix, procs
 from kvfs.alloc import Allocator
 from kvfs.cache import UnitCache
+from kvfs.cluster import Cluster
 from kvfs.directpath import DirectPath
 from kvfs.errors import (
     Corruption,
@@ -137,7 +138,7 @@ class Store:
             self.evictor,
             io=self._io,
             evictable=self._evictable,
-            evict=self._unlink_everywhere,
+            evict=self._evict,
             claimed=lambda: self.writer.claimed,
             pinned=self._pinned,
             privileged=lambda uid: uid in (0, os.getuid()),
@@ -147,6 +148,8 @@ class Store:
             low_watermark=self.cfg.low_watermark,
             discard=self.cfg.discard,
         )
+        self.cluster: Cluster | None = None
+        """The cluster tier (``--cluster``), set before :meth:`run`."""
         self.direct = DirectPath(self)
         """Leases and reservations of the zero-copy path (:mod:`kvfs.directpath`)."""
         self.writer = Writer(
@@ -202,6 +205,8 @@ class Store:
             await self.journal.start()
             nursery.start_soon(self.space.evict_loop)
             nursery.start_soon(self.space.trim_loop)
+            if self.cluster is not None:
+                await nursery.start(self.cluster.run)
             task_status.started()
             await trio.sleep_forever()
 
@@ -212,6 +217,8 @@ class Store:
         was never closed: it is left uncommitted, so the next mount drops it, exactly
         as after a crash -- a writer's bytes count only once it closes the file."""
         self.space.stopping = True
+        if self.cluster is not None:
+            await self.cluster.close()
         for ino, st in list(self._files.items()):
             inode = self.ns.inodes.get(ino)
             if inode is None or st.error is not None:
@@ -349,11 +356,16 @@ class Store:
         takes its bytes' count along (O(1), no recount of any group)."""
         moving = [] if old_parent == new_parent else self._movers(old_parent, old, new_parent, new)
         groups = [(inode, self.evictor.group_of(inode)) for inode in moving]
+        cluster = self.cluster
+        src = self.ns.find(old_parent, old) if cluster is not None else None
+        old_dir = cluster.path_of(old_parent) if cluster is not None else None
         victim = self.ns.rename(old_parent, old, new_parent, new, flags)
         if victim is not None:
             self.maybe_drop(victim)
         for inode, group in groups:
             self.space.moved(inode, group)
+        if cluster is not None and src is not None:
+            cluster.renamed(src, old_parent, old, old_dir)
 
     def _movers(self, old_parent: int, old: bytes, new_parent: int, new: bytes) -> list[Inode]:
         """The inodes a rename between two directories may move to the other one: the
@@ -387,8 +399,21 @@ class Store:
                 log.warning("release of inode %d: %s", h.ino, e)
         if inode.opens == 0 and inode.flags & FLAG_WRITING and h.writable:
             self._abandon(inode)
+        elif h.writable and self.cluster is not None and self._published(inode):
+            self.cluster.closed(inode)
         self._maybe_forget_state(inode)
         self.maybe_drop(inode)
+
+    def _published(self, inode: Inode) -> bool:
+        """A closed file the cluster tier may send: committed, named, no writer left."""
+        if inode.flags & (FLAG_WRITING | FLAG_GONE | FLAG_QUARANTINED) or not inode.nlink:
+            return False
+        st = self._files.get(inode.ino)
+        return st is None or (not st.writers and st.error is None)
+
+    def file_state(self, ino: int) -> FileState | None:
+        """The in-memory state of a file being written or read, if it has one."""
+        return self._files.get(ino)
 
     def _abandon(self, inode: Inode) -> None:
         """The last writer closed a file that was never committed (its commit failed,
@@ -582,7 +607,17 @@ class Store:
         return self.ns.directory(ino)
 
     def unlink(self, parent: int, name: bytes) -> None:
+        cluster = self.cluster
+        where = cluster.path_of(parent) if cluster is not None else None
         self.maybe_drop(self.ns.remove(parent, name, want_dir=False))
+        if cluster is not None:
+            cluster.unlinked(where, name, parent)
+
+    def _evict(self, inode: Inode) -> None:
+        """Eviction takes ``inode`` (the cluster tier may send it first: on-evict)."""
+        if self.cluster is not None:
+            self.cluster.evicted(inode)
+        self._unlink_everywhere(inode)
 
     def rmdir(self, parent: int, name: bytes) -> None:
         self.maybe_drop(self.ns.remove(parent, name, want_dir=True))
@@ -729,6 +764,7 @@ class Store:
             "direct": asdict(self.direct.statistics()),
             "directories": [asdict(d) for d in self.directory_usage()],
             "evictions": self.eviction_counts(),
+            **({"cluster": asdict(self.cluster.statistics())} if self.cluster is not None else {}),
         }
 
     def describe(self) -> dict[str, str]:
