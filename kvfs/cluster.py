@@ -311,6 +311,7 @@ class ClusterStatistics:
     """Queued files that changed, went or could not be read before their turn."""
     publish_failed: int = 0
     publish_queue: int = 0
+    """Publishes and deletes queued or being sent."""
     deleted: int = 0
     delete_failed: int = 0
     failures: int = 0
@@ -481,7 +482,9 @@ class Cluster:
         if client is None:
             return
         with contextlib.suppress(ClusterError):  # _call marked the tier down
-            self._check(await self._call(client.health, self.cfg.timeout), "health check")
+            rc = await self._call(client.health, self.cfg.timeout)
+            if rc != 0:
+                self._down(f"health check: error {rc}")
 
     # ------------------------------------------------------------------ keys
     def path_of(self, ino: int) -> bytes | None:
@@ -779,7 +782,6 @@ class Cluster:
             try:
                 while q:
                     op = q.popleft()
-                    self._depth -= 1
                     try:
                         if op.kind == "publish":
                             await self._publish(path, op)
@@ -791,6 +793,7 @@ class Cluster:
                         else:
                             self.stats.delete_failed += 1
                     finally:
+                        self._depth -= 1  # counted until done: queued or being sent
                         if op.pinned:
                             self._pinned -= 1
                             self._unpin(op.ino)
@@ -830,7 +833,7 @@ class Cluster:
             return
         await self._send_dirs(path)
         part = self.cfg.part
-        pieces = [data[i : i + part] for i in range(0, len(data), part)] or [b""]
+        pieces = [data[i : i + part] for i in range(0, len(data), part)]  # none if empty
         header = pack_header(
             KIND_FILE, len(pieces), inode.mode, inode.uid, inode.gid, len(data), version[1], data
         )

@@ -341,6 +341,54 @@ class StoreCollector:
             "kvfs_direct_committed_bytes", "Bytes committed by writers", d["bytes_committed"]
         )
         yield gauge("kvfs_direct_leased_files", "Files held by read leases", d["leased_files"])
+        tier = self.store.cluster
+        if tier is not None:
+            yield from self._cluster(stats["cluster"], tier, gauge, counter, histograms)
+
+    @staticmethod
+    def _cluster(
+        cl: dict[str, Any], tier: Any, gauge: Any, counter: Any, histograms: Any
+    ) -> Iterator[Any]:
+        from prometheus_client.core import HistogramMetricFamily
+
+        yield gauge("kvfs_cluster_up", "1 while the cluster tier answers", cl["state"] == "up")
+        yield gauge(
+            "kvfs_cluster_publish_queue", "Publishes and deletes queued", cl["publish_queue"]
+        )
+        for name, doc in (
+            ("hits", "Lookups answered by fetching from the cluster"),
+            ("misses", "Lookups the cluster did not have"),
+            ("negative_hits", "Lookups answered by the cache of recent cluster misses"),
+            ("skipped_down", "Local misses not asked: the cluster was down"),
+            ("fetch_failed", "Fetches that failed (unreachable, late, did not verify)"),
+            ("checksum_failures", "Fetched values that did not verify"),
+            ("bytes_fetched", "Bytes fetched from the cluster"),
+            ("published", "Files published"),
+            ("bytes_published", "Bytes published"),
+            ("publish_dropped", "Publishes dropped: queue full or cluster down"),
+            ("publish_skipped", "Queued files that changed or went before their turn"),
+            ("publish_failed", "Publishes the cluster refused"),
+            ("deleted", "Names removed in the cluster after an unlink"),
+            ("delete_failed", "Removals not done (cluster down, queue full, refused)"),
+            ("failures", "Times the cluster went down"),
+        ):
+            yield counter(f"kvfs_cluster_{name}", doc, cl[name])
+        yield histograms(
+            HistogramMetricFamily(
+                "kvfs_cluster_fetch_duration_seconds",
+                "A lookup's fetch of a file from the cluster, verified and made local",
+                labels=[],
+            ),
+            [([], tier.fetch_latency.copy())],
+        )
+        yield histograms(
+            HistogramMetricFamily(
+                "kvfs_cluster_publish_duration_seconds",
+                "Publishing one file: read locally, sent, header last",
+                labels=[],
+            ),
+            [([], tier.publish_latency.copy())],
+        )
 
 
 __all__ = ["Exporter", "StoreCollector", "bind", "parse_address"]

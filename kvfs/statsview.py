@@ -195,6 +195,17 @@ def render(stats: dict[str, Any]) -> str:
     if "lookups" in stats:
         lk = stats["lookups"]
         lines.append(f"lookups        {_n(lk['hit'])} found, {_n(lk['miss'])} not found")
+    if "cluster" in stats:
+        cl = stats["cluster"]
+        lines.append(
+            f"cluster        {cl['state']} ({cl['master']}, publish {cl['publish_mode']}): "
+            f"{_n(cl['hits'])} hits, {_n(cl['misses'])} misses, "
+            f"{format_size(cl['bytes_fetched'])} fetched; {_n(cl['published'])} published "
+            f"({format_size(cl['bytes_published'])}), {_n(cl['publish_dropped'])} dropped, "
+            f"{_n(cl['publish_queue'])} queued; {_n(cl['deleted'])} deleted; "
+            f"{_n(cl['fetch_failed'])} fetches failed ({_n(cl['checksum_failures'])} did "
+            "not verify)"
+        )
     lines += [
         f"cache          {format_size(c['bytes'])} of {format_size(c['capacity'])}, "
         f"{_n(c['hits'])} hits, {_n(c['misses'])} misses "

@@ -64,6 +64,7 @@ class Master:
         self.binary = require_mooncake()
         self.rpc_port = free_port()
         self.http_port = free_port()
+        self.metrics_port = free_port()  # its default (9003) would clash between tests
         self.log = log
         self.lease_ms = lease_ms
         self.proc: subprocess.Popen[bytes] | None = None
@@ -86,6 +87,7 @@ class Master:
             "--http_metadata_server_host=127.0.0.1",
             f"--http_metadata_server_port={self.http_port}",
             f"--default_kv_lease_ttl={self.lease_ms}",
+            f"--metrics_port={self.metrics_port}",
         ]
         out = self.log.open("ab")
         self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
