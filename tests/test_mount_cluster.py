@@ -273,9 +273,9 @@ def test_mount_with_no_master_yet_serves_locally_then_connects(
 )
 def test_bad_cluster_url_is_one_line(tmp_path: Path, url: str, message: str) -> None:
     (tmp_path / "mnt").mkdir()
+    mnt, img = str(tmp_path / "mnt"), str(tmp_path / "img")
     r = subprocess.run(
-        [*KVFS, "mount", str(tmp_path / "mnt"), str(tmp_path / "img"), "--format", "--create"]
-        + ["64M", "--cluster", url],
+        [*KVFS, "mount", mnt, img, "--format", "--create", "64M", "--cluster", url],
         capture_output=True,
         text=True,
         timeout=60,
