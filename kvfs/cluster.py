@@ -176,7 +176,7 @@ def _seconds(text: str) -> float:
 def check_client() -> None:
     """UserError (one line) when the Mooncake client cannot be imported here."""
     try:
-        import mooncake.store  # type: ignore[import-untyped,import-not-found,unused-ignore]  # noqa: F401
+        import mooncake.store  # noqa: F401
     except ImportError as e:
         raise UserError(
             f"--cluster needs the Mooncake client ({e}): pip install 'kvfs[cluster]' "
@@ -212,7 +212,7 @@ class MooncakeClient:
     """``mooncake.store.MooncakeDistributedStore``, set up for one node."""
 
     def __init__(self, cfg: ClusterConfig) -> None:
-        from mooncake.store import (  # type: ignore[import-untyped,import-not-found,unused-ignore]
+        from mooncake.store import (
             MooncakeDistributedStore,
         )
 
