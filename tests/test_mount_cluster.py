@@ -68,10 +68,12 @@ def node(tmp_path: Path, request: pytest.FixtureRequest, master: Master) -> Iter
     require_fuse()
     mounts: list[KvfsMount] = []
 
-    def make(name: str, *extra: str, knobs: str = KNOBS, connected: bool = True) -> KvfsMount:
+    def make(
+        name: str, *extra: str, knobs: str = KNOBS, connected: bool = True, size: int = 1 << 30
+    ) -> KvfsMount:
         d = tmp_path / name
         d.mkdir()
-        image = harness.make_image(d / "pool.img", 1 << 30)
+        image = harness.make_image(d / "pool.img", size)
         url = ("--cluster", master.url + knobs)
         m = KvfsMount(d / "mnt", [str(image)], d / "kvfs.log", _expected(request), url)
         mounts.append(m)
@@ -298,3 +300,52 @@ def test_stats_show_the_cluster(node: Node) -> None:
     assert "up" in line and "1 published" in line
     raw = json.loads(os.getxattr(a.path, "user.kvfs.stats"))["cluster"]
     assert raw["bytes_published"] == MiB and raw["publish_queue"] == 0
+
+
+def test_publish_on_evict_sends_what_local_eviction_takes(node: Node) -> None:
+    """publish=on-evict (the cluster as a victim cache): nothing is sent at close; the
+    files node A's eviction takes are sent before their space is reused, and node B
+    fetches them bit-identical. A file still local on A was never sent."""
+    a = node("a", "--fresh-grace", "0", knobs=KNOBS + "&publish=on-evict", size=128 * MiB)
+    b = node("b")
+    names = [f"e/{i:03d}.bin" for i in range(48)]  # 192 MiB through a 128 MiB pool
+    for i, rel in enumerate(names):
+        write(a.path / rel, pattern(("evict", i), 4 * MiB))
+    wait_for(lambda: a.stats()["store"]["evictions"] > 0)
+    wait_for(lambda: not cluster(a)["publish_queue"])
+    c = cluster(a)
+    evicted = [rel for rel in names if not (a.path / rel).exists()]
+    assert evicted and c["published"] >= 1
+    assert c["published"] + c["publish_dropped"] >= len(evicted)
+    hits = 0
+    for i, rel in enumerate(names):
+        if rel in evicted:
+            try:
+                data = (b.path / rel).read_bytes()
+            except FileNotFoundError:
+                continue  # dropped: more victims at once than the queue holds back
+            assert data == pattern(("evict", i), 4 * MiB)
+            hits += 1
+        else:
+            assert not (b.path / rel).exists()  # still local on A: never published
+    assert hits == c["published"]
+
+
+def test_prometheus_scrape_has_the_cluster_tier(node: Node) -> None:
+    from test_mount_metrics import free_port, one, scrape
+
+    port = free_port()
+    a = node("a", "--metrics", f"127.0.0.1:{port}")
+    b = node("b")
+    write(a.path / "m" / "f.bin", pattern("scrape", 2 * MiB))
+    published(a, 1)
+    assert (b.path / "m" / "f.bin").read_bytes() == pattern("scrape", 2 * MiB)
+    with pytest.raises(FileNotFoundError):
+        os.stat(b.path / "m" / "absent.bin")
+    m = scrape(port)
+    assert one(m, "kvfs_cluster_up") == 1
+    assert one(m, "kvfs_cluster_published_total") == 1
+    assert one(m, "kvfs_cluster_bytes_published_total") == 2 * MiB
+    assert one(m, "kvfs_cluster_publish_queue") == 0
+    assert one(m, "kvfs_cluster_publish_duration_seconds_count") == 1
+    assert one(m, "kvfs_cluster_hits_total") == 0  # A fetched nothing
