@@ -634,9 +634,10 @@ class Cluster:
             if not piece:  # gone (evicted by Mooncake, deleted) or unreachable
                 return False
             pieces.append(piece)
-        data = b"".join(pieces)
+        data = pieces[0] if len(pieces) == 1 else b"".join(pieces)  # one part: no copy
         del pieces
-        if not header.verify(data):
+        ok = header.verify(data)
+        if not ok:
             self.stats.checksum_failures += 1
             log.warning("cluster: %r did not verify against its checksum; not used", path)
             return False
@@ -674,9 +675,8 @@ class Cluster:
         try:
             fh = await store.open(inode.ino, os.O_WRONLY, caller)
             try:
-                view, step = memoryview(data), 8 << 20
-                for off in range(0, len(data), step):
-                    await store.write(fh, off, bytes(view[off : off + step]))
+                if data:
+                    await store.write(fh, 0, data)  # one call: copied once, into units
                 await store.flush(fh)
             finally:
                 await store.release(fh)
