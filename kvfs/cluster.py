@@ -454,8 +454,20 @@ class Cluster:
                     await self._wake_prober.wait()
                 if self.up:
                     await self._health()
-            else:
-                await trio.sleep(self.cfg.retry)
+            await trio.sleep(self.cfg.retry)  # down (just now, or still): not at once
+
+    def _probe(self) -> int:
+        """0 when the master answers (in a worker thread): the client's health check
+        alone stayed 0 for seconds after its master was killed, so an existence check
+        of one key makes the round trip too."""
+        client = self.client
+        if client is None:
+            return -1
+        rc = client.health()
+        if rc != 0:
+            return rc
+        found = client.exist([f"{self.cfg.namespace}/probe"])
+        return found[0] if found and found[0] < 0 else 0
 
     async def _try_connect(self) -> None:
         try:
@@ -465,8 +477,7 @@ class Cluster:
                     self.client = await trio.to_thread.run_sync(
                         lambda: connect(cfg), abandon_on_cancel=True
                     )
-                client = self.client
-                rc = await trio.to_thread.run_sync(client.health, abandon_on_cancel=True)
+                rc = await trio.to_thread.run_sync(self._probe, abandon_on_cancel=True)
         except Exception as e:  # unreachable, refused, late: try again later
             if self.stats.reconnects == 0 and self.stats.failures == 0:
                 log.warning("cluster %s not reachable yet (%s); retrying", self.cfg.master, e)
@@ -482,7 +493,7 @@ class Cluster:
         if client is None:
             return
         with contextlib.suppress(ClusterError):  # _call marked the tier down
-            rc = await self._call(client.health, self.cfg.timeout)
+            rc = await self._call(self._probe, self.cfg.timeout)
             if rc != 0:
                 self._down(f"health check: error {rc}")
 

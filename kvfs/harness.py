@@ -231,6 +231,7 @@ class MooncakeMaster:
             "--http_metadata_server_host=127.0.0.1",
             f"--http_metadata_server_port={self.http_port}",
             f"--default_kv_lease_ttl={self.lease_ms}",
+            "--metrics_host=127.0.0.1",
             f"--metrics_port={self.metrics_port}",
         ]
         out = self.log.open("ab")

@@ -112,6 +112,9 @@ def test_o_options_map_to_mount_options() -> None:
         assert "metrics" in names
         got = mounthelper.translate(["/d", "/m", "-o", "metrics=127.0.0.1:9480"], p)  # type: ignore[arg-type]
         assert got[-2:] == ["--metrics", "127.0.0.1:9480"], got
+    url = "mooncake://10.0.0.1:50051?metadata=http://10.0.0.1:8080/metadata&segment=1G"
+    got = mounthelper.translate(["/d", "/m", "-o", f"rw,cluster={url}"], p)  # type: ignore[arg-type]
+    assert got[-2:] == ["--cluster", url], got  # '=', '?', '&' inside the value survive
     for bad, why in (
         ("format", "unknown mount option"),
         ("force", "unknown mount option"),
