@@ -373,22 +373,20 @@ class StoreCollector:
             ("failures", "Times the cluster went down"),
         ):
             yield counter(f"kvfs_cluster_{name}", doc, cl[name])
-        yield histograms(
-            HistogramMetricFamily(
-                "kvfs_cluster_fetch_duration_seconds",
+        for name, doc, h in (
+            (
+                "fetch",
                 "A lookup's fetch of a file from the cluster, verified and made local",
-                labels=[],
+                tier.fetch_latency,
             ),
-            [([], tier.fetch_latency.copy())],
-        )
-        yield histograms(
-            HistogramMetricFamily(
-                "kvfs_cluster_publish_duration_seconds",
+            (
+                "publish",
                 "Publishing one file: read locally, sent, header last",
-                labels=[],
+                tier.publish_latency,
             ),
-            [([], tier.publish_latency.copy())],
-        )
+        ):
+            family = HistogramMetricFamily(f"kvfs_cluster_{name}_duration_seconds", doc, labels=[])
+            yield histograms(family, [([], h.copy())])
 
 
 __all__ = ["Exporter", "StoreCollector", "bind", "parse_address"]
