@@ -34,7 +34,6 @@ import math
 import os
 import socket
 import stat
-import struct
 import time
 import urllib.parse
 from collections.abc import Callable, Sequence
@@ -42,11 +41,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import trio
-import xxhash
 
 from kvfs import sizes
 from kvfs.errors import Exists, KvfsError, UserError
 from kvfs.evict import KVFS_MANAGED
+from kvfs.format.clustervalue import KIND_DIR, KIND_FILE, Header, pack_header, unpack_header
 from kvfs.format.records import FLAG_GONE, FLAG_QUARANTINED, FLAG_WRITING
 from kvfs.namespace import RENAME_NOREPLACE, ROOT_INO, Inode
 from kvfs.posix import Caller
@@ -63,10 +62,6 @@ PUBLISH_MODES = ("on-close", "on-evict")
 FETCH_PREFIX = b".kvfs-fetch."
 """Temporary names of files being fetched (renamed into place once whole)."""
 
-MAGIC = b"KVFSCL01"
-_HEADER = struct.Struct("<8sBBHIIIQQQ")  # magic kind 0 parts mode uid gid size mtime checksum
-KIND_FILE, KIND_DIR = 1, 2
-HEADER_SIZE = _HEADER.size
 
 # Mooncake's error codes (mooncake-store/include/types.h) that kvfs reads
 OBJECT_NOT_FOUND = -704
@@ -245,45 +240,6 @@ class MooncakeClient:
 
     def close(self) -> None:
         self._s.close()
-
-
-# ---------------------------------------------------------------------- values
-def pack_header(
-    kind: int, parts: int, mode: int, uid: int, gid: int, size: int, mtime: int, data: bytes
-) -> bytes:
-    """The header object of a file (``data``: its whole content) or directory. The
-    checksum covers the header's fields and every byte of the content."""
-    fields = _HEADER.pack(MAGIC, kind, 0, parts, mode, uid, gid, size, mtime, 0)
-    h = xxhash.xxh3_64(fields[:-8])
-    h.update(data)
-    return fields[:-8] + struct.pack("<Q", h.intdigest())
-
-
-@dataclass(frozen=True)
-class Header:
-    kind: int
-    parts: int
-    mode: int
-    uid: int
-    gid: int
-    size: int
-    mtime: int
-    checksum: int
-    raw: bytes
-
-    def verify(self, data: bytes) -> bool:
-        h = xxhash.xxh3_64(self.raw[:-8])
-        h.update(data)
-        return len(data) == self.size and h.intdigest() == self.checksum
-
-
-def unpack_header(raw: bytes) -> Header | None:
-    if len(raw) != HEADER_SIZE:
-        return None
-    magic, kind, _, parts, mode, uid, gid, size, mtime, checksum = _HEADER.unpack(raw)
-    if magic != MAGIC or kind not in (KIND_FILE, KIND_DIR):
-        return None
-    return Header(kind, parts, mode, uid, gid, size, mtime, checksum, raw)
 
 
 # ---------------------------------------------------------------------- statistics

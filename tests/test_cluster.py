@@ -17,6 +17,7 @@ from test_store import memory_pool, wait_until
 
 from kvfs import cluster as cl
 from kvfs.errors import UserError
+from kvfs.format import clustervalue as cv
 from kvfs.namespace import ROOT_INO
 from kvfs.posix import Caller
 from kvfs.store import Store, StoreConfig
@@ -149,16 +150,16 @@ def test_url_knobs_and_defaults() -> None:
 
 def test_header_covers_every_byte_and_its_own_fields() -> None:
     data = os.urandom(10000)
-    raw = cl.pack_header(cl.KIND_FILE, 1, 0o644, 1, 2, len(data), 7, data)
-    h = cl.unpack_header(raw)
+    raw = cv.pack_header(cv.KIND_FILE, 1, 0o644, 1, 2, len(data), 7, data)
+    h = cv.unpack_header(raw)
     assert h is not None and h.verify(data)
     assert not h.verify(data[:-1]) and not h.verify(data[:-1] + b"\0")
     for i in range(8, len(raw) - 8):  # any field changed: no longer this file's header
         changed = bytearray(raw)
         changed[i] ^= 1
-        other = cl.unpack_header(bytes(changed))
+        other = cv.unpack_header(bytes(changed))
         assert other is None or not other.verify(data)
-    assert cl.unpack_header(b"x" * len(raw)) is None
+    assert cv.unpack_header(b"x" * len(raw)) is None
 
 
 async def test_a_file_closed_on_a_is_fetched_whole_by_b() -> None:
