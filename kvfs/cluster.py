@@ -211,6 +211,13 @@ class MooncakeClient:
             MooncakeDistributedStore,
         )
 
+        # setup can hold the GIL while it retries an absent master (a daemon froze for
+        # 90 s once): only once the master's port answers
+        host, _, port = cfg.master.rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=cfg.timeout).close()
+        except OSError as e:
+            raise ClusterError(f"master {cfg.master}: {e}") from None
         self._s = MooncakeDistributedStore()
         local = cfg.local or local_address(cfg.master)
         rc = self._s.setup(
