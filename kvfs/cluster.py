@@ -46,7 +46,7 @@ from kvfs import sizes
 from kvfs.errors import Exists, KvfsError, UserError
 from kvfs.evict import KVFS_MANAGED
 from kvfs.format.clustervalue import KIND_DIR, KIND_FILE, Header, pack_header, unpack_header
-from kvfs.format.records import FLAG_GONE, FLAG_QUARANTINED, FLAG_WRITING
+from kvfs.format.records import FLAG_QUARANTINED, FLAG_WRITING
 from kvfs.namespace import RENAME_NOREPLACE, ROOT_INO, Inode
 from kvfs.posix import Caller
 from kvfs.timing import Histogram
@@ -833,31 +833,30 @@ class Cluster:
         self.publish_latency.observe(time.monotonic() - t0)
 
     def _publishable(self, inode: Inode, path: bytes, op: _Op) -> bool:
-        if inode.flags & (FLAG_QUARANTINED | FLAG_WRITING) or inode.ino in self.store.unreadable:
+        if inode.ino in self.store.unreadable:
             return False
-        if op.pinned:
-            return True  # evicted: GONE, no name any more, held open by the queue
-        if inode.flags & FLAG_GONE or self.path_of(inode.ino) != path:
-            return False  # renamed (its new name is queued) or removed
+        if op.pinned:  # evicted: GONE, no name any more, held open by the queue
+            return not inode.flags & (FLAG_QUARANTINED | FLAG_WRITING)
+        if not self.store.sendable(inode) or self.path_of(inode.ino) != path:
+            return False  # changing, renamed (its new name is queued) or removed
         st = self.store.file_state(inode.ino)
-        return st is None or (not st.writers and not st.dirty and st.error is None)
+        return st is None or not st.dirty
 
     async def _send_dirs(self, path: bytes) -> None:
         """Directory markers for every ancestor of ``path`` (once per directory per
         mount), so a node that lacks the directories can make them on lookup."""
         client = self.client
         parts = path.split(b"/")[:-1]
-        for depth in range(1, len(parts) + 1):
-            d = b"/".join(parts[:depth])
-            if d in self._dirs_sent:
+        ancestors: list[tuple[bytes, Inode]] = []  # resolved in one walk, before any await
+        node: Inode | None = self.store.ns.inodes.get(ROOT_INO)
+        for depth, name in enumerate(parts, 1):
+            node = self.store.lookup(node.ino, name) if node is not None else None
+            if node is None or not node.is_dir:
+                break
+            ancestors.append((b"/".join(parts[:depth]), node))
+        for d, inode in ancestors:
+            if d in self._dirs_sent or client is None:
                 continue
-            inode = None
-            node = self.store.ns.inodes.get(ROOT_INO)
-            for name in parts[:depth]:
-                node = self.store.lookup(node.ino, name) if node is not None else None
-            inode = node
-            if inode is None or not inode.is_dir or client is None:
-                return
             header = pack_header(KIND_DIR, 0, inode.mode, inode.uid, inode.gid, 0, 0, b"")
             key = self._key("d", d)
             rc = self._check(

@@ -399,12 +399,12 @@ class Store:
                 log.warning("release of inode %d: %s", h.ino, e)
         if inode.opens == 0 and inode.flags & FLAG_WRITING and h.writable:
             self._abandon(inode)
-        elif h.writable and self.cluster is not None and self._published(inode):
+        elif h.writable and self.cluster is not None and self.sendable(inode):
             self.cluster.closed(inode)
         self._maybe_forget_state(inode)
         self.maybe_drop(inode)
 
-    def _published(self, inode: Inode) -> bool:
+    def sendable(self, inode: Inode) -> bool:
         """A closed file the cluster tier may send: committed, named, no writer left."""
         if inode.flags & (FLAG_WRITING | FLAG_GONE | FLAG_QUARANTINED) or not inode.nlink:
             return False
