@@ -13,6 +13,8 @@ class KvfsError(Exception):
     """Base class; ``errno`` is what the FUSE adapter answers with."""
 
     errno: int = errno.EIO
+    expected = False
+    """An EIO that is a documented answer, not a fault: not logged as an error."""
 
 
 class NotFound(KvfsError):
@@ -96,6 +98,14 @@ class DeviceError(KvfsError):
     """A device request failed or missed its deadline."""
 
     errno = errno.EIO
+
+
+class Rewritten(KvfsError):
+    """The file was truncated through another descriptor since this one opened it:
+    reads through this one could mix two contents (reopen to read the new one)."""
+
+    errno = errno.EIO
+    expected = True
 
 
 class Corruption(KvfsError):

@@ -98,7 +98,7 @@ def _errors(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
             return await fn(*args, **kwargs)
         except KvfsError as e:
             if e.errno == errno.EIO:
-                log.error("%s: %s", op, e)
+                log.log(logging.DEBUG if e.expected else logging.ERROR, "%s: %s", op, e)
             counters.error(op, e.errno)
             raise pyfuse3.FUSEError(e.errno) from None
         except pyfuse3.FUSEError as e:
@@ -203,6 +203,7 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
                 attr.st_mtime_ns if fields.update_mtime else None,
                 attr.st_ctime_ns if fields.update_ctime else None,
             ),
+            fh=fh,
         )
         return self._attr(node)
 

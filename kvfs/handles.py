@@ -24,6 +24,9 @@ class Handles:
     def __getitem__(self, fh: int) -> Handle:
         return self._handles[fh]
 
+    def __contains__(self, fh: object) -> bool:
+        return fh in self._handles
+
     def __len__(self) -> int:
         return len(self._handles)
 
@@ -38,6 +41,11 @@ class Handles:
         pins = self._pins.setdefault(h.uid, {})
         pins[h.ino] = pins.get(h.ino, 0) + 1
         return fh
+
+    def replace(self, fh: int, h: Handle) -> None:
+        """Handle ``fh`` is now ``h`` (same inode and user)."""
+        assert self._handles[fh].ino == h.ino and self._handles[fh].uid == h.uid
+        self._handles[fh] = h
 
     def remove(self, fh: int) -> Handle:
         """Forget handle ``fh`` (closed); what it was."""

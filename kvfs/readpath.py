@@ -23,7 +23,7 @@ import xxhash
 
 from kvfs.cache import UnitCache
 from kvfs.device import BufferPool
-from kvfs.errors import Corruption, KvfsError
+from kvfs.errors import Corruption, DeviceError, KvfsError
 from kvfs.format.records import DEV_SHIFT, FLAG_QUARANTINED, NO_UNIT, extent, is_fragment
 from kvfs.namespace import Inode, Namespace
 from kvfs.pool import Pool
@@ -31,6 +31,8 @@ from kvfs.storetypes import FileState
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+SNAPSHOT_TRIES = 8
+"""Attempts of one read whose file shrank under it each time before it fails (EIO)."""
 
 
 @asynccontextmanager
@@ -83,6 +85,8 @@ class Reader:
         writes, holes)."""
         self.bytes_from_device = 0
         """Bytes read that waited for a device read."""
+        self.retaken = 0
+        """Reads taken again because a truncate shrank the file while they waited."""
 
     def resident(self, inode: Inode, st: FileState | None, u: int) -> memoryview | None:
         """Unit ``u`` if it can be served without device I/O."""
@@ -102,8 +106,29 @@ class Reader:
         return view
 
     async def read(self, inode: Inode, off: int, end: int) -> bytes | memoryview:
-        """Bytes ``off``..``end`` of ``inode`` (within its size); a single unit is
-        returned as a zero-copy view."""
+        """Bytes ``off``..``end`` of ``inode`` (within its size), all taken with no
+        truncate between them; a single unit is returned as a zero-copy view.
+
+        A truncate that shrinks the file while this read waits for a device may take
+        units the read counted on (a unit another fetch was reading comes back a hole
+        once the truncate unmapped it) and the length was taken from the old size: the
+        read is then taken again within the new size (EOF may come earlier: a short
+        count, as a read racing a truncate may get). EIO if the file keeps shrinking
+        under every attempt."""
+        for _ in range(SNAPSHOT_TRIES):
+            st = self._files.get(inode.ino)
+            shrinks = st.shrinks if st is not None else 0
+            data = await self._read_once(inode, off, end)
+            now = self._files.get(inode.ino)
+            if now is st and (now is None or now.shrinks == shrinks):
+                return data
+            self.retaken += 1
+            end = min(end, inode.size)
+            if off >= end:
+                return b""
+        raise DeviceError(f"inode {inode.ino}: truncated under {SNAPSHOT_TRIES} reads in a row")
+
+    async def _read_once(self, inode: Inode, off: int, end: int) -> bytes | memoryview:
         first, last = off // self.unit, (end - 1) // self.unit
         st = self._files.get(inode.ino)
         views: dict[int, memoryview] = {}

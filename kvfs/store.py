@@ -24,7 +24,7 @@ import stat
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any, TypeVar
 
 import trio
@@ -43,6 +43,7 @@ from kvfs.errors import (
     NoSpace,
     NotPermitted,
     QuotaExceeded,
+    Rewritten,
 )
 from kvfs.evict import QUOTA_XATTR, Evictor
 from kvfs.format.records import (
@@ -267,7 +268,27 @@ class Store:
         owner = self.evictor.opened(inode, caller.pid)
         if writable:
             self.writer.state(ino).writers += 1
-        return self.handles.add(Handle(ino, writable, caller.pid, owner, caller.uid))
+        shrinks = self._shrinks(ino)
+        return self.handles.add(Handle(ino, writable, caller.pid, owner, caller.uid, shrinks))
+
+    def _shrinks(self, ino: int) -> int:
+        """How often the file shrank while some handle held it open (FileState lives
+        as long as one does)."""
+        st = self._files.get(ino)
+        return st.shrinks if st is not None else 0
+
+    def _keep_readable(self, ino: int, tid: int, fh: int | None) -> None:
+        """After a truncate by thread ``tid`` (through ``fh``, an ftruncate): the
+        handle it came through, and the handles that thread opened, go on reading
+        (one thread's calls are sequential: none of its reads was in flight)."""
+        shrinks = self._shrinks(ino)
+        for n, h in list(self.handles.items()):
+            if h.ino == ino and h.shrinks != shrinks and (n == fh or h.pid == tid):
+                self.handles.replace(n, replace(h, shrinks=shrinks))
+
+    def _check_not_rewritten(self, fh: int, h: Handle) -> None:
+        if self._shrinks(h.ino) != h.shrinks:
+            raise Rewritten(f"inode {h.ino}: truncated through another descriptor; reopen it")
 
     def _pinned(self, uid: int) -> int:
         """Bytes of the files user ``uid`` holds open (they cannot be evicted), the
@@ -520,10 +541,12 @@ class Store:
         """Every byte of ``off``..``off + size`` up to EOF, or an error: EIO for a
         file that is quarantined, whose bytes were not all stored, or that has data
         on a missing member (degraded mount)."""
-        ino = self.handles[fh].ino
+        h = self.handles[fh]
+        ino = h.ino
         inode = self.ns.inodes.get(ino)
         if inode is None or inode.flags & FLAG_QUARANTINED:
             raise Corruption(f"inode {ino} is quarantined or gone")
+        self._check_not_rewritten(fh, h)
         if ino in self.unreadable:
             raise self._unreadable_error(inode)
         st = self._files.get(ino)
@@ -533,8 +556,9 @@ class Store:
         if off >= end:
             return b""
         data = await self.reader.read(inode, off, end)
+        self._check_not_rewritten(fh, h)  # a truncate may have come while it waited
         self._reads += 1
-        self._bytes_read += end - off
+        self._bytes_read += len(data)
         return data
 
     def _unreadable_error(self, inode: Inode) -> DeviceError:
@@ -636,10 +660,12 @@ class Store:
         uid: int | None = None,
         gid: int | None = None,
         times: tuple[int | None, int | None, int | None] = (None, None, None),
+        fh: int | None = None,
     ) -> Inode:
         """chmod, chown, truncate and utimens of one SETATTR (what is not None). The
         times (atime, mtime, ctime; a ctime not given is now) are checked before
-        anything changes."""
+        anything changes. ``fh``: the handle an ftruncate came through (it goes on
+        reading the file it shrank itself)."""
         node = self.ns.get(ino)
         atime, mtime, _ = node.times()
         at, mt, ct = times
@@ -651,6 +677,7 @@ class Store:
         check_times(*new_times)  # refused before anything changes
         if size is not None:
             await self.truncate(node, size)
+            self._keep_readable(ino, caller.pid, fh)
         if mode is not None:
             node.mode = stat.S_IFMT(node.mode) | stat.S_IMODE(mode)
         if uid is not None and node.uid != uid:

@@ -80,6 +80,9 @@ class FileState:
     writers: int = 0
     active: int = 0
     """``write`` calls in progress: while one is, a commit is no end of the file."""
+    shrinks: int = 0
+    """Truncates that shrank the file: a read that awaited across one retakes its
+    bytes (the units it waited for may be gone, its length taken from the old size)."""
 
 
 def check_failed(st: FileState) -> None:
@@ -97,6 +100,12 @@ class Handle:
     """The opening process as (pid, start time): is it dying when it closes?"""
     uid: int = 0
     """The opener's user: what it holds open, it pins (bounded per user)."""
+    shrinks: int = 0
+    """The file's ``FileState.shrinks`` when this handle was opened (or when it, or
+    the thread that opened it, last shrank the file): once another thread's truncate
+    shrank the file, this one reads EIO,
+    since the pieces of one read(2) (FUSE requests of at most 1 MiB) could otherwise
+    come from two contents (``docs/design.md``, "Reads beside a truncate")."""
 
 
 @dataclass(frozen=True)

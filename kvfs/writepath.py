@@ -279,6 +279,7 @@ class Writer:
             self._unreadable.discard(inode.ino)
         self._begin_change(inode)
         if size < inode.size:
+            st.shrinks += 1  # before any await: a read in flight must not trust its view
             keep = -(-size // self.unit)
             self.discard_dirty(inode.ino, keep)
             for u in [u for u in st.inflight if u >= keep]:
