@@ -389,7 +389,8 @@ def write_from(path: str | os.PathLike[str], buf: Any, mode: int = 0o644) -> int
             _count(direct_writes=1, direct_bytes_written=size)
             n = size
     except BaseException:
-        # a close before the commit: the mount frees the room and drops the file
+        # the last close before the commit (its release, not any FLUSH: a forked
+        # child's exec sends those): the mount frees the room and drops the file
         with contextlib.suppress(OSError):
             os.close(fd)
         raise

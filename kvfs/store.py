@@ -311,13 +311,19 @@ class Store:
         descriptors it inherited (``subprocess`` does, at exec) commits a prefix of
         the file, as an fsync mid-write does. Such a prefix is never taken for the
         whole file: a killed opener's handle that wrote makes the file incomplete
-        again, committed or not."""
+        again, committed or not.
+
+        A handle with a direct write in progress is left alone: its commit is the
+        client's, and a FLUSH may be a forked child's, not the writer's close. The
+        write is abandoned at the handle's release (its last close), or here when
+        the writer is dying (a child may hold the descriptor open long after)."""
         h = self.handles[fh]
         inode = self.ns.inodes.get(h.ino)
         if not h.writable or inode is None:
             return
-        if self.direct.pending(fh):  # closed before its direct write's commit
-            self.direct.abandon(fh)  # the file is incomplete: dropped at last close
+        if self.direct.pending(fh):
+            if h.owner is not None and procs.killed(*h.owner):
+                self.direct.abandon(fh)  # the file is incomplete: dropped at last close
             return
         unfinished = inode.flags & FLAG_WRITING or fh in self.handles.wrote
         if unfinished and h.owner is not None and procs.killed(*h.owner):

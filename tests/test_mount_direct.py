@@ -185,38 +185,113 @@ dfd = d._device(plan["devices"][run[0]], write=True)
 buf = d.aligned(1 << 20)
 buf[:] = b"x" * len(buf)
 os.pwrite(dfd, buf, run[1])
-print("reserved", flush=True)
+child = os.fork() if sys.argv[4] == "forked" else -1
+if child == 0:  # holds a copy of the descriptor, outliving the writer
+    time.sleep(60)
+    os._exit(0)
+print("reserved", child, flush=True)
 time.sleep(60)
 """
 
 
-@pytest.mark.parametrize("how", ["killed", "closed"])
+@pytest.mark.parametrize("how", ["killed", "closed", "killed-forked", "closed-shared"])
 def test_an_uncommitted_direct_write_leaves_nothing(kvfs_mount: KvfsMount, how: str) -> None:
     """A client that reserved and wrote part of a file, then was killed (or closed
-    it without committing): the file is gone and its room is free again."""
+    it without committing): the file is gone and its room is free again. A killed
+    writer's room comes back at once even while a child it forked still holds the
+    descriptor; a closed one's when the last copy of its descriptor closes."""
     p = kvfs_mount.path / "partial"
     free = kvfs_mount.stats()["store"]["free_bytes"]
-    if how == "killed":
+    if how.startswith("killed"):
         proc = subprocess.Popen(
-            [sys.executable, "-c", _KILLED_WRITER, str(p), str(8 * MiB), str(REPO)],
+            [sys.executable, "-c", _KILLED_WRITER, str(p), str(8 * MiB), str(REPO), how[7:]],
             stdout=subprocess.PIPE,
         )
         assert proc.stdout is not None
-        assert proc.stdout.readline().strip() == b"reserved"
+        said, child = proc.stdout.readline().split()
+        assert said == b"reserved"
         assert kvfs_mount.stats()["store"]["free_bytes"] < free
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         proc.stdout.close()
+        if int(child) > 0:  # the child keeps the file open: only the room comes back
+            wait_for(lambda: _stats(kvfs_mount)["aborts"] == 1, what="the write abandoned")
+            wait_for(lambda: kvfs_mount.stats()["store"]["free_bytes"] == free, what="room")
+            os.kill(int(child), 0)  # still alive, still holding the descriptor
+            os.kill(int(child), signal.SIGKILL)
+            # the child's close flushes a failed file: EIO, as any later flush of it
+            kvfs_mount.expect_errors.append("flush: .*direct write closed before its commit")
     else:
         fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.getxattr(fd, direct.RESERVE + f"{8 * MiB}.abc")
+        holder = None
+        if how == "closed-shared":  # a child holds a copy of the descriptor
+            holder = subprocess.Popen(
+                [sys.executable, "-c", "import sys; sys.stdin.read()"],
+                pass_fds=(fd,),
+                stdin=subprocess.PIPE,
+            )
         os.close(fd)
+        if holder is not None:
+            assert holder.stdin is not None
+            holder.stdin.close()  # the child exits: the descriptor's last close
+            assert holder.wait() == 0
     wait_for(lambda: not p.exists(), what="the incomplete file to go")
     wait_for(lambda: kvfs_mount.stats()["store"]["free_bytes"] == free, what="room back")
     assert _stats(kvfs_mount)["aborts"] == 1
     kvfs_mount.expect_errors.append("could not be committed")
     kvfs_mount.remount()
     assert not p.exists()
+
+
+def test_a_forked_child_cannot_abandon_a_direct_write(kvfs_mount: KvfsMount) -> None:
+    """Another thread starts subprocesses all the time, as engines do: each child
+    inherits the writer's descriptor and closes it at exec (a FLUSH of the writer's
+    handle). Only the writer's own last close abandons its write, so every write
+    succeeds and every file is exact, through FUSE and directly."""
+    m = kvfs_mount.path
+    sizes = [8 * MiB + i * (5 * MiB // 2) + i for i in range(10)]  # 8 to 31 MiB, odd tails
+    stop, spawned, errors = threading.Event(), [0], []
+
+    def spawn() -> None:
+        try:
+            while not stop.is_set():
+                subprocess.run(["true"], check=True)
+                spawned[0] += 1
+        except BaseException as e:
+            errors.append(e)
+
+    before = direct.stats()["direct_writes"]
+    spawner = threading.Thread(target=spawn)
+    spawner.start()
+    try:
+        for i, size in enumerate(sizes):
+            assert direct.write_from(m / f"f{i}", pattern(("fork", i), size)) == size
+    finally:
+        stop.set()
+        spawner.join()
+    assert not errors and spawned[0] > 0
+    # and one child forked for certain between the reservation and the commit
+    fd = os.open(m / "g", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        plan = json.loads(os.getxattr(fd, direct.RESERVE + f"{4 * MiB}.n1"))
+        subprocess.run(["true"], check=True)  # its exec closes the inherited fd: a FLUSH
+        fds = direct._devices(plan, write=True)
+        assert fds is not None
+        sums = [0] * -(-4 * MiB // plan["unit"])
+        direct._wait(direct._submit_runs(plan, fds, memoryview(pattern("g", 4 * MiB)), sums))
+        os.setxattr(fd, direct.COMMIT, json.dumps({"nonce": "n1", "csums": sums}).encode())
+    finally:
+        os.close(fd)
+    assert direct.stats()["direct_writes"] - before == len(sizes)
+    assert _stats(kvfs_mount)["aborts"] == 0
+    files = {f"f{i}": pattern(("fork", i), size) for i, size in enumerate(sizes)}
+    files["g"] = pattern("g", 4 * MiB)
+    for name, data in files.items():
+        assert (m / name).read_bytes() == data, name
+        buf = direct.aligned(len(data))
+        assert direct.read_into(m / name, buf) == len(data)
+        assert buf[:] == data, name
 
 
 def test_a_full_pool_fails_the_write_and_leaves_no_file(small_mount: KvfsMount) -> None:

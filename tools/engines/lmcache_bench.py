@@ -40,7 +40,7 @@ import tempfile
 import time
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
@@ -89,6 +89,19 @@ class Kvfs:
         self.mount()
 
 
+DRIVER_STDERR_TAIL = 20000
+"""Characters of a failed driver's stderr the error shows (the end: its traceback)."""
+
+
+def _tail(err: IO[bytes]) -> str:
+    """The end of a failed driver's stderr (a file), to show with its failure."""
+    err.seek(0)
+    text: str = err.read().decode(errors="replace")
+    if not text.strip():
+        return "; its stderr was empty"
+    return f"; its stderr ends:\n{text[-DRIVER_STDERR_TAIL:]}"
+
+
 def one_run(root: Path, variant: str, chunks: int, cold: Any) -> dict[str, Any]:
     if root.exists():
         shutil.rmtree(root)
@@ -115,26 +128,28 @@ def one_run(root: Path, variant: str, chunks: int, cold: Any) -> dict[str, Any]:
         cmd.append("--odirect")
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     env.pop("PYTHONPATH", None)
-    p = subprocess.Popen(
-        cmd,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=env,
-        cwd="/",
-    )
-    assert p.stdin and p.stdout
-    line = p.stdout.readline()
-    if line.strip() != "STORED":
-        p.kill()
-        raise RuntimeError(f"{variant}: driver said {line!r}")
-    cold()
-    p.stdin.write("go\n")
-    p.stdin.flush()
-    out = p.stdout.read()
-    if p.wait() != 0:
-        raise RuntimeError(f"{variant}: driver exited {p.returncode}")
+    with tempfile.TemporaryFile() as err:  # the driver's stderr: shown if it fails
+        p = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            env=env,
+            cwd="/",
+        )
+        assert p.stdin and p.stdout
+        line = p.stdout.readline()
+        if line.strip() != "STORED":
+            p.kill()
+            p.wait()
+            raise RuntimeError(f"{variant}: driver said {line!r}{_tail(err)}")
+        cold()
+        p.stdin.write("go\n")
+        p.stdin.flush()
+        out = p.stdout.read()
+        if p.wait() != 0:
+            raise RuntimeError(f"{variant}: driver exited {p.returncode}{_tail(err)}")
     res: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
     return res
 
