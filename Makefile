@@ -3,7 +3,7 @@ PY ?= .venv/bin/python
 VENV = .venv
 DEMO_DIR ?= /tmp/kvfs-demo
 
-.PHONY: install engines-env demo test test-deps lint format bench trace clean
+.PHONY: install engines-env demo test test-banner test-deps lint format bench trace clean
 
 BINDIR ?= /usr/local/bin
 DOCDIR ?= /usr/local/share/doc/kvfs
@@ -43,8 +43,13 @@ test-deps:
 	  echo "installing tmux systemd (needs root; used by the tests)"; \
 	  apt-get update -qq && apt-get install -y -qq tmux systemd >/dev/null; }
 
-test: install engines-env test-deps
+# The first prerequisite says up front what runs and for how long (make runs them in order).
+test: test-banner install engines-env test-deps
 	KVFS_ENGINES_VENV=$(CURDIR)/.venv-engines $(PY) -m pytest -q
+
+test-banner:
+	@echo "make test: ~700 tests (unit, real mounts, crash torture, the real engines), ~20-30 min$$( \
+	  [ -f .venv-engines/.kvfs-engines ] || echo '; first it builds .venv-engines: ~4 min, 3.7 GB')"
 
 lint: install
 	$(VENV)/bin/ruff check kvfs tests tools

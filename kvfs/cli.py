@@ -34,6 +34,16 @@ def parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def parse_image_size(text: str) -> int:
+    """``--create``'s size: a size above 0 (an image of 0 bytes holds no pool)."""
+    value = parse_size(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: an image needs a size above 0 (e.g. --create 64G)"
+        )
+    return value
+
+
 def parse_seconds(text: str) -> float:
     """A duration in seconds: a finite number >= 0 (``30``, ``0.5``)."""
     try:
@@ -195,10 +205,21 @@ def _parser() -> argparse.ArgumentParser:
     u.add_argument(
         "--timeout", type=parse_seconds, default=60.0, help="seconds to wait for the daemon (60)"
     )
+    u.add_argument(
+        "--lazy",
+        "-z",
+        action="store_true",
+        help="detach a busy mount now; its daemon ends once the last process using it lets go",
+    )
 
     for parser_ in sub.choices.values():  # one metavar per kind of value
         for action in parser_._actions:
-            kind = {parse_size: "SIZE", parse_seconds: "SECONDS", parse_fraction: "FRACTION"}
+            kind = {
+                parse_size: "SIZE",
+                parse_image_size: "SIZE",
+                parse_seconds: "SECONDS",
+                parse_fraction: "FRACTION",
+            }
             if action.metavar is None and action.type in kind:
                 action.metavar = kind[action.type]
     h = add("help", help="a command's options in full: kvfs help mount")
@@ -247,7 +268,7 @@ def _format_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--create",
-        type=parse_size,
+        type=parse_image_size,
         metavar="SIZE",
         default=0,
         help="create missing image files of SIZE (sparse)",
@@ -352,25 +373,35 @@ def _abandoned_reply(record: logging.LogRecord) -> bool:
     return True
 
 
-def _create_images(args: argparse.Namespace) -> None:
+def _create_images(args: argparse.Namespace) -> list[str]:
+    """``--create``: the missing image files, made sparse; returns those it made."""
+    created = []
     for path in args.devices:
         if args.create and not os.path.exists(path):
-            with open(path, "wb") as f:
+            with open(path, "xb") as f:
+                created.append(path)
                 f.truncate(args.create)
+    return created
 
 
 def cmd_format(args: argparse.Namespace) -> int:
     from kvfs.pool import format_pool
 
-    _create_images(args)
-    sbs = format_pool(
-        args.devices,
-        unit_size=args.unit_size,
-        meta_size=args.meta_size,
-        force=args.force,
-        label=args.label,
-        mean_file_size=args.mean_file_size,
-    )
+    created = _create_images(args)
+    try:
+        sbs = format_pool(
+            args.devices,
+            unit_size=args.unit_size,
+            meta_size=args.meta_size,
+            force=args.force,
+            label=args.label,
+            mean_file_size=args.mean_file_size,
+        )
+    except BaseException:  # an image we just made and could not format is no use
+        for path in created:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        raise
     unit = sbs[0].unit_size
     cap = sum(sb.data_units for sb in sbs) * unit
     print(
@@ -388,6 +419,11 @@ def cmd_format(args: argparse.Namespace) -> int:
 
 
 def _check_mountpoint(path: str) -> None:
+    from kvfs import daemon
+
+    stale = daemon.stale_kvfs_mount(path)
+    if stale is not None:
+        raise UserError(daemon.stale_mount_message(stale))
     if not os.path.isdir(path):
         raise UserError(f"{path}: mountpoint does not exist or is not a directory")
     if os.path.ismount(path):
@@ -396,9 +432,27 @@ def _check_mountpoint(path: str) -> None:
         raise UserError(f"{path}: mountpoint is not empty")
 
 
+def _check_order(mountpoint: str, devices: list[str]) -> None:
+    """mount(8)'s order (device first) given to ``kvfs mount``: say the right one."""
+    import stat
+
+    try:
+        first = os.stat(mountpoint).st_mode
+    except OSError:
+        return
+    if not (stat.S_ISBLK(first) or stat.S_ISREG(first)) or len(devices) != 1:
+        return
+    if os.path.isdir(devices[0]) or not os.path.exists(devices[0]):
+        raise UserError(
+            f"{mountpoint} is a device or image, not a directory: the order is "
+            f"kvfs mount MOUNTPOINT DEVICE... (kvfs mount {devices[0]} {mountpoint})"
+        )
+
+
 def cmd_mount(args: argparse.Namespace) -> int:
     if args.drop_unreadable and not args.degraded:
         raise UserError("--drop-unreadable is an option of --degraded mounts")
+    _check_order(args.mountpoint, args.devices)
     args.mountpoint = os.path.realpath(args.mountpoint)  # the daemon chdirs to /
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if args.cache > ram // 2:
@@ -414,13 +468,39 @@ def cmd_mount(args: argparse.Namespace) -> int:
     _check_mountpoint(args.mountpoint)
     if not os.path.exists("/dev/fuse"):
         raise UserError("/dev/fuse is missing: load the fuse module or install fuse3")
+    missing = [d for d in args.devices if not os.path.exists(d)]
+    if args.create and missing and not args.format:
+        raise UserError(f"{missing[0]} does not exist: --create makes an empty image; add --format")
+    if args.metrics:  # a taken port is refused before anything is created or formatted
+        from kvfs import metrics
+
+        args.exporter = metrics.bind(args.metrics)
+    if not args.foreground:
+        _daemon_log_file(args)
     if args.format:
         cmd_format(args)
-    else:
-        _create_images(args)
     if args.foreground:
         return _run_mount(args, lambda: None)
     return _daemonize(args)
+
+
+def _daemon_log_file(args: argparse.Namespace) -> None:
+    """Where a daemon without ``--log-file`` logs: syslog, or where there is none a
+    file (``daemon.default_log_file``), which the "mounted" line names."""
+    from kvfs import daemon
+
+    args.log_note = ""
+    if args.log_file or daemon.syslog_available():
+        return
+    path = daemon.default_log_file(args.mountpoint)
+    try:
+        daemon.configure_logging(args.debug, path)
+    except OSError as e:
+        args.log_note = f"; no syslog ({daemon.SYSLOG} missing) and {path}: {e.strerror}: "
+        args.log_note += "its logs are lost (pass --log-file FILE)"
+        return
+    args.log_file = path
+    args.log_note = f"; no syslog ({daemon.SYSLOG} missing): it logs to {path}"
 
 
 def _daemonize(args: argparse.Namespace) -> int:
@@ -431,16 +511,19 @@ def _daemonize(args: argparse.Namespace) -> int:
     pid = os.fork()
     if pid:
         os.close(wfd)
+        if getattr(args, "exporter", None) is not None:
+            args.exporter.close()  # the daemon's now
         with os.fdopen(rfd) as r:
             msg = r.read()
         if msg.startswith("ok"):
-            print(f"kvfs: mounted {args.mountpoint} (pid {pid})")
+            print(f"kvfs: mounted {args.mountpoint} (pid {pid}){args.log_note}")
             return EXIT_OK
         print(msg.removeprefix("usage:").strip() or "kvfs: mount failed", file=sys.stderr)
         return EXIT_USAGE if msg.startswith("usage:") else EXIT_FAIL
     os.close(rfd)
     os.setsid()
     os.umask(0o022)
+    daemon.daemon_logging(args.log_file)  # its log lines never reach the terminal
     w = os.fdopen(wfd, "w")
 
     def ready() -> None:
@@ -502,7 +585,9 @@ def _run_mount(args: argparse.Namespace, ready: Callable[[], None]) -> int:
     pidfile: list[str | None] = []
     from kvfs import metrics
 
-    exporter = metrics.bind(args.metrics) if args.metrics else None  # UserError if taken
+    exporter = getattr(args, "exporter", None)
+    if exporter is None and args.metrics:
+        exporter = metrics.bind(args.metrics)  # UserError if taken
     pool = open_pool(args.devices, degraded=args.degraded, heal=True)
     try:
         try:
@@ -568,7 +653,7 @@ def _run_mount(args: argparse.Namespace, ready: Callable[[], None]) -> int:
 
 
 def cmd_umount(args: argparse.Namespace) -> int:
-    from kvfs import daemon
+    from kvfs import daemon, procs
 
     path = os.path.realpath(args.mountpoint)
     mount = daemon.mount_at(path)
@@ -578,17 +663,26 @@ def cmd_umount(args: argparse.Namespace) -> int:
         raise UserError(f"{path} is a {mount.fstype} mount, not kvfs; refusing to unmount it")
     pid = daemon.daemon_pid(mount)  # its pidfile, keyed by the FUSE connection
     pids = [] if pid is None else [pid]
-    if pid is None:  # a daemon of a release before pidfiles, or one that just exited
+    dead = daemon.daemon_gone(path)  # only the kernel's mount is left
+    if pid is None and not dead:  # a daemon of a release before pidfiles, or one exiting
         log.warning("%s: no pidfile for its daemon; not waiting for it to exit", path)
-    try:
-        os.stat(path)
-        dead = False
-    except OSError:  # ENOTCONN: the daemon is gone; only the kernel's mount is left
-        dead = True
-    cmd = ["fusermount3", "-u", *(["-z"] if dead else []), path]
+    # who keeps it: read before a lazy unmount hides their paths, after a failed one
+    users = procs.users_of(path) if args.lazy and not dead else []
+    cmd = ["fusermount3", "-u", *(["-z"] if dead or args.lazy else []), path]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode:
+        users = users or ([] if dead else procs.users_of(path))
+        if users:
+            raise UserError(
+                f"{path} is busy: used by {_listed(users)}; end them, or detach it now "
+                f"with `kvfs umount --lazy {path}` (its daemon then ends when they let go)",
+                EXIT_FAIL,
+            )
         raise UserError(f"unmount failed: {r.stderr.strip()}", EXIT_FAIL)
+    if args.lazy and users:
+        end = f"its daemon (pid {pid})" if pid is not None else "its daemon"
+        print(f"kvfs: {path} detached; {end} ends once these let go of it: {_listed(users)}")
+        return EXIT_OK
     deadline = time.monotonic() + args.timeout
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -600,6 +694,12 @@ def cmd_umount(args: argparse.Namespace) -> int:
 
 
 KVFS_FSTYPE = "fuse.kvfs"
+
+
+def _listed(users: list[tuple[int, str]], most: int = 5) -> str:
+    """``pid 123 (python3), pid 456 (bash)``, at most ``most`` of them."""
+    text = ", ".join(f"pid {pid} ({name})" for pid, name in users[:most])
+    return text + (f" and {len(users) - most} more" if len(users) > most else "")
 
 
 def _alive(pid: int) -> bool:

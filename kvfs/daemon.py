@@ -10,6 +10,7 @@ that mount, however its mountpoint was spelled when it was mounted.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import logging.handlers
 import os
@@ -24,7 +25,10 @@ log = logging.getLogger(__name__)
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 RUN_DIR = os.environ.get("KVFS_RUN_DIR", "/run/kvfs")
 """Where mount daemons keep their pidfiles (``KVFS_RUN_DIR`` overrides it)."""
-SYSLOG = "/dev/log"
+SYSLOG = os.environ.get("KVFS_SYSLOG", "/dev/log")
+"""The syslog socket (journald reads it); ``KVFS_SYSLOG`` overrides it."""
+LOG_DIR = os.environ.get("KVFS_LOG_DIR", "/var/log")
+"""Where a daemon logs when there is no syslog and no ``--log-file``."""
 
 
 # ----------------------------------------------------------------------------- mounts
@@ -71,6 +75,33 @@ def mount_containing(path: str) -> Mount | None:
         if inside and (best is None or len(m.point) >= len(best.point)):
             best = m
     return best
+
+
+KVFS_FSTYPE = "fuse.kvfs"
+
+
+def stale_kvfs_mount(path: str) -> str | None:
+    """The mount point of the kvfs mount ``path`` lies on if that mount's daemon is
+    gone (the kernel answers ENOTCONN: only ``kvfs umount`` helps), else None."""
+    m = mount_containing(path)
+    if m is None or m.fstype != KVFS_FSTYPE:
+        return None
+    return m.point if daemon_gone(m.point) else None
+
+
+def stale_mount_message(point: str) -> str:
+    """What to do about a mount whose daemon is gone (the kernel answers ENOTCONN)."""
+    return f"{point}: stale kvfs mount (its daemon is gone): run `kvfs umount {point}`"
+
+
+def daemon_gone(point: str) -> bool:
+    """Is the FUSE mount at ``point`` left without its daemon? A statfs always asks
+    the daemon (a stat may be answered from the kernel's attribute cache)."""
+    try:
+        os.statvfs(point)
+    except OSError as e:
+        return e.errno in (errno.ENOTCONN, errno.ECONNABORTED)
+    return False
 
 
 # ----------------------------------------------------------------------------- pidfile
@@ -214,21 +245,31 @@ def configure_logging(debug: bool, log_file: str | None) -> None:
     root.setLevel(logging.DEBUG if debug else logging.INFO)
 
 
-def detach_logging(log_file: str | None) -> None:
-    """A daemon just left its terminal: with a log file, stderr (tracebacks that
-    bypass logging) goes to it too; without one, logging goes to syslog (journald
-    reads ``/dev/log``), or nowhere if there is no syslog."""
-    root = logging.getLogger()
+def syslog_available() -> bool:
+    return os.path.exists(SYSLOG)
+
+
+def default_log_file(mountpoint: str) -> str:
+    """A daemon's log file where there is no syslog: ``/var/log/kvfs-mnt-kv.log`` for
+    ``/mnt/kv`` (the mount point's path, as systemd names its units)."""
+    name = mountpoint.strip("/").replace("/", "-") or "root"
+    return os.path.join(LOG_DIR, f"kvfs-{name}.log")
+
+
+def daemon_logging(log_file: str | None) -> None:
+    """A daemon, from its fork on: its log lines go to ``log_file`` (already set up
+    by :func:`configure_logging`), else to syslog, never to the caller's terminal
+    (which gets one result line). No syslog and no file: they are dropped (the
+    caller said so: ``default_log_file`` is used unless it cannot be written)."""
     if log_file:
-        fd = os.open(log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        os.dup2(fd, 2)
-        os.close(fd)
-        _state["stderr_to_log"] = log_file
         return
+    root = logging.getLogger()
     for h in list(root.handlers):
         if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
             root.removeHandler(h)
-    if os.path.exists(SYSLOG):
+    if any(isinstance(h, logging.handlers.SysLogHandler) for h in root.handlers):
+        return
+    if syslog_available():
         try:
             sys_handler = logging.handlers.SysLogHandler(
                 SYSLOG, facility=logging.handlers.SysLogHandler.LOG_DAEMON
@@ -240,6 +281,19 @@ def detach_logging(log_file: str | None) -> None:
         )
         sys_handler.addFilter(RateLimit())
         root.addHandler(sys_handler)
+
+
+def detach_logging(log_file: str | None) -> None:
+    """A daemon just left its terminal: with a log file, stderr (tracebacks that
+    bypass logging) goes to it too; without one, logging goes to syslog (journald
+    reads ``/dev/log``; see :func:`daemon_logging`)."""
+    if log_file:
+        fd = os.open(log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(fd, 2)
+        os.close(fd)
+        _state["stderr_to_log"] = log_file
+        return
+    daemon_logging(None)
 
 
 def reopen_logs() -> None:

@@ -180,7 +180,7 @@ class StoreCollector:
             return family
 
         info = InfoMetricFamily("kvfs_pool", "The mounted pool")
-        info.add_metric([], self.store.describe())
+        info.add_metric([], {k: str(v) for k, v in self.store.describe().items()})
         yield info
         yield gauge(
             "kvfs_capacity_bytes", "Bytes the pool holds for file data", s["capacity_bytes"]

@@ -32,6 +32,7 @@ from kvfs.format.superblock import (
     Member,
     Superblock,
     foreign_signature,
+    with_article,
 )
 from kvfs.namespace import Namespace
 
@@ -173,7 +174,7 @@ def _check_formattable(dev: Device, force: bool) -> None:
         sig = foreign_signature(head)
         if sig:
             raise UserError(
-                f"{dev.path} holds a {sig}; refusing to overwrite it (use --force)"
+                f"{dev.path} holds {with_article(sig)}; refusing to overwrite it (use --force)"
             ) from None
         found = _backup_at(dev, dev.size - SB_BLOCK)
         if isinstance(found, str):
@@ -499,7 +500,8 @@ def _damage_of(f: _Found) -> list[CopyDamage]:
     sb = f.sb
     assert sb is not None
     if f.primary_error:
-        reason = f.primary_error + (f"; it carries a {f.foreign} signature" if f.foreign else "")
+        sig = f"; it carries {with_article(f.foreign)} signature" if f.foreign else ""
+        reason = f.primary_error + sig
         return [CopyDamage(sb.device_index, f.dev.path, "primary", reason, f.block, (0,))]
     if f.backup_error and sb.version >= 2:
         offsets = (sb.backup_offset,)
@@ -546,8 +548,9 @@ def _both(f: _Found, sb: Superblock) -> CopyDamage:
 def _foreign_over_backup(f: _Found) -> UserError:
     sb = f.sb
     assert sb is not None
+    foreign = with_article(f.foreign or "foreign format")
     return UserError(
-        f"{f.dev.path} holds a {f.foreign} where its kvfs superblock was (the backup copy "
+        f"{f.dev.path} holds {foreign} where its kvfs superblock was (the backup copy "
         f"says device {sb.device_index + 1} of pool {uuid.UUID(bytes=sb.pool_uuid)}); "
         "if that was written by mistake, kvfs fsck --repair restores the superblock"
     )
@@ -560,14 +563,14 @@ def _unidentified(f: _Found, slot: int | None) -> UserError:
         # never written (or wiped): a blank device, not a damaged member to rebuild
         return UserError(_no_superblock(path, f.dev.size))
     if slot is not None:
-        sig = f" (it carries a {f.foreign} signature)" if f.foreign else ""
+        sig = f" (it carries {with_article(f.foreign)} signature)" if f.foreign else ""
         return UserError(
             f"{path}: both superblock copies are damaged (primary: {f.primary_error}; "
             f"backup: {f.backup_error}){sig}; it can only be device {slot + 1} of the "
             "pool: kvfs fsck --repair with every device of the pool rebuilds them"
         )
     if f.foreign:
-        return UserError(f"{path} holds a {f.foreign}, not a kvfs pool")
+        return UserError(f"{path} holds {with_article(f.foreign)}, not a kvfs pool")
     return UserError(
         f"{path}: damaged or foreign superblock ({f.primary_error}) and no valid backup copy"
     )

@@ -8,6 +8,8 @@ rules need the caller's thread itself: its supplementary groups and capabilities
 
 from __future__ import annotations
 
+import contextlib
+import os
 from dataclasses import dataclass
 
 PF_EXITING = 0x4
@@ -111,6 +113,50 @@ def killed(pid: int, start: int) -> bool:
     return st is not None and st.start_time == start and st.killed
 
 
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def _uses(pid: str, root: str) -> bool:
+    """Does process ``pid`` use a path under ``root``: its cwd, root, executable, an
+    open file or a mapped one (what ``fuser -m`` looks at)?"""
+    base = f"/proc/{pid}"
+    links = [f"{base}/cwd", f"{base}/root", f"{base}/exe"]
+    with contextlib.suppress(OSError):
+        links += [f"{base}/fd/{fd}" for fd in os.listdir(f"{base}/fd")]
+    for link in links:
+        try:
+            if _under(os.readlink(link), root):
+                return True
+        except OSError:
+            continue
+    try:
+        with open(f"{base}/maps", "rb") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and _under(fields[5].strip().decode(errors="replace"), root):
+                    return True
+    except OSError:
+        pass
+    return False
+
+
+def users_of(root: str) -> list[tuple[int, str]]:
+    """(pid, command name) of every process but this one that uses a path under the
+    mount point ``root``: what keeps it busy."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid() or not _uses(entry, root):
+            continue
+        try:
+            with open(f"/proc/{entry}/comm") as f:
+                name = f.read().strip()
+        except OSError:
+            continue  # exited meanwhile
+        found.append((int(entry), name))
+    return sorted(found)
+
+
 __all__ = [
     "PF_EXITING",
     "Credentials",
@@ -120,4 +166,5 @@ __all__ = [
     "start_time",
     "stat",
     "thread_group",
+    "users_of",
 ]

@@ -8,8 +8,10 @@ figure printed here is explained in docs/operations.md ("What kvfs stats shows")
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -67,12 +69,15 @@ def _count(text: str) -> int:
 
 def read_stats(mountpoint: str) -> dict[str, Any]:
     """The mount's statistics; a one-line :class:`UserError` if it is not a kvfs mount."""
+    from kvfs import daemon
     from kvfs.fs import STATS_XATTR
 
     root = _mount_root(mountpoint)
     try:
         raw = os.getxattr(root, STATS_XATTR.decode())
     except OSError as e:
+        if e.errno == errno.ENOTCONN:
+            raise UserError(daemon.stale_mount_message(root)) from None
         raise UserError(f"{mountpoint}: not a kvfs mount ({e.strerror})") from None
     stats: dict[str, Any] = json.loads(raw)
     stats["mountpoint"] = root
@@ -81,7 +86,12 @@ def read_stats(mountpoint: str) -> dict[str, Any]:
 
 def _mount_root(path: str) -> str:
     """The mount point above ``path`` (``kvfs stats /mnt/kv/lmcache`` works too)."""
+    from kvfs import daemon
+
     path = os.path.realpath(path)
+    stale = daemon.stale_kvfs_mount(path)
+    if stale is not None:
+        raise UserError(daemon.stale_mount_message(stale))
     if not os.path.exists(path):
         raise UserError(f"{path}: no such file or directory")
     while not os.path.ismount(path) and path != "/":
@@ -91,6 +101,8 @@ def _mount_root(path: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     stats = read_stats(args.mountpoint)
+    if args.json and args.watch:
+        return watch_json(args.mountpoint, args.interval, args.count, sys.stdout, stats)
     if args.json:
         print(json.dumps(stats, indent=2))
         return EXIT_OK
@@ -98,6 +110,30 @@ def run(args: argparse.Namespace) -> int:
         print(render(stats), end="")
         return EXIT_OK
     return watch(args.mountpoint, args.interval, args.count, sys.stdout, stats)
+
+
+def watch_json(
+    mountpoint: str,
+    interval: float,
+    count: int,
+    out: TextIO,
+    first: dict[str, Any],
+    sleep: Callable[[float], None] = time.sleep,
+) -> int:
+    """``--watch --json``: one sample per line (JSON lines), the first at once, then
+    one every ``interval`` s, each flushed as it is taken. Ctrl-C ends it (exit 0)."""
+    cur, shown = first, 0
+    try:
+        while True:
+            out.write(json.dumps(cur) + "\n")
+            out.flush()
+            shown += 1
+            if count and shown >= count:
+                return EXIT_OK
+            sleep(interval)
+            cur = read_stats(mountpoint)
+    except KeyboardInterrupt:
+        return EXIT_OK
 
 
 def watch(
@@ -109,8 +145,8 @@ def watch(
     sleep: Callable[[float], None] = time.sleep,
 ) -> int:
     """Refresh every ``interval`` s: the rates since the last sample, then the figures.
-    On a terminal each refresh redraws the screen; in a pipe each is printed after the
-    last. Ctrl-C ends it (exit 0)."""
+    On a terminal each refresh redraws the screen, cut to fit it (:func:`fit`); in a
+    pipe each is printed whole after the last. Ctrl-C ends it (exit 0)."""
     tty = out.isatty()
     prev, prev_t = first, time.monotonic()
     shown = 0
@@ -119,6 +155,8 @@ def watch(
             sleep(interval)
             cur, now = read_stats(mountpoint), time.monotonic()
             page = rates(prev, cur, now - prev_t) + render(cur)
+            if tty:
+                page = fit(page, shutil.get_terminal_size())
             out.write((CLEAR if tty else "\n") + page)
             out.flush()
             prev, prev_t = cur, now
@@ -129,6 +167,19 @@ def watch(
         if tty:
             out.write("\n")
         return EXIT_OK
+
+
+def fit(page: str, size: os.terminal_size) -> str:
+    """``page`` cut to a terminal of ``size``: no line wider than it (a long line
+    ends in ``~``), and its first rows only (the most important come first: the
+    rates, then the summary, then the tables), the last of them saying how many
+    lines did not fit. The cursor ends on the last row, so nothing scrolls."""
+    width, height = max(size.columns, 20), max(size.lines, 3)
+    lines = page.rstrip("\n").split("\n")
+    if len(lines) > height - 1:
+        hidden = len(lines) - (height - 2)
+        lines = [*lines[: height - 2], f"... {hidden} more lines (a larger terminal shows them)"]
+    return "\n".join(x if len(x) <= width else x[: width - 1] + "~" for x in lines) + "\n"
 
 
 # ---------------------------------------------------------------------------- text
@@ -211,7 +262,7 @@ def render(stats: dict[str, Any]) -> str:
         f"{_n(c['hits'])} hits, {_n(c['misses'])} misses "
         f"({_pct(c['hits'], c['hits'] + c['misses'])} hits)",
         f"eviction       {_n(s['evictions'])} files evicted ({_n(s['orphan_evictions'])} "
-        f"orphans); {_n(e['orphans'])} orphans now",
+        f"orphans); {_n(e['orphans'])} orphans now (writer exited)",
         f"integrity      {_n(s['corruptions'])} checksum failures, {_n(s['quarantined'])} "
         f"quarantined, {_n(s['unreadable_files'])} unreadable (member missing)",
         f"metadata       checkpoint {format_size(m['checkpoint_bytes'])} of "
@@ -235,7 +286,7 @@ def render(stats: dict[str, Any]) -> str:
             ],
         ),
     ]
-    if len({sp["data_bytes"] for sp in stats["space"]}) > 1:
+    if len({d["size"] for d in stats["devices"]}) > 1:  # data: the first holds metadata
         lines.append("(members of different sizes: all of each is used)")
     dirs = stats.get("directories", [])
     if dirs:
@@ -277,4 +328,13 @@ def _table(head: list[str], rows: list[list[str]]) -> str:
     return "\n".join(line(r) for r in [head, *rows])
 
 
-__all__ = ["add_arguments", "rates", "read_stats", "render", "run", "watch"]
+__all__ = [
+    "add_arguments",
+    "fit",
+    "rates",
+    "read_stats",
+    "render",
+    "run",
+    "watch",
+    "watch_json",
+]

@@ -800,15 +800,16 @@ class Store:
             **({"cluster": asdict(self.cluster.statistics())} if self.cluster is not None else {}),
         }
 
-    def describe(self) -> dict[str, str]:
-        """What identifies the mounted pool (the metrics' ``kvfs_pool_info``)."""
+    def describe(self) -> dict[str, str | int]:
+        """What identifies the mounted pool (``kvfs stats``' ``pool``, the metrics'
+        ``kvfs_pool_info``): words as strings, counts and sizes as numbers."""
         sb = self.pool.superblocks[0]
         return {
             "label": sb.label,
             "uuid": str(uuid.UUID(bytes=sb.pool_uuid)),
-            "format": str(sb.version),
-            "devices": str(len(self.pool.devices)),
-            "unit_size": str(self.unit),
+            "format": sb.version,
+            "devices": len(self.pool.devices),
+            "unit_size": self.unit,
             "eviction": self.evictor.policy.name,
         }
 

@@ -5,8 +5,10 @@ traceback when a pipe's reader leaves."""
 from __future__ import annotations
 
 import argparse
+import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -231,3 +233,71 @@ def test_log_lines_are_rate_limited() -> None:
     assert lines[5] == "another message"
     assert lines[6] == "checksum mismatch: inode 100 [95 more like this in the last 0.2 s]"
     assert len(lines) == 7
+
+
+# ---------------------------------------------------------------------- what a new user hits
+def one_line_error(r: subprocess.CompletedProcess[str], code: int = 2) -> str:
+    assert r.returncode == code, r
+    assert r.stdout == "" and "Traceback" not in r.stderr, r
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    return lines[0]
+
+
+def test_mount8_order_is_answered_with_the_right_one(tmp_path: Path) -> None:
+    img = tmp_path / "pool.img"
+    img.write_bytes(b"")
+    mnt = tmp_path / "mnt"
+    for exists in (False, True):  # the mountpoint (second here) missing, then there
+        if exists:
+            mnt.mkdir()
+        line = one_line_error(run("mount", str(img), str(mnt)))
+        assert "kvfs mount MOUNTPOINT DEVICE" in line, line
+        assert f"kvfs mount {mnt} {img}" in line, line
+
+
+def test_create_needs_a_size_above_zero(tmp_path: Path) -> None:
+    mnt, img = tmp_path / "mnt", tmp_path / "pool.img"
+    mnt.mkdir()
+    line = one_line_error(run("mount", "--format", "--create", "0", str(mnt), str(img)))
+    assert "--create" in line and "above 0" in line, line
+    assert not img.exists()
+
+
+def test_create_without_format_is_refused_before_creating(tmp_path: Path) -> None:
+    mnt, img = tmp_path / "mnt", tmp_path / "pool.img"
+    mnt.mkdir()
+    line = one_line_error(run("mount", "--create", "64M", str(mnt), str(img)))
+    assert "--format" in line, line
+    assert not img.exists()
+
+
+def test_a_failed_create_leaves_no_image_and_a_retry_works(tmp_path: Path) -> None:
+    img = tmp_path / "pool.img"
+    line = one_line_error(run("format", "--create", "10M", str(img)))
+    assert "too small" in line, line
+    assert not img.exists(), "the image kvfs made for a format that failed is left"
+    r = run("format", "--create", "256M", str(img))
+    assert r.returncode == 0, r.stderr
+    assert img.stat().st_size == 256 << 20
+
+
+def test_an_existing_image_is_kept_when_its_format_fails(tmp_path: Path) -> None:
+    img = tmp_path / "mine.img"
+    with open(img, "wb") as f:
+        f.truncate(10 << 20)
+    one_line_error(run("format", "--create", "10G", str(img)))
+    assert img.stat().st_size == 10 << 20, "an image kvfs did not make is the user's"
+
+
+def test_a_busy_metrics_port_is_refused_before_anything_is_made(tmp_path: Path) -> None:
+    mnt, img = tmp_path / "mnt", tmp_path / "pool.img"
+    mnt.mkdir()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = ["mount", "--format", "--create", "256M", "--metrics", f"127.0.0.1:{port}"]
+        line = one_line_error(run(*argv, str(mnt), str(img)))
+    assert "--metrics" in line and "in use" in line, line
+    assert not img.exists(), "an image was created (and formatted) before the refusal"

@@ -347,3 +347,135 @@ def test_detached_member_is_never_advised_format(tmp_path: Path) -> None:
     assert "format" not in r.stderr
     if not detached:
         pytest.skip(f"{loop} was attached again by another process before the check")
+
+
+# ---------------------------------------------------------------------- what a new user hits
+def daemon_mount(
+    tmp_path: Path, *extra: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``kvfs mount`` (daemonized) of a fresh pool at tmp_path/mnt."""
+    img = fresh_pool(tmp_path)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    r = subprocess.run(
+        [sys.executable, "-m", "kvfs", "mount", str(mnt), str(img), *extra],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert r.returncode == 0, r.stderr
+    return r
+
+
+def test_a_stale_mount_says_to_umount_it(tmp_path: Path) -> None:
+    require_fuse()
+    mnt = tmp_path / "mnt"
+    daemon_mount(tmp_path, "--log-file", str(tmp_path / "kvfs.log"))
+    try:
+        pid = daemon.daemon_pid(entry(mnt))
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: not _alive(pid), timeout=60, what="the killed daemon to exit")
+        want = f"{mnt}: stale kvfs mount (its daemon is gone): run `kvfs umount {mnt}`"
+        for argv in (("stats", mnt), ("stats", mnt / "sub"), ("mount", mnt, tmp_path / "pool.img")):
+            r = kvfs(*argv)
+            assert r.returncode == 2 and r.stderr == f"kvfs: {want}\n", (argv, r.stderr)
+        r = kvfs("umount", mnt)
+        assert r.returncode == 0 and r.stderr == "", r.stderr
+        assert not harness.is_mounted(mnt)
+    finally:
+        safe_unmount(mnt)
+
+
+HOLDER = """
+import sys
+f = open(sys.argv[1], "rb")
+print("open", flush=True)
+sys.stdin.readline()
+sys.stdout.write(f.read().hex())
+"""
+
+
+def test_umount_of_a_busy_mount_names_its_users_and_lazy_detaches(tmp_path: Path) -> None:
+    require_fuse()
+    mnt = tmp_path / "mnt"
+    daemon_mount(tmp_path, "--log-file", str(tmp_path / "kvfs.log"))
+    data = os.urandom(3 << 20)
+    holder = None
+    try:
+        harness.write_file(mnt / "chunk", data)
+        pid = daemon.daemon_pid(entry(mnt))
+        assert pid is not None
+        holder = subprocess.Popen(
+            [sys.executable, "-c", HOLDER, str(mnt / "chunk")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert holder.stdout is not None and holder.stdin is not None
+        assert holder.stdout.readline() == "open\n"
+        r = kvfs("umount", mnt)
+        assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+        assert f"pid {holder.pid} (python" in r.stderr, r.stderr
+        assert f"kvfs umount --lazy {mnt}" in r.stderr and "busy" in r.stderr, r.stderr
+        assert harness.is_mounted(mnt) and (mnt / "chunk").read_bytes() == data
+        r = kvfs("umount", "--lazy", mnt)
+        assert r.returncode == 0, r.stderr
+        assert f"pid {holder.pid}" in r.stdout and "detached" in r.stdout, r.stdout
+        assert not harness.is_mounted(mnt) and _alive(pid)
+        out, _ = holder.communicate("\n", timeout=60)  # it still reads its open file
+        assert holder.returncode == 0 and bytes.fromhex(out) == data
+        wait_for(lambda: not _alive(pid), timeout=60, what="the daemon to end")
+    finally:
+        if holder is not None and holder.poll() is None:
+            holder.kill()
+            holder.wait()
+        safe_unmount(mnt)
+
+
+def test_daemon_logs_go_to_syslog_never_to_the_terminal(tmp_path: Path) -> None:
+    require_fuse()
+    sock_path = tmp_path / "syslog.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as syslog:
+        syslog.bind(str(sock_path))
+        syslog.settimeout(60)
+        env = dict(os.environ, KVFS_SYSLOG=str(sock_path))
+        img = fresh_pool(tmp_path)
+        mnt = tmp_path / "mnt"
+        mnt.mkdir()
+        try:
+            r = subprocess.run(
+                [sys.executable, "-m", "kvfs", "mount", str(mnt), str(img)],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                env=env,
+            )
+            assert r.returncode == 0, r.stderr
+            assert r.stderr == "", "log lines on the terminal: " + r.stderr
+            assert r.stdout.startswith(f"kvfs: mounted {mnt} (pid ") and r.stdout.count("\n") == 1
+            seen = ""
+            while "pool loaded" not in seen:
+                seen += syslog.recv(65536).decode()
+            assert "kvfs[" in seen, seen
+            umount_and_wait_gone(mnt)
+        finally:
+            safe_unmount(mnt)
+
+
+def test_without_syslog_a_daemon_logs_to_a_file_it_names(tmp_path: Path) -> None:
+    require_fuse()
+    no_syslog = tmp_path / "no-syslog"
+    env = dict(os.environ, KVFS_SYSLOG=str(no_syslog), KVFS_LOG_DIR=str(tmp_path))
+    mnt = tmp_path / "mnt"
+    try:
+        r = daemon_mount(tmp_path, env=env)
+        log = tmp_path / f"kvfs-{str(mnt).strip('/').replace('/', '-')}.log"
+        assert r.stderr == "" and r.stdout.count("\n") == 1, r
+        assert r.stdout.startswith(f"kvfs: mounted {mnt} (pid "), r.stdout
+        assert r.stdout.endswith(f"; no syslog ({no_syslog} missing): it logs to {log}\n")
+        wait_for(lambda: log.exists() and "pool loaded" in log.read_text(), what="the log file")
+        umount_and_wait_gone(mnt)
+    finally:
+        safe_unmount(mnt)

@@ -5,6 +5,7 @@ exits 0)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -14,9 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import KvfsMount, pattern
+from conftest import KvfsMount, pattern, require_fuse
 
-from kvfs import harness
+from kvfs import harness, statsview
 
 MIB = 1 << 20
 KVFS = [sys.executable, "-m", "kvfs"]
@@ -90,8 +91,8 @@ class Tmux:
         assert r.returncode == 0, r.stderr
         return r.stdout
 
-    def screen(self) -> str:
-        return self("capture-pane", "-p", "-t", "view")
+    def screen(self, *options: str) -> str:
+        return self("capture-pane", "-p", *options, "-t", "view")
 
     def wait_screen(self, pattern: str, timeout: float = 30.0) -> str:
         deadline = time.monotonic() + timeout
@@ -130,6 +131,72 @@ def test_watch_under_a_terminal(kvfs_mount: KvfsMount, tmp_path: Path) -> None:
                 break
         else:
             raise AssertionError("no write rate shown:\n" + tmux.screen())
+        tmux("send-keys", "-t", "view", "C-c")
+        end = tmux.wait_screen(r"^EXIT=\d+")
+        assert "EXIT=0" in end and "Traceback" not in end, end
+    finally:
+        tmux.kill()
+
+
+# ---------------------------------------------------------------------- what a new user hits
+def test_watch_json_prints_one_json_object_per_line(kvfs_mount: KvfsMount) -> None:
+    r = stats_text(kvfs_mount.path, "--watch", "--json", "--interval", "0.2", "--count", "3")
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) == 3, r.stdout
+    for line in lines:
+        assert json.loads(line)["store"]["files"] == 0
+
+
+def test_json_pool_figures_are_numbers(kvfs_mount: KvfsMount) -> None:
+    r = stats_text(kvfs_mount.path, "--json")
+    assert r.returncode == 0, r.stderr
+    pool = json.loads(r.stdout)["pool"]
+    assert set(pool) == {"label", "uuid", "format", "devices", "unit_size", "eviction"}, pool
+    assert pool["devices"] == 1 and pool["unit_size"] == MIB and pool["format"] == 2, pool
+    assert isinstance(pool["uuid"], str) and isinstance(pool["eviction"], str), pool
+
+
+def test_identical_members_are_not_called_different(tmp_path: Path) -> None:
+    require_fuse()
+    images = [harness.make_image(tmp_path / f"m{i}.img", 128 * MIB) for i in range(2)]
+    mnt = tmp_path / "mnt"
+    with harness.mounted(mnt, images, "--format", "--meta-size", "8M"):
+        harness.write_file(mnt / "a", pattern("a", MIB))
+        r = stats_text(mnt)
+    assert r.returncode == 0, r.stderr
+    assert sum(line.startswith(str(tmp_path / "m")) for line in r.stdout.splitlines()) == 2
+    assert "different sizes" not in r.stdout, r.stdout
+    assert re.search(r"^eviction .* orphans now \(writer exited\)$", r.stdout, re.M), r.stdout
+
+
+def test_fit_cuts_a_page_to_the_terminal() -> None:
+    page = "".join(f"line {i} " + "x" * (i * 10) + "\n" for i in range(40))
+    text = statsview.fit(page, os.terminal_size((80, 24)))
+    lines = text.splitlines()
+    assert len(lines) == 23 and all(len(x) <= 80 for x in lines), lines
+    assert lines[0] == "line 0 " and lines[-2].startswith("line 21 ") and lines[-2].endswith("~")
+    assert lines[-1].startswith("... 18 more lines"), lines[-1]
+    assert statsview.fit("a\nb\n", os.terminal_size((80, 24))) == "a\nb\n"
+
+
+def test_watch_fits_an_80x24_terminal(kvfs_mount: KvfsMount, tmp_path: Path) -> None:
+    for i in range(30):  # more directories than 24 rows hold
+        (kvfs_mount.path / f"engine-directory-{i:02d}").mkdir()
+    tmux = Tmux(tmp_path)
+    watch = f"{sys.executable} -m kvfs stats --watch --interval 0.3 {kvfs_mount.path}"
+    try:
+        tmux(
+            "new-session", "-d", "-s", "view", "-x", "80", "-y", "24",
+            f"sh -c 'trap true INT; {watch}; echo EXIT=$?; sleep 60'",
+        )  # fmt: skip
+        tmux.wait_screen(r"^hit rate ")
+        tmux.wait_screen(r"^files +0 in 31 directories")
+        rows = tmux.screen("-J").rstrip("\n").split("\n")  # -J: a wrapped line as one
+        assert rows[0].startswith("kvfs stats --watch "), rows  # the top never scrolls off
+        assert len(rows) <= 24 and all(len(r) <= 80 for r in rows), rows
+        assert any(r.startswith("throughput ") for r in rows), rows
+        assert rows[-1].startswith("... ") and "more lines" in rows[-1], rows
         tmux("send-keys", "-t", "view", "C-c")
         end = tmux.wait_screen(r"^EXIT=\d+")
         assert "EXIT=0" in end and "Traceback" not in end, end

@@ -425,12 +425,12 @@ def test_a_foreign_signature_over_the_primary_is_not_overridden_by_mount(tmp_pat
     block = bytearray(SB_BLOCK)
     block[1080:1082] = b"\x53\xef"  # what mkfs.ext4 leaves
     overwrite(paths[1], 0, bytes(block))
-    with pytest.raises(UserError, match="holds a ext2/3/4 filesystem where its kvfs superblock"):
+    with pytest.raises(UserError, match="holds an ext2/3/4 filesystem where its kvfs superblock"):
         opened(paths, heal=True)
     assert read_at(paths[1], 0) == bytes(block)
     pool = inspect_pool([str(p) for p in paths])  # fsck: reported, repairable on request
     pool.close()
-    assert "carries a ext2/3/4 filesystem signature" in pool.damage[0].reason
+    assert "carries an ext2/3/4 filesystem signature" in pool.damage[0].reason
     out: list[str] = []
     assert fsck([str(p) for p in paths], out=out.append) == EXIT_UNCORRECTED, out
     assert read_at(paths[1], 0) == bytes(block)

@@ -45,16 +45,43 @@ if [[ "${1:-}" != "--force" && -f "$STAMP" && "$(cat "$STAMP")" == "$SPEC" ]]; t
   exit 0
 fi
 
+# pip's resolver complains about the packages installed --no-deps (above): its
+# "dependency resolver does not currently take into account" line and one
+# "X requires Y, which is not installed / but you have Z which is incompatible" line
+# per missing dependency. Expected here, so hidden (and counted); anything else pip
+# says is shown, and all of its output when it fails.
+NOISE="^ERROR: pip's dependency resolver does not currently take into account|"
+NOISE+="^[A-Za-z0-9_.-]+ [^ ]+ requires [^ ]+, (which is not installed|but you have .* which is incompatible)\.$"
+
+# step WHAT CMD...: one progress line, CMD's output filtered of the expected noise
+step() {
+  local what=$1 t=$SECONDS out rc=0 hidden
+  shift
+  echo "engines venv: $what ..."
+  out=$("$@" 2>&1) || rc=$?
+  if ((rc)); then
+    printf '%s\n' "$out" >&2
+    echo "engines venv: $what failed (exit $rc); pip's whole output is above" >&2
+    exit "$rc"
+  fi
+  printf '%s\n' "$out" | grep -Ev "$NOISE" | grep -v '^$' || true
+  hidden=$(printf '%s\n' "$out" | grep -Ec "$NOISE" || true)
+  local note=""
+  ((hidden)) && note=" ($hidden expected pip notes on packages installed without their dependencies hidden)"
+  echo "engines venv: $what: done in $((SECONDS - t)) s$note"
+}
+
 start=$SECONDS
+echo "engines venv: building $VENV (CPU-only LMCache, vLLM, SGLang: ~4 min, ~3.7 GB; once)"
 rm -rf "$VENV"
 "$PYTHON" -m venv "$VENV"
 PIP=("$VENV/bin/pip" install -q --disable-pip-version-check)
-"${PIP[@]}" --upgrade pip
-"${PIP[@]}" "$TORCH"
-"${PIP[@]}" "$TORCH" "$LMCACHE"
-"${PIP[@]}" --no-deps "${NODEPS[@]}"
-"${PIP[@]}" "$TORCH" "${NODEPS[2]}" "${EXTRAS[@]}"
-"${PIP[@]}" --no-deps "${EXTRAS_NODEPS[@]}"
+step "pip" "${PIP[@]}" --upgrade pip
+step "torch (CPU)" "${PIP[@]}" "$TORCH"
+step "LMCache" "${PIP[@]}" "$TORCH" "$LMCACHE"
+step "vLLM, SGLang (no dependencies)" "${PIP[@]}" --no-deps "${NODEPS[@]}"
+step "the modules their storage backends import" "${PIP[@]}" "$TORCH" "${NODEPS[2]}" "${EXTRAS[@]}"
+step "ipython (no dependencies)" "${PIP[@]}" --no-deps "${EXTRAS_NODEPS[@]}"
 check 2>/dev/null || { echo "engines venv: import check failed:" >&2; check; exit 1; }
 echo "$SPEC" > "$STAMP"
 echo "engines venv built in $((SECONDS - start)) s: $VENV ($(du -sh "$VENV" | cut -f1))"

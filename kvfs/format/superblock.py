@@ -239,6 +239,13 @@ SIGNATURE_PROBE = 69632
 """Bytes read from a device's start to look for foreign signatures."""
 
 
+def with_article(name: str) -> str:
+    """``an ext2/3/4 filesystem``, ``a btrfs filesystem``: a signature's name in a
+    sentence (by how its first letters are spoken)."""
+    spoken_vowel = ("ext", "XFS", "NTFS", "LVM", "ISO", "MD ", "EFI")
+    return f"{'an' if name.startswith(spoken_vowel) else 'a'} {name}"
+
+
 def foreign_signature(head: bytes) -> str | None:
     """Name of a known foreign format found in the first bytes of a device, if any."""
     for offset, magic, name in FOREIGN_SIGNATURES:
