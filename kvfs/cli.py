@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import logging
 import math
 import os
@@ -644,6 +645,33 @@ def cmd_upgrade(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+_WHERE = "policy and quota apply to top-level directories of the mount"
+
+
+def _check_policy_target(args: argparse.Namespace, mountpoint: str) -> None:
+    """UserError (nothing changed) unless ``args.directory`` is where its settings
+    take effect: a top-level directory of the mount, or the root for its policy
+    alone (a quota or size limit there would hold only for the root's own files).
+    The daemon refuses the same xattrs elsewhere (EINVAL), for ``setfattr`` too."""
+    d = args.directory
+    real = os.path.realpath(d)
+    if real == os.path.realpath(mountpoint):
+        given = [f"--{n}" for n in ("quota", "max_file_size") if getattr(args, n) is not None]
+        if given:
+            raise UserError(
+                f"{d} is the mount root: {' and '.join(g.replace('_', '-') for g in given)} "
+                "apply to top-level directories (the pool's size bounds the mount, "
+                "`kvfs mount --max-file-size` sets a mount-wide limit); nothing changed"
+            )
+        return
+    if os.path.dirname(real) != os.path.realpath(mountpoint) or not os.path.isdir(real):
+        what = "a nested directory" if os.path.isdir(real) else "not a directory"
+        raise UserError(
+            f"{d} is not a top-level directory of the mount {mountpoint} ({what}): "
+            f"{_WHERE}; nothing changed"
+        )
+
+
 def cmd_policy(args: argparse.Namespace) -> int:
     """Policy, quota and maximum file size are the xattrs user.kvfs.policy,
     user.kvfs.quota and user.kvfs.max_file_size of a top-level directory."""
@@ -654,6 +682,7 @@ def cmd_policy(args: argparse.Namespace) -> int:
     if mount is None or mount.fstype != KVFS_FSTYPE:
         where = f"a {mount.fstype} mount" if mount else "no mount"
         raise UserError(f"{d} is not inside a kvfs mount (it is on {where}); nothing changed")
+    _check_policy_target(args, mount.point)
     try:
         if args.set:
             os.setxattr(d, "user.kvfs.policy", args.set.encode())
@@ -680,6 +709,8 @@ def cmd_policy(args: argparse.Namespace) -> int:
                 with contextlib.suppress(sizes.SizeError):
                     values[name] += f" ({sizes.format_size(sizes.parse_size(values[name]))})"
     except OSError as e:
+        if e.errno == errno.EINVAL:  # values are checked above: the daemon refused the place
+            raise UserError(f"{d}: {e.strerror}: {_WHERE}; nothing changed") from None
         raise UserError(f"{d}: {e.strerror}") from None
     print(
         f"{d}: policy {values['policy']}, quota {values['quota']}, "
