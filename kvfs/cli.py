@@ -285,9 +285,17 @@ def main(argv: list[str] | None = None) -> int:
         "fsck": cmd_fsck,
         "upgrade": cmd_upgrade,
     }
+    code = _run_command(commands[args.command], args)
+    if getattr(args, "cluster", None):
+        _exit_past_the_cluster_client(code)
+    return code
+
+
+def _run_command(command: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """The command's exit code; its errors as one line on stderr."""
     try:
         try:
-            return commands[args.command](args)
+            return command(args)
         except BaseExceptionGroup as group:  # a trio nursery's: report what went wrong
             raise root_cause(group) from None
     except UserError as e:
@@ -302,6 +310,22 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # no second error flushing stdout at exit
         return EXIT_OK
+
+
+def _exit_past_the_cluster_client(code: int) -> None:
+    """End a mount that set up a Mooncake client with ``os._exit``, once its logs and
+    output are flushed: the interpreter's own exit would close that client, which can
+    hold the process for many seconds when the master is gone (kvfs.cluster._KEPT).
+    Returns when no client was made."""
+    from kvfs import cluster
+
+    if not cluster.clients_made():
+        return
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def root_cause(e: BaseException) -> BaseException:
