@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import logging
 import math
 import os
@@ -305,9 +306,17 @@ def main(argv: list[str] | None = None) -> int:
         "fsck": cmd_fsck,
         "upgrade": cmd_upgrade,
     }
+    code = _run_command(commands[args.command], args)
+    if getattr(args, "cluster", None):
+        _exit_past_the_cluster_client(code)
+    return code
+
+
+def _run_command(command: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """The command's exit code; its errors as one line on stderr."""
     try:
         try:
-            return commands[args.command](args)
+            return command(args)
         except BaseExceptionGroup as group:  # a trio nursery's: report what went wrong
             raise root_cause(group) from None
     except UserError as e:
@@ -322,6 +331,22 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # no second error flushing stdout at exit
         return EXIT_OK
+
+
+def _exit_past_the_cluster_client(code: int) -> None:
+    """End a mount that set up a Mooncake client with ``os._exit``, once its logs and
+    output are flushed: the interpreter's own exit would close that client, which can
+    hold the process for many seconds when the master is gone (kvfs.cluster._KEPT).
+    Returns when no client was made."""
+    from kvfs import cluster
+
+    if not cluster.clients_made():
+        return
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def root_cause(e: BaseException) -> BaseException:
@@ -744,6 +769,33 @@ def cmd_upgrade(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+_WHERE = "policy and quota apply to top-level directories of the mount"
+
+
+def _check_policy_target(args: argparse.Namespace, mountpoint: str) -> None:
+    """UserError (nothing changed) unless ``args.directory`` is where its settings
+    take effect: a top-level directory of the mount, or the root for its policy
+    alone (a quota or size limit there would hold only for the root's own files).
+    The daemon refuses the same xattrs elsewhere (EINVAL), for ``setfattr`` too."""
+    d = args.directory
+    real = os.path.realpath(d)
+    if real == os.path.realpath(mountpoint):
+        given = [f"--{n}" for n in ("quota", "max_file_size") if getattr(args, n) is not None]
+        if given:
+            raise UserError(
+                f"{d} is the mount root: {' and '.join(g.replace('_', '-') for g in given)} "
+                "apply to top-level directories (the pool's size bounds the mount, "
+                "`kvfs mount --max-file-size` sets a mount-wide limit); nothing changed"
+            )
+        return
+    if os.path.dirname(real) != os.path.realpath(mountpoint) or not os.path.isdir(real):
+        what = "a nested directory" if os.path.isdir(real) else "not a directory"
+        raise UserError(
+            f"{d} is not a top-level directory of the mount {mountpoint} ({what}): "
+            f"{_WHERE}; nothing changed"
+        )
+
+
 def cmd_policy(args: argparse.Namespace) -> int:
     """Policy, quota and maximum file size are the xattrs user.kvfs.policy,
     user.kvfs.quota and user.kvfs.max_file_size of a top-level directory."""
@@ -754,6 +806,7 @@ def cmd_policy(args: argparse.Namespace) -> int:
     if mount is None or mount.fstype != KVFS_FSTYPE:
         where = f"a {mount.fstype} mount" if mount else "no mount"
         raise UserError(f"{d} is not inside a kvfs mount (it is on {where}); nothing changed")
+    _check_policy_target(args, mount.point)
     try:
         if args.set:
             os.setxattr(d, "user.kvfs.policy", args.set.encode())
@@ -780,6 +833,8 @@ def cmd_policy(args: argparse.Namespace) -> int:
                 with contextlib.suppress(sizes.SizeError):
                     values[name] += f" ({sizes.format_size(sizes.parse_size(values[name]))})"
     except OSError as e:
+        if e.errno == errno.EINVAL:  # values are checked above: the daemon refused the place
+            raise UserError(f"{d}: {e.strerror}: {_WHERE}; nothing changed") from None
         raise UserError(f"{d}: {e.strerror}") from None
     print(
         f"{d}: policy {values['policy']}, quota {values['quota']}, "

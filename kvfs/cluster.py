@@ -20,7 +20,8 @@ layout share names; kvfs adds no protocol of its own between nodes.
   a probe reconnects, every ``retry`` seconds.
 
 The Mooncake client is blocking C++; its calls run in worker threads that a deadline
-abandons. Everything else runs on the trio thread, like the store.
+abandons. Everything else runs on the trio thread, like the store. The client is never
+closed nor destroyed: see :data:`_KEPT` (an unmount never waits on the cluster).
 """
 
 from __future__ import annotations
@@ -63,10 +64,32 @@ FETCH_PREFIX = b".kvfs-fetch."
 """Temporary names of files being fetched (renamed into place once whole)."""
 
 
+TCP_ANNOUNCE_ENV = "MC_TCP_BIND_ADDRESS"
+"""Mooncake's transfer engine (0.3.x, its "new RPC mapping") announces this address to
+peers; only the address, its listeners bind the wildcard whatever it says."""
+
 # Mooncake's error codes (mooncake-store/include/types.h) that kvfs reads
 OBJECT_NOT_FOUND = -704
 OBJECT_HAS_LEASE = -706
 _TRANSPORT_ERRORS = range(-999, -899)  # RPC_FAIL and its kin: the master is unreachable
+
+
+_KEPT: list[Any] = []
+"""Every Mooncake store set up in this process, referenced until the process ends.
+Its ``close()``, its destructor and the teardown it registers with ``atexit`` all
+unregister the node at the master and join the client's heartbeat thread while
+holding the interpreter lock: with the master dead that froze the daemon for 13 s
+(the thread retries the master) after its unmount. So kvfs never closes it: the
+mount command ends the process with ``os._exit`` once the unmount is done (see
+:func:`clients_made`), and the master drops the node's segment when the client's
+lease there ends (its ``client_ttl``)."""
+
+
+def clients_made() -> bool:
+    """Whether a Mooncake client was set up here: the process must then end with
+    ``os._exit`` (after flushing what it writes), never through the interpreter's
+    exit, which would destroy the client (see :data:`_KEPT`)."""
+    return bool(_KEPT)
 
 
 class ClusterError(KvfsError):
@@ -105,7 +128,7 @@ class ClusterConfig:
     device: str = ""
     local: str = ""
     """This node's address for the transfer engine (default: the one that reaches the
-    master)."""
+    master): its name in the cluster and the address it announces to peers."""
 
     def __post_init__(self) -> None:
         if not self.part:
@@ -200,7 +223,6 @@ class Client(Protocol):
     def put(self, key: str, value: bytes) -> int: ...
     def remove(self, key: str) -> int: ...
     def health(self) -> int: ...
-    def close(self) -> None: ...
 
 
 class MooncakeClient:
@@ -218,13 +240,17 @@ class MooncakeClient:
             socket.create_connection((host, int(port)), timeout=cfg.timeout).close()
         except OSError as e:
             raise ClusterError(f"master {cfg.master}: {e}") from None
-        self._s = MooncakeDistributedStore()
         local = cfg.local or local_address(cfg.master)
+        # the transfer engine announces its RPC address from this variable, else from
+        # the first interface that is not loopback, whatever local_hostname says
+        os.environ.setdefault(TCP_ANNOUNCE_ENV, local)
+        self._s = MooncakeDistributedStore()
         rc = self._s.setup(
             local, cfg.metadata, cfg.segment, cfg.buffer, cfg.protocol, cfg.device, cfg.master
         )
         if rc != 0:
             raise ClusterError(f"Mooncake setup with master {cfg.master} failed ({rc})")
+        _KEPT.append(self._s)  # before anything can drop it (an abandoned connect)
 
     def exist(self, keys: Sequence[str]) -> list[int]:
         return list(self._s.batch_is_exist(list(keys)))
@@ -244,9 +270,6 @@ class MooncakeClient:
     def health(self) -> int:
         rc: int = self._s.health_check()
         return rc
-
-    def close(self) -> None:
-        self._s.close()
 
 
 # ---------------------------------------------------------------------- statistics
@@ -333,6 +356,7 @@ class Cluster:
         """Inodes kvfs is writing from the cluster: never published back."""
         self._dirs_sent: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._nursery: trio.Nursery | None = None
+        self._closing = False
         self._seq = 0
         self._pinned = 0
 
@@ -346,11 +370,13 @@ class Cluster:
             task_status.started()
             await trio.sleep_forever()
 
-    async def close(self) -> None:
-        client, self.client, self.up = self.client, None, False
-        if client is not None:
-            with trio.move_on_after(5):
-                await trio.to_thread.run_sync(client.close, abandon_on_cancel=True)
+    def stop(self) -> None:
+        """Unmount: no more calls, publishes or reconnects; calls in flight are
+        abandoned when the store's nursery is cancelled. Returns at once, whatever the
+        cluster does; the client is left as it is (see :data:`_KEPT`)."""
+        self._closing = True
+        self.up = False
+        self.client = None
 
     def statistics(self) -> ClusterStatistics:
         s = self.stats
@@ -408,7 +434,7 @@ class Cluster:
         """Connect, and reconnect while down: a new client when there is none, a
         health check of the one there is otherwise (Mooncake's client reconnects by
         itself once its master is back)."""
-        while True:
+        while not self._closing:
             if not self.up:
                 await self._try_connect()
             if self.up:
@@ -446,7 +472,7 @@ class Cluster:
                 log.warning("cluster %s not reachable yet (%s); retrying", self.cfg.master, e)
                 self.stats.failures += 1
             return
-        if rc == 0:
+        if rc == 0 and not self._closing:
             self.up = True
             self.stats.reconnects += 1
             log.info("cluster %s up (node %s)", self.cfg.master, self.cfg.local or "auto")

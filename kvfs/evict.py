@@ -72,6 +72,29 @@ def parse_quota(value: bytes) -> int:
         raise InvalidArgument(str(e)) from None
 
 
+ROOT_XATTRS = (POLICY_XATTR,)
+"""Settings the root takes (for its own files): a quota or maximum file size there
+would read as mount-wide but hold only for files directly in the root."""
+
+
+def check_group_target(inode: Inode, name: bytes) -> None:
+    """InvalidArgument unless ``inode`` is where ``name`` takes effect: a top-level
+    directory (any setting) or the root (its policy). Anywhere else it would be stored
+    and never read (groups are top-level directories), so it is refused."""
+    if inode.ino == ROOT_INO:
+        if name not in ROOT_XATTRS:
+            raise InvalidArgument(
+                f"{name.decode()} on the mount root: set it on a top-level directory "
+                "(the pool's size bounds the mount; --max-file-size sets a mount-wide limit)"
+            )
+        return
+    if not inode.is_dir or inode.parent != ROOT_INO:
+        raise InvalidArgument(
+            f"{name.decode()}: inode {inode.ino} is not a top-level directory of the "
+            "mount; policy and quota apply to top-level directories"
+        )
+
+
 def check_group_xattr(name: bytes, value: bytes) -> None:
     """Reject a malformed policy, quota or maximum file size before it is stored."""
     if name == POLICY_XATTR and value.decode(errors="replace") not in POLICIES:
@@ -690,4 +713,12 @@ class Evictor:
         )
 
 
-__all__ = ["GROUP_XATTRS", "Evictor", "EvictorStatistics", "check_group_xattr", "parse_quota"]
+__all__ = [
+    "GROUP_XATTRS",
+    "ROOT_XATTRS",
+    "Evictor",
+    "EvictorStatistics",
+    "check_group_target",
+    "check_group_xattr",
+    "parse_quota",
+]

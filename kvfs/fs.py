@@ -22,7 +22,7 @@ import trio
 
 from kvfs import directpath, posix
 from kvfs.errors import KvfsError, NoAttribute, NotPermitted, NotSupported
-from kvfs.evict import GROUP_XATTRS, check_group_xattr
+from kvfs.evict import GROUP_XATTRS, check_group_target, check_group_xattr
 from kvfs.namespace import Inode
 from kvfs.posix import Caller
 from kvfs.store import Store
@@ -378,6 +378,7 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
             return
         if name in GROUP_XATTRS:
             check_group_xattr(name, value)
+            check_group_target(self.store.get_inode(inode), name)
         await self.store.set_xattr(inode, name, value)
         self.labels = self.labels or name.startswith(SECURITY)
 

@@ -215,10 +215,11 @@ class MooncakeMaster:
 
     @property
     def url(self) -> str:
-        """The ``--cluster`` value that points a kvfs mount at this master."""
+        """The ``--cluster`` value that points a kvfs mount at this master (the node
+        named and announced on loopback: nothing of a test leaves 127.0.0.0/8)."""
         return (
             f"mooncake://127.0.0.1:{self.rpc_port}"
-            f"?metadata=http://127.0.0.1:{self.http_port}/metadata"
+            f"?metadata=http://127.0.0.1:{self.http_port}/metadata&local=127.0.0.1"
         )
 
     def start(self) -> None:

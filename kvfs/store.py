@@ -219,7 +219,7 @@ class Store:
         as after a crash -- a writer's bytes count only once it closes the file."""
         self.space.stopping = True
         if self.cluster is not None:
-            await self.cluster.close()
+            self.cluster.stop()  # at once: local durability never waits on the cluster
         for ino, st in list(self._files.items()):
             inode = self.ns.inodes.get(ino)
             if inode is None or st.error is not None:

@@ -9,8 +9,11 @@ readers, with tampered values in the cluster, across a killed and restarted mast
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import ipaddress
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -23,6 +26,7 @@ from conftest import META_SIZE, KvfsMount, _expected, _finish, pattern, require_
 from mooncake_master import Master, require_mooncake
 
 from kvfs import harness
+from kvfs.cluster import TCP_ANNOUNCE_ENV
 
 MiB = 1 << 20
 KNOBS = "&segment=128M&buffer=64M"
@@ -171,6 +175,7 @@ def raw_client(master: Master) -> Any:
     """A Mooncake client in the test process (to tamper with what kvfs stored)."""
     from mooncake.store import MooncakeDistributedStore
 
+    os.environ.setdefault(TCP_ANNOUNCE_ENV, "127.0.0.1")  # announced on loopback too
     s = MooncakeDistributedStore()
     metadata = f"http://127.0.0.1:{master.http_port}/metadata"
     rc = s.setup("127.0.0.1", metadata, 0, 64 * MiB, "tcp", "", f"127.0.0.1:{master.rpc_port}")
@@ -204,6 +209,88 @@ def test_values_that_do_not_verify_are_misses_never_bytes(node: Node, master: Ma
     assert c["hits"] == 1  # the directory t, nothing else
     assert c["checksum_failures"] == 2 and c["fetch_failed"] == 4
     assert sorted(os.listdir(b.path / "t")) == []
+
+
+def tcp_sockets(pid: int) -> list[tuple[str, ipaddress.IPv4Address | ipaddress.IPv6Address, Any]]:
+    """(state, local address, remote address) of each TCP socket process ``pid`` holds
+    (/proc/PID/fd and /proc/PID/net/tcp{,6}; state "0A" is LISTEN)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    out = []
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[9] in inodes:
+                    out.append((cols[3], _address(cols[1]), _address(cols[2])))
+    return out
+
+
+def _address(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """/proc/net/tcp's HEX:PORT (each 32-bit word in host order) -> the address."""
+    raw = bytes.fromhex(text.split(":")[0])
+    packed = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    addr = ipaddress.ip_address(packed)
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        return addr.ipv4_mapped
+    return addr
+
+
+def test_nodes_talk_and_announce_on_loopback_only(node: Node, master: Master) -> None:
+    """With the tier up and a file fetched across nodes, every TCP connection of each
+    daemon is loopback to loopback, and each node's transfer engine announces a
+    loopback address to its peers (Mooncake took the first non-loopback interface's
+    address before). Listeners are loopback or the wildcard: Mooncake 0.3 binds its
+    transfer engine's two listeners to INADDR_ANY / in6addr_any with no setting to
+    change it (docs/cluster.md)."""
+    a, b = node("a"), node("b")
+    write(a.path / "l" / "f.bin", pattern("loop", 2 * MiB))
+    published(a, 1)
+    assert (b.path / "l" / "f.bin").read_bytes() == pattern("loop", 2 * MiB)
+    for m in (a, b):
+        assert m.proc is not None
+        sockets = tcp_sockets(m.proc.pid)
+        remote = {r for state, _, r in sockets if state != "0A"}
+        assert remote and all(r.is_loopback for r in remote), sockets
+        assert all(loc.is_loopback for state, loc, _ in sockets if state != "0A"), sockets
+        listening = [loc for state, loc, _ in sockets if state == "0A"]
+        assert all(loc.is_loopback or loc.is_unspecified for loc in listening), sockets
+    assert a.stop() == 0
+    announced = re.findall(r"RPC using .*, listening on (\S+):\d+", a.stderr[-1])
+    assert announced and all(ipaddress.ip_address(h).is_loopback for h in announced), announced
+
+
+@pytest.mark.expect_errors(r"mooncake|Mooncake")
+def test_unmount_with_the_master_dead_exits_and_keeps_local_files(
+    node: Node, master: Master
+) -> None:
+    """Master killed, the tier known down: an unmount still ends the daemon (exit 0,
+    polled with a generous deadline) without a word more to the dead master (its
+    client is never torn down: that teardown held the daemon 13 s and more), and a
+    remount with no master serves every local file byte for byte."""
+    a = node("a")
+    files = {f"v/{i:02d}.bin": pattern(("dead", i), MiB + 17 * i) for i in range(6)}
+    for rel, data in files.items():
+        write(a.path / rel, data)
+    published(a, len(files))
+    master.kill()
+    with pytest.raises(FileNotFoundError):
+        os.stat(a.path / "v" / "absent.bin")  # the tier notices: a call misses its deadline
+    wait_for(lambda: cluster(a)["state"] == "down")
+    proc = a.proc
+    assert proc is not None
+    harness.unmount(a.path)
+    wait_for(lambda: proc.poll() is not None, timeout=30)
+    assert a.stop() == 0, a.stderr[-1:]
+    assert "unmount segment" not in a.stderr[-1]  # Mooncake's teardown never ran
+    a.start()  # the same --cluster URL, its master still dead
+    for rel, data in files.items():
+        assert (a.path / rel).read_bytes() == data
+    assert cluster(a)["state"] != "up"
 
 
 @pytest.mark.expect_errors(r"mooncake|Mooncake")

@@ -241,6 +241,76 @@ def test_policy_and_quota_persist_across_remount(tmp_path: Path) -> None:
         assert e.value.errno == errno.EINVAL
 
 
+def kvfs_policy(path: Path, *options: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvfs", "policy", str(path), *options],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def settings(path: Path) -> dict[str, bytes]:
+    return {n: os.getxattr(path, n) for n in os.listxattr(path) if n.startswith("user.kvfs.")}
+
+
+@pytest.mark.parametrize(
+    "where, options",
+    [
+        ("nested", ("--set", "engine-managed")),
+        ("nested", ("--quota", "100M")),
+        ("nested", ("--max-file-size", "8M")),
+        ("file", ("--quota", "100M")),
+        ("file", ("--set", "engine-managed")),
+        ("root", ("--quota", "100M")),
+        ("root", ("--max-file-size", "8M")),
+    ],
+)
+def test_policy_refuses_settings_that_would_do_nothing(
+    pool: Path, where: str, options: tuple[str, ...]
+) -> None:
+    """Groups are top-level directories: a policy or quota on a nested directory or a
+    file, or a quota on the root (its own files only), would be stored and never
+    enforced. The CLI says so in one line (rc 2), and the daemon refuses the same
+    xattr set directly (EINVAL), so nothing is stored either way."""
+    top = pool / "tenant"
+    (top / "sub").mkdir(parents=True)
+    write_file(top / "chunk", MiB)
+    path = {"nested": top / "sub", "file": top / "chunk", "root": pool}[where]
+    before = settings(path)
+    r = kvfs_policy(path, *options)
+    assert r.returncode == 2, r
+    assert r.stderr.count("\n") == 1 and "top-level director" in r.stderr, r.stderr
+    assert r.stdout == ""
+    assert settings(path) == before
+    name = {"--set": "policy", "--quota": "quota", "--max-file-size": "max_file_size"}[options[0]]
+    with pytest.raises(OSError) as e:  # setfattr: refused by the daemon itself
+        os.setxattr(path, f"user.kvfs.{name}", options[1].encode())
+    assert e.value.errno == errno.EINVAL
+    assert settings(path) == before
+
+
+def test_root_policy_and_top_level_quota_via_the_cli(pool: Path) -> None:
+    """What is accepted takes effect: the root's policy (its own files), and a
+    top-level directory's quota over its whole subtree: 256 MiB written under a
+    100 MiB quota (100M) stay within it by eviction."""
+    r = kvfs_policy(pool, "--set", "kvfs-managed")
+    assert r.returncode == 0 and "policy kvfs-managed" in r.stdout, r.stderr
+    top = pool / "tenant"
+    (top / "deep" / "er").mkdir(parents=True)
+    r = kvfs_policy(top, "--quota", "100M")
+    assert r.returncode == 0 and "quota 100M" in r.stdout, r.stderr
+    names = [f"c{i:03d}" for i in range(64)]  # 64 x 4 MiB = 256 MiB
+    for n in names:
+        write_file(top / "deep" / "er" / n, 4 * MiB)
+        kept = os.listdir(top / "deep" / "er")
+        assert sum(os.stat(top / "deep" / "er" / k).st_blocks * 512 for k in kept) <= 100 * MiB
+    kept = os.listdir(top / "deep" / "er")
+    assert 0 < len(kept) < len(names)
+    for n in kept:
+        check_file(top / "deep" / "er" / n, 4 * MiB, may_vanish=True)
+
+
 @pytest.mark.parametrize("policy", ["adaptive", "prefix-lru"])
 def test_new_policies_evict_whole_files_and_hand_over_to_another_policy(
     tmp_path: Path, policy: str
