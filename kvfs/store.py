@@ -277,13 +277,15 @@ class Store:
         st = self._files.get(ino)
         return st.shrinks if st is not None else 0
 
-    def _keep_readable(self, ino: int, tid: int, fh: int | None) -> None:
+    def _keep_readable(self, ino: int, tid: int | None, fh: int | None) -> None:
         """After a truncate by thread ``tid`` (through ``fh``, an ftruncate): the
         handle it came through, and the handles that thread opened, go on reading
-        (one thread's calls are sequential: none of its reads was in flight)."""
+        (one thread's calls are sequential: none of its reads was in flight).
+        ``tid`` None: every handle does."""
         shrinks = self._shrinks(ino)
         for n, h in list(self.handles.items()):
-            if h.ino == ino and h.shrinks != shrinks and (n == fh or h.pid == tid):
+            mine = tid is None or n == fh or h.pid == tid
+            if h.ino == ino and h.shrinks != shrinks and mine:
                 self.handles.replace(n, replace(h, shrinks=shrinks))
 
     def _check_not_rewritten(self, fh: int, h: Handle) -> None:
@@ -537,7 +539,10 @@ class Store:
         await self.writer.commit(inode, pid)
 
     async def truncate(self, inode: Inode, size: int) -> None:
+        """Truncate with no caller to tell apart: every open handle goes on reading
+        (the FUSE adapter's SETATTR says whose truncate it is: :meth:`setattr`)."""
         await self.writer.truncate(inode, size)
+        self._keep_readable(inode.ino, None, None)
 
     def max_file_size(self, inode: Inode) -> int:
         return self.writer.max_file_size(inode)
@@ -682,7 +687,7 @@ class Store:
         )
         check_times(*new_times)  # refused before anything changes
         if size is not None:
-            await self.truncate(node, size)
+            await self.writer.truncate(node, size)
             self._keep_readable(ino, caller.pid, fh)
         if mode is not None:
             node.mode = stat.S_IFMT(node.mode) | stat.S_IMODE(mode)

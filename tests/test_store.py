@@ -19,7 +19,7 @@ from test_journal import v1_device, v1_maker
 
 from kvfs import pool as pool_mod
 from kvfs.device import Device, FaultyDevice, MemoryDevice
-from kvfs.errors import Corruption, DeviceError, KvfsError, NoSpace, NotFound
+from kvfs.errors import Corruption, DeviceError, KvfsError, NoSpace, NotFound, Rewritten
 from kvfs.format import geometry, nsimage
 from kvfs.format.records import (
     DEV_SHIFT,
@@ -35,6 +35,7 @@ from kvfs.format.superblock import Superblock
 from kvfs.journal import recover
 from kvfs.namespace import EVICTOR_TAG, ROOT_INO
 from kvfs.pool import Pool, format_pool, open_pool
+from kvfs.posix import Caller
 from kvfs.store import Store, StoreConfig
 
 UNIT = 64 * 1024
@@ -854,3 +855,31 @@ async def test_directory_usage_never_walks_more_than_its_budget(
         assert rows == {"big": 12 * UNIT, "small": 2 * UNIT}
         await store.truncate(store.ns.get(inode.ino), 0)
         assert {r.name: r.used_bytes for r in store.directory_usage()}["small"] == 0
+
+
+async def test_a_handle_straddling_another_threads_shrinking_truncate_reads_eio() -> None:
+    """``docs/design.md``, "Reads beside a truncate": after thread 2 shrinks a file,
+    handles thread 1 opened read EIO (their reads could join two contents); the
+    handle a truncate came through, the truncating thread's own handles and any
+    handle opened afterwards read the new content."""
+    pool = memory_pool()
+    async with serving(pool) as store:
+        ino, fh = await create(store, b"chunk")
+        await store.write(fh, 0, b"A" * (3 * UNIT))
+        await store.commit(store.ns.get(ino))
+        reader = await store.open(ino, os.O_RDONLY, Caller(0, 0, 101))
+        mine = await store.open(ino, os.O_RDWR, Caller(0, 0, 202))
+        await store.setattr(ino, Caller(0, 0, 202), size=UNIT, fh=None)  # by path, thread 202
+        with pytest.raises(Rewritten):
+            await store.read(reader, 0, UNIT)
+        assert bytes(await store.read(mine, 0, 2 * UNIT)) == b"A" * UNIT
+        other = await store.open(ino, os.O_RDWR, Caller(0, 0, 303))
+        await store.setattr(ino, Caller(0, 0, 404), size=10, fh=other)  # ftruncate of `other`
+        assert bytes(await store.read(other, 0, UNIT)) == b"A" * 10
+        with pytest.raises(Rewritten):
+            await store.read(mine, 0, UNIT)
+        fresh = await store.open(ino, os.O_RDONLY, Caller(0, 0, 101))
+        assert bytes(await store.read(fresh, 0, UNIT)) == b"A" * 10
+        for h in (fh, reader, mine, other, fresh):
+            await store.release(h)
+        await store.close()
