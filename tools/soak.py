@@ -345,6 +345,7 @@ class Worker:
         )
         self.stats_path = Path(cfg.workdir) / f"stats-{self.who}.json"
         self.last_dump = 0.0
+        self.parent = os.getppid()
 
     def fail(self, kind: str, name: int, detail: str) -> None:
         rec = {
@@ -371,7 +372,7 @@ class Worker:
     def park(self) -> bool:
         """Between operations: wait while the controller remounts; False: stop."""
         sh = self.shared
-        if sh.get(Shared.STOP):
+        if sh.get(Shared.STOP) or os.getppid() != self.parent:  # done, or orphaned
             return False
         if sh.get(Shared.PAUSE):
             sh.set_parked(self.slot, 1)
@@ -475,6 +476,14 @@ class Writer(Worker):
             return True  # the tmp file was evicted before its rename (last resort)
         return code == errno.EIO and self.shared.name_state(name)[2] == Shared.UNKNOWN
 
+    def _short(self, name: int, detail: str, before: tuple[int, int]) -> None:
+        """A write() that returned less, and the close after it succeeded: LMCache
+        (which ignores the count) now holds a short chunk. Allowed only when the
+        daemon was killed meanwhile."""
+        self.counts["short-write"] += 1
+        if not before[0] and self.outage() == before:
+            self.fail("short-write", name, detail)
+
     def write(self, name: int, kind: str, length: int) -> None:
         self.gens[name] += 1
         gen = self.gens[name]
@@ -498,7 +507,7 @@ class Writer(Worker):
             if not self._errno_ok(e, name, kind, before):
                 self.fail("write-error", name, f"{kind} gen {gen}: {e!r}")
         except ShortWrite as e:
-            self.fail("short-write", name, f"{kind} gen {gen}: {e}")
+            self._short(name, f"{kind} gen {gen}: {e}", before)
         finally:
             self.shared.end_change(name, *((Shared.PRESENT, gen) if ok else (Shared.UNKNOWN, 0)))
             self.shared.end_op(self.slot)
@@ -517,7 +526,7 @@ class Writer(Worker):
         flags |= os.O_DIRECT if kind == "odirect-inplace" else os.O_TRUNC
         fd = os.open(path, flags, 0o644)
         try:
-            self._one_write(fd, data, direct=kind == "odirect-inplace")
+            n = self._one_write(fd, data, direct=kind == "odirect-inplace")
             if kind == "trunc-fsync":
                 os.fsync(fd)
         except BaseException:
@@ -525,11 +534,12 @@ class Writer(Worker):
                 os.close(fd)
             raise
         os.close(fd)
+        _check_count(n, data)
 
-    def _one_write(self, fd: int, data: bytes, direct: bool) -> None:
-        n = _write_all(fd, self.aligned_copy(data) if direct else data)
-        if n != len(data):
-            raise ShortWrite(f"write() returned {n} of {len(data)} bytes")
+    def _one_write(self, fd: int, data: bytes, direct: bool) -> int:
+        """One write() of the whole chunk; its count is checked after the close
+        (LMCache ignores it and closes)."""
+        return _write_all(fd, self.aligned_copy(data) if direct else data)
 
     def write_renamed(self, name: int, kind: str, gen: int, data: bytes, path: str) -> None:
         """vLLM's fs tier (O_EXCL|O_DIRECT tmp) or SGLang (buffered tmp), then
@@ -544,12 +554,13 @@ class Writer(Worker):
                 flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_TRUNC | os.O_DIRECT
                 fd = os.open(tmp, flags, 0o644)
                 try:
-                    self._one_write(fd, data, direct=True)
+                    n = self._one_write(fd, data, direct=True)
                 except BaseException:
                     with contextlib.suppress(OSError):
                         os.close(fd)
                     raise
                 os.close(fd)
+                _check_count(n, data)
             else:
                 with open(tmp, "wb") as f:
                     f.write(data)
@@ -559,7 +570,7 @@ class Writer(Worker):
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             if isinstance(e, ShortWrite):
-                self.fail("short-write", name, f"{kind} tmp gen {gen}: {e}")
+                self._short(name, f"{kind} tmp gen {gen}: {e}", before)
             elif not self._errno_ok(e, name, kind, before):
                 self.fail("write-error", name, f"{kind} tmp gen {gen}: {e!r}")
             return
@@ -608,6 +619,11 @@ class Writer(Worker):
 
 class ShortWrite(Exception):
     pass
+
+
+def _check_count(n: int, data: bytes) -> None:
+    if n != len(data):
+        raise ShortWrite(f"write() returned {n} of {len(data)} bytes, then close() succeeded")
 
 
 class Reader(Worker):
@@ -1135,6 +1151,7 @@ class Soak:
     # -------------------------------------------------------------- the run
     def kill_cycle(self) -> None:
         sh = self.shared
+        self.note(f"kill -9 #{self.totals.kills + 1} of the daemon (pid {self.daemon_pid()})")
         sh.set(Shared.DOWN, 1)
         self.kill()
         self.totals.kills += 1
@@ -1147,7 +1164,10 @@ class Soak:
         sh.set(Shared.EPOCH, sh.get(Shared.EPOCH) + 1)
         sh.set(Shared.DOWN, 0)
         sh.set(Shared.PAUSE, 0)
-        self.note(f"kill -9 #{self.totals.kills}, remounted, {self.cfg.names()} names checked")
+        self.note(f"remounted, {self.cfg.names()} names checked against the ledgers")
+
+    def daemon_pid(self) -> int:
+        return self.daemon.pid if self.daemon is not None else 0
 
     def next_kill(self) -> float:
         lo, hi = self.args.kill_interval
