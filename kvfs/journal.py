@@ -216,8 +216,7 @@ class Journal:
         cost = nbytes + ENTRY_OVERHEAD + 8
         fresh = False
         while True:
-            if self._failed is not None:
-                raise DeviceError(f"metadata log unavailable: {self._failed}")
+            self.check_usable()
             if self._window is not None:
                 if cost <= self._window_room():
                     return
@@ -232,6 +231,12 @@ class Journal:
                 )
             await self.checkpoint()
             fresh = True
+
+    def check_usable(self) -> None:
+        """DeviceError (EIO) once the log has failed (sync): an operation that would
+        log is refused before it changes anything, never acknowledged in vain."""
+        if self._failed is not None:
+            raise DeviceError(f"metadata log unavailable: {self._failed}")
 
     def _window_room(self) -> int:
         """Bytes the running checkpoint's window may still take in the new half: what

@@ -364,6 +364,7 @@ class Store:
     def rename(self, old_parent: int, old: bytes, new_parent: int, new: bytes, flags: int) -> None:
         """POSIX rename (and renameat2's flags); a file that moves to another group
         takes its bytes' count along (O(1), no recount of any group)."""
+        self.journal.check_usable()
         moving = [] if old_parent == new_parent else self._movers(old_parent, old, new_parent, new)
         groups = [(inode, self.evictor.group_of(inode)) for inode in moving]
         cluster = self.cluster
@@ -617,6 +618,7 @@ class Store:
         return self.ns.directory(ino)
 
     def unlink(self, parent: int, name: bytes) -> None:
+        self.journal.check_usable()
         cluster = self.cluster
         where = cluster.path_of(parent) if cluster is not None else None
         self.maybe_drop(self.ns.remove(parent, name, want_dir=False))
@@ -630,6 +632,7 @@ class Store:
         self._unlink_everywhere(inode)
 
     def rmdir(self, parent: int, name: bytes) -> None:
+        self.journal.check_usable()
         self.maybe_drop(self.ns.remove(parent, name, want_dir=True))
 
     async def link(self, ino: int, parent: int, name: bytes) -> Inode:
@@ -650,6 +653,7 @@ class Store:
         """chmod, chown, truncate and utimens of one SETATTR (what is not None). The
         times (atime, mtime, ctime; a ctime not given is now) are checked before
         anything changes."""
+        self.journal.check_usable()
         node = self.ns.get(ino)
         atime, mtime, _ = node.times()
         at, mt, ct = times
@@ -697,6 +701,7 @@ class Store:
         self.xattr_changed(ino, name)
 
     def remove_xattr(self, ino: int, name: bytes) -> None:
+        self.journal.check_usable()
         self.ns.set_xattr(ino, name, None)
         self.xattr_changed(ino, name)
 

@@ -610,6 +610,11 @@ async def test_a_device_error_mid_checkpoint_is_fail_stop(
             await journal.wait_durable(seq)
         with pytest.raises(DeviceError):
             await journal.checkpoint()
+        # and nothing more is let in to be acknowledged in vain
+        with pytest.raises(DeviceError):
+            journal.check_usable()
+        with trio.fail_after(5), pytest.raises(DeviceError):
+            await journal.admit(100)
         nursery.cancel_scope.cancel()
     found = recover_dev(dev)  # the old half, with what was durable (8), never 9 half-done
     assert found.generation == 1 and work.index_of(found.state) == 8
