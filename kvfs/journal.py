@@ -26,6 +26,14 @@ in the current half. Every transaction appended after ``snapshot()`` was called 
 *window*) is also written into the new half after its CKPT_END, and the new half
 becomes current only once that is durable: the new generation is the (fuzzy)
 checkpoint plus every transaction since it began (``docs/design.md``, "Checkpoints").
+
+The window must fit in the new half behind the checkpoint. Callers that append much
+(an xattr, a create) first ``await admit(nbytes)``, which holds them while the
+running checkpoint's window has no room for them (backpressure, before anything is
+acknowledged). A window that outgrows the half anyway (small operations do not wait)
+is not fail-stop: that attempt is abandoned (its half never becomes current: no
+CKPT_END is written), its transactions stay pending, and a fresh checkpoint under a
+new generation covers them.
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ import trio
 import trio.lowlevel
 
 from kvfs.device import ALIGN, Device, aligned_buffer
-from kvfs.errors import DeviceError
+from kvfs.errors import DeviceError, NoSpace
 from kvfs.format.geometry import META_FULL
 from kvfs.format.halves import checkpoint_end, half_bounds
 from kvfs.format.records import (
@@ -63,6 +71,9 @@ CKPT_WRITE = 1 << 20
 """Checkpoint pieces are gathered into device writes of about this many bytes."""
 COMMIT_BYTES = ENTRY_OVERHEAD
 """Size of a COMMIT entry (empty payload)."""
+ADMIT_SLACK = COMMIT_BYTES + 2 * ALIGN
+"""What :meth:`Journal.admit` keeps free in a half beyond the log it counts: the
+COMMIT entry and block rounding."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +94,8 @@ class JournalStatistics:
     """Bytes of log written by group commits (TXN and COMMIT entries) this session."""
     last_checkpoint_s: float = 0.0
     """Wall time of the last completed checkpoint, snapshot to durable."""
+    abandoned_checkpoints: int = 0
+    """Checkpoints given up because their window outgrew the half (and retried)."""
 
 
 class _HalfWriter:
@@ -136,6 +149,10 @@ class Journal:
         self._window: list[bytes] | None = None  # payloads since the running snapshot
         self._in_checkpoint = False
         self._window_bytes = 0
+        self._attempted = 0  # the highest generation a checkpoint was begun under
+        self._ckpt_estimate = 0  # bytes the running checkpoint is expected to take
+        self._ckpt_written = 0  # bytes of the running checkpoint staged so far
+        self._abandoned = 0
         self._dirty_devices: set[int] = set()
         self._wake = trio.Event()
         self._flushed = trio.Event()
@@ -160,6 +177,7 @@ class Journal:
         flush writes a fresh checkpoint into the other half, so nothing is ever
         appended behind a torn tail (nor version-2 entries behind version-1 ones)."""
         self.generation, self.half = found.generation, found.half
+        self._attempted = found.generation
         self._entry_seq = found.seq
         if in_place and found.version == ENTRY_VERSION:
             base, _ = half_bounds(self._meta_start, self._meta_size, self.half)
@@ -185,6 +203,64 @@ class Journal:
         if self._pending_bytes > (4 << 20):
             self._wake.set()
         return self._txid
+
+    async def admit(self, nbytes: int) -> None:
+        """Wait until a transaction of about ``nbytes`` encoded bytes may be appended,
+        so that the next checkpoint and its window still fit a half: while a
+        checkpoint runs, until its window has room for it (else until it is done);
+        otherwise while everything logged since the last checkpoint plus this would
+        overflow a half, until a fresh checkpoint. Append with no await after this
+        returns. NoSpace if even a fresh checkpoint leaves no room (the metadata
+        area is full); DeviceError once the log failed: nothing is acknowledged
+        that could never be durable."""
+        cost = nbytes + ENTRY_OVERHEAD + 8
+        fresh = False
+        while True:
+            self.check_usable()
+            if self._window is not None:
+                if cost <= self._window_room():
+                    return
+                await self._flushed.wait()
+                continue
+            if self.next_checkpoint_bound + cost + ADMIT_SLACK <= self._half_size:
+                return
+            if fresh:
+                raise NoSpace(
+                    f"metadata area full: {cost} more bytes of log would not fit a half "
+                    f"of {self._half_size} behind a {self._ckpt_size}-byte checkpoint"
+                )
+            await self.checkpoint()
+            fresh = True
+
+    def check_usable(self) -> None:
+        """DeviceError (EIO) once the log has failed (sync): an operation that would
+        log is refused before it changes anything, never acknowledged in vain."""
+        if self._failed is not None:
+            raise DeviceError(f"metadata log unavailable: {self._failed}")
+
+    def _window_room(self) -> int:
+        """Bytes the running checkpoint's window may still take in the new half: what
+        the checkpoint leaves (at least its estimate) less the CKPT_END and COMMIT
+        entries and a block of slack."""
+        ckpt = max(self._ckpt_estimate, self._ckpt_written) + 2 * ENTRY_OVERHEAD + 8
+        return self._half_size - ckpt - ADMIT_SLACK - self._window_bytes
+
+    @property
+    def next_checkpoint_bound(self) -> int:
+        """An upper bound (state grows by no more than the log that records it) on
+        the next checkpoint: the running one's estimate and window, else everything
+        in the current half and pending."""
+        if self._window is not None:
+            return max(self._ckpt_estimate, self._ckpt_written) + self._window_bytes
+        used = self._writer.offset if self._writer is not None else self._ckpt_size
+        return used + self._pending_bytes
+
+    async def checkpoint_settled(self) -> None:
+        """Return once no checkpoint is being written."""
+        while self._in_checkpoint:
+            if self._failed is not None:
+                raise DeviceError(f"metadata log unavailable: {self._failed}")
+            await self._flushed.wait()
 
     @property
     def last_seq(self) -> int:
@@ -311,11 +387,17 @@ class Journal:
         group commits go on in this half; then the window's transactions behind its
         CKPT_END, and switch once that is durable."""
         t0 = time.monotonic()
-        generation, half = self.generation + 1, 1 - self.half
+        # a fresh generation even after an abandoned attempt: that one's entries
+        # may linger in the half and must never pass for this one's
+        generation, half = max(self.generation, self._attempted) + 1, 1 - self.half
+        self._attempted = generation
         base, _ = half_bounds(self._meta_start, self._meta_size, half)
         new = _HalfWriter(base, self._half_size)
         self._want_checkpoint = False
         self._ckpt_begun += 1
+        begun = self._ckpt_begun
+        self._ckpt_estimate = max(self._ckpt_estimate, self.next_checkpoint_bound)
+        self._ckpt_written = 0
         self._window, self._window_bytes = [], 0
         self._in_checkpoint = True
         try:
@@ -334,6 +416,7 @@ class Journal:
                 entry = encode_entry(KIND_CKPT_DATA, generation, seq, payload, seed)
                 stage.append(entry)
                 staged += len(entry)
+                self._ckpt_written = new.offset + staged
                 if staged >= CKPT_WRITE:
                     await self._write(new, b"".join(stage), [], flush_meta=False)
                     stage, staged = [], 0
@@ -344,21 +427,26 @@ class Journal:
             # the window ends here: from now on appends wait for the new half
             window, self._window = self._window, None
             last = self._txid
-            self._pending.clear()
-            self._pending_bytes = 0
             for payload in window:
                 seq += 1
                 stage.append(encode_entry(KIND_TXN, generation, seq, payload, seed))
             seq += 1
             stage.append(commit_entry(generation, seq, seed))
-            await self._write(new, b"".join(stage), self._take_dirty(), flush_meta=True)
+            data = b"".join(stage)
+            if len(data) > new.room() and ckpt_size + COMMIT_BYTES + ALIGN <= new.size:
+                self._abandon(generation, ckpt_size, window)
+                return
+            self._pending.clear()
+            self._pending_bytes = 0
+            await self._write(new, data, self._take_dirty(), flush_meta=True)
         finally:
             self._window = None
             self._in_checkpoint = False
+        self._ckpt_estimate = 0
         self.generation, self.half, self._writer = generation, half, new
         self._entry_seq, self._ckpt_size = seq, ckpt_size
         self._durable = max(self._durable, last)
-        self._ckpt_done += 1
+        self._ckpt_done = begun  # a call waits for one begun after it: this one counts
         self._checkpoints += 1
         self._last_ckpt_s = time.monotonic() - t0
         self.checkpoint_latency.observe(self._last_ckpt_s)
@@ -369,6 +457,24 @@ class Journal:
             ckpt_size,
             len(window),
             self._last_ckpt_s,
+        )
+
+    def _abandon(self, generation: int, ckpt_size: int, window: list[bytes]) -> None:
+        """The checkpoint fits its half but its window does not: nothing more is
+        written there (no CKPT_END: recovery ignores the half), the window's
+        transactions stay pending in the current half, and a fresh checkpoint starts
+        at once; it covers them (its snapshot is taken after them), and its window
+        has the room this one's estimate lacked."""
+        self._abandoned += 1
+        self._ckpt_estimate = ckpt_size + self._window_bytes
+        self._want_checkpoint = True
+        self._wake.set()
+        log.warning(
+            "checkpoint generation %d abandoned: its %d window transaction(s) outgrew "
+            "the half after its %d bytes; taking another",
+            generation,
+            len(window),
+            ckpt_size,
         )
 
     async def _commit_meanwhile(self) -> None:
@@ -459,6 +565,7 @@ class Journal:
             self.checkpointing,
             self._journal_bytes,
             self._last_ckpt_s,
+            self._abandoned,
         )
 
 

@@ -36,6 +36,7 @@ from kvfs.errors import (
     NotFound,
     NotPermitted,
     Stale,
+    TooBig,
 )
 from kvfs.format.nsimage import (
     BIG_XATTR_HEAD,
@@ -64,12 +65,39 @@ from kvfs.inodes import F_DEAD, F_INTERNAL, F_NAMED, DirView, Inode, InodeTable,
 ROOT_INO = 1
 NAME_MAX = 255
 XATTR_NAME_MAX = 255
-XATTR_VALUE_MAX = 64 * 1024
+XATTR_VALUE_MAX = 4096
+"""Bytes of one xattr value: one ext4 block (ext4 without ``ea_inode`` keeps a file's
+xattrs in one 4 KiB block). A larger value is E2BIG (the VFS's own limit, 64 KiB,
+never reaches kvfs)."""
+XATTR_FILE_MAX = 8192
+"""Bytes of a file's xattrs, names plus values: a set that would pass it is ENOSPC, as
+on ext4 (whose bound is about 4 KiB; twice that lets a full-size value sit beside
+small ones). What one file adds to a checkpoint and to a journal window is bounded."""
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
 
 BIG_XATTRS = 0xFFFFFFFF
 """``xattr`` column value: this inode's xattrs are in the big-xattr side table."""
+
+
+def xattr_bytes(xattrs: dict[bytes, bytes]) -> int:
+    """What a file's xattrs count against ``XATTR_FILE_MAX``: names plus values."""
+    return sum(len(k) + len(v) for k, v in xattrs.items())
+
+
+def check_xattr_room(xattrs: dict[bytes, bytes], name: bytes, value: bytes) -> None:
+    """May ``name`` be set to ``value`` on a file holding ``xattrs``? TooBig (E2BIG)
+    for a value over ``XATTR_VALUE_MAX``, NoSpace (ENOSPC) when the file's xattrs
+    would pass ``XATTR_FILE_MAX`` (a set that does not grow them always may: a pool
+    written before the bound)."""
+    if len(value) > XATTR_VALUE_MAX:
+        raise TooBig(f"xattr value of {len(value)} bytes, over {XATTR_VALUE_MAX}")
+    old = xattr_bytes(xattrs)
+    new = old + len(name) + len(value)
+    if name in xattrs:
+        new -= len(name) + len(xattrs[name])
+    if new > XATTR_FILE_MAX and new > old:
+        raise NoSpace(f"the file's xattrs would take {new} bytes, over {XATTR_FILE_MAX}")
 
 
 def check_name(name: bytes) -> None:
@@ -1090,11 +1118,13 @@ class Namespace:
 
     def set_xattr(self, ino: int, name: bytes, value: bytes | None) -> None:
         inode = self.get(ino)
-        if len(name) > XATTR_NAME_MAX or (value is not None and len(value) > XATTR_VALUE_MAX):
-            raise NameTooLong("xattr name or value too long")
+        if len(name) > XATTR_NAME_MAX:
+            raise NameTooLong("xattr name too long")
         xattrs = inode.xattrs
         if value is None and (not xattrs or name not in xattrs):
             raise NoAttribute(name.decode(errors="replace"))
+        if value is not None:
+            check_xattr_room(xattrs or {}, name, value)
         self._apply_xattr(Xattr(ino, name, value))
         inode.ctime_ns = time.time_ns()
         self._log([Xattr(ino, name, value), inode.record()])

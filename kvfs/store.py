@@ -59,7 +59,7 @@ from kvfs.handles import Handles
 from kvfs.inodes import DirView
 from kvfs.journal import Journal
 from kvfs.loading import Loader, RecoveryReport
-from kvfs.namespace import ROOT_INO, Inode, Namespace, check_times
+from kvfs.namespace import ROOT_INO, Inode, Namespace, check_times, check_xattr_room
 from kvfs.pool import Pool
 from kvfs.posix import ROOT, Caller
 from kvfs.readpath import Reader
@@ -77,6 +77,10 @@ from kvfs.writepath import Writer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+OP_LOG_BYTES = 512
+"""Log bytes admitted for one index operation beyond its xattr (a create: its
+inode record, dentry and name; a commit: a map of a few extents). A larger one is
+not lost: the window is retried (``Journal.admit``)."""
 
 
 class Store:
@@ -345,18 +349,24 @@ class Store:
             return
         await self.commit(inode, h.pid)
 
-    async def check_metadata_room(self) -> None:
+    async def check_metadata_room(self, log_bytes: int = OP_LOG_BYTES) -> None:
         """Room in the metadata area for an operation that grows the index. Metadata
         pressure is eviction pressure: once the last checkpoint is over the area's
         limit, files are evicted by data eviction's rules and a smaller checkpoint
         is taken (``Space.make_metadata_room``; removals since the last checkpoint
         count too: a dropped row leaves the image at once, see
-        ``Namespace._strip_row``). NoSpace only when nothing could go."""
+        ``Namespace._strip_row``). NoSpace only when nothing could go. Then
+        ``Journal.admit`` for the ``log_bytes`` the operation will log: it waits
+        while a running checkpoint's window has no room (NoSpace if the area is full
+        even after a fresh checkpoint; DeviceError once the log failed), so nothing
+        is acknowledged that the log could not hold."""
         if self.journal.metadata_full:
             await self.space.make_metadata_room()
         if self.journal.metadata_full:
             self.space.log_metadata_full()
             raise NoSpace("metadata area full: nothing may be evicted")
+        # last: the caller appends with no await after this returns
+        await self.journal.admit(log_bytes)
 
     async def make(
         self, parent: int, name: bytes, mode: int, caller: Caller = ROOT, flags: int = 0
@@ -383,6 +393,7 @@ class Store:
     def rename(self, old_parent: int, old: bytes, new_parent: int, new: bytes, flags: int) -> None:
         """POSIX rename (and renameat2's flags); a file that moves to another group
         takes its bytes' count along (O(1), no recount of any group)."""
+        self.journal.check_usable()
         moving = [] if old_parent == new_parent else self._movers(old_parent, old, new_parent, new)
         groups = [(inode, self.evictor.group_of(inode)) for inode in moving]
         cluster = self.cluster
@@ -642,6 +653,7 @@ class Store:
         return self.ns.directory(ino)
 
     def unlink(self, parent: int, name: bytes) -> None:
+        self.journal.check_usable()
         cluster = self.cluster
         where = cluster.path_of(parent) if cluster is not None else None
         self.maybe_drop(self.ns.remove(parent, name, want_dir=False))
@@ -655,6 +667,7 @@ class Store:
         self._unlink_everywhere(inode)
 
     def rmdir(self, parent: int, name: bytes) -> None:
+        self.journal.check_usable()
         self.maybe_drop(self.ns.remove(parent, name, want_dir=True))
 
     async def link(self, ino: int, parent: int, name: bytes) -> Inode:
@@ -677,6 +690,7 @@ class Store:
         times (atime, mtime, ctime; a ctime not given is now) are checked before
         anything changes. ``fh``: the handle an ftruncate came through (it goes on
         reading the file it shrank itself)."""
+        self.journal.check_usable()
         node = self.ns.get(ino)
         atime, mtime, _ = node.times()
         at, mt, ct = times
@@ -716,11 +730,16 @@ class Store:
         return list(self.ns.get(ino).xattrs or ())
 
     async def set_xattr(self, ino: int, name: bytes, value: bytes) -> None:
-        await self.check_metadata_room()
+        """Set an xattr within the bounds (``namespace.check_xattr_room``: E2BIG,
+        ENOSPC), checked before any room is made for it."""
+        inode = self.ns.get(ino)
+        check_xattr_room(inode.xattrs or {}, name, value)
+        await self.check_metadata_room(OP_LOG_BYTES + len(name) + len(value))
         self.ns.set_xattr(ino, name, value)
         self.xattr_changed(ino, name)
 
     def remove_xattr(self, ino: int, name: bytes) -> None:
+        self.journal.check_usable()
         self.ns.set_xattr(ino, name, None)
         self.xattr_changed(ino, name)
 

@@ -638,9 +638,95 @@ async def test_a_device_error_mid_checkpoint_is_fail_stop(
             await journal.wait_durable(seq)
         with pytest.raises(DeviceError):
             await journal.checkpoint()
+        # and nothing more is let in to be acknowledged in vain
+        with pytest.raises(DeviceError):
+            journal.check_usable()
+        with trio.fail_after(5), pytest.raises(DeviceError):
+            await journal.admit(100)
         nursery.cancel_scope.cancel()
     found = recover_dev(dev)  # the old half, with what was durable (8), never 9 half-done
     assert found.generation == 1 and work.index_of(found.state) == 8
+
+
+TXN_MAX = 3 * (900 + 32) + 64
+"""An upper bound on the encoded payload of one ``Workload.txn``."""
+
+
+async def test_a_window_that_outgrows_the_new_half_is_retried_not_fail_stop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Transactions appended while a checkpoint is written (its window) that would
+    not fit the new half behind it (here: more than a whole half of them, appended
+    without ``admit``): that attempt is abandoned, a fresh checkpoint covers them,
+    and every one is durable and recovered; the log never fails."""
+    monkeypatch.setattr(journal_mod, "CKPT_WRITE", 1)
+    dev = GatedDevice(DEV_SIZE)
+    work = Workload(16)
+    work.states.append({})
+    journal = gated_journal(dev, work)
+    _, half_size = half_bounds(META_START, META_SIZE, 0)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(journal.run)
+        await started_checkpoint(dev, journal, work)
+        window, i = 0, 8
+        while window <= half_size:  # all appended while the first piece is held
+            i += 1
+            ops = work.txn(i)
+            window += len(encode_ops(ops)) + ENTRY_OVERHEAD
+            last = journal.append(ops)
+        dev.open_gate()
+        with trio.fail_after(10):
+            await journal.wait_durable(last)
+        stats = journal.statistics()
+        assert stats.abandoned_checkpoints >= 1 and journal.half == 0, stats
+        nursery.cancel_scope.cancel()
+    found = recover_dev(dev)
+    assert (found.generation, found.half) == (journal.generation, 0)
+    assert found.generation > 2, "the retry must not reuse the abandoned generation"
+    assert work.index_of(found.state) == i
+
+
+async def test_admit_holds_appends_while_the_window_has_no_room(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A writer that calls ``admit`` before each append is held while the running
+    checkpoint's window has no room left in the new half (the bound on the next
+    checkpoint stays within a half), and goes on once that checkpoint is current:
+    nothing abandoned, everything durable."""
+    monkeypatch.setattr(journal_mod, "CKPT_WRITE", 1)
+    dev = GatedDevice(DEV_SIZE)
+    work = Workload(17)
+    work.states.append({})
+    journal = gated_journal(dev, work)
+    _, half_size = half_bounds(META_START, META_SIZE, 0)
+    total = 4 * half_size // TXN_MAX * 2  # several halves of transactions
+    appended: list[int] = []
+
+    async def writer() -> None:
+        for i in range(9, 9 + total):
+            await journal.admit(TXN_MAX)
+            appended.append(journal.append(work.txn(i)))
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(journal.run)
+        await started_checkpoint(dev, journal, work)
+        nursery.start_soon(writer)
+        with trio.fail_after(10):
+            while True:  # the writer stops by itself, the first piece still held
+                count = len(appended)
+                await trio.sleep(0.05)
+                if len(appended) == count:
+                    break
+        assert 0 < len(appended) < total and journal.checkpointing
+        assert journal.next_checkpoint_bound <= half_size
+        dev.open_gate()
+        with trio.fail_after(10):
+            while len(appended) < total:  # noqa: ASYNC110 - no event to wait on
+                await trio.sleep(0.01)
+            await journal.wait_durable(appended[-1])
+        assert journal.statistics().abandoned_checkpoints == 0
+        nursery.cancel_scope.cancel()
+    assert work.index_of(recover_dev(dev).state) == 8 + total
 
 
 async def test_a_durable_close_costs_its_entry_not_a_block() -> None:

@@ -13,8 +13,10 @@ from collections.abc import Iterator
 
 import pytest
 import trio
+import trio.lowlevel
 from test_store import CFG, get, memory_pool, no_leaks, serving, wait_until
 
+import kvfs.journal as journal_mod
 from kvfs.columns import ARENA_CHUNK, ROWS
 from kvfs.errors import NoSpace, NotFound
 from kvfs.format.geometry import META_FULL
@@ -201,3 +203,48 @@ async def test_the_estimate_tracks_the_next_checkpoint() -> None:
         await store.journal.checkpoint()
         actual = store.journal.checkpoint_bytes
         assert abs(estimate - actual) <= 0.1 * actual + GRAIN, (estimate, actual)
+
+
+def pad(file: int, round_: int) -> bytes:
+    """A 4 KiB value (the most one may take) derived from its file and round."""
+    return hashlib.sha256(b"%d.%d" % (file, round_)).digest() * 128
+
+
+async def test_a_flood_of_large_xattrs_waits_for_checkpoint_windows_never_stops_the_log(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 26 at store level: an index that takes about half of a metadata half,
+    then many tasks setting 4 KiB xattrs as fast as they can while checkpoints are
+    written piece by piece (each piece a device write: long windows). Each set waits
+    (``Journal.admit``) while the running checkpoint's window has no room, so the
+    log never fails, nothing is abandoned, every set that returned is in the image
+    after a clean reopen, and the close's checkpoint succeeds. (Before: the window
+    outgrew the half, the log went fail-stop, sets went on returning, the close
+    failed.)"""
+    monkeypatch.setattr(journal_mod, "CKPT_WRITE", 1)
+    pool = memory_pool(size=160 << 20)
+    targets, tasks, rounds = 16, 24, 60
+    last: dict[int, bytes] = {}
+    async with serving(pool, MANAGED) as store:
+        store.evictor.grace = 3600.0  # no eviction: every target must keep its xattr
+        inodes = [await store.make(ROOT_INO, name_of(i), 0o100644) for i in range(700)]
+        assert store.space.metadata_estimate() < half(store) * META_HIGH
+
+        async def setter(task: int) -> None:
+            for r in range(rounds):
+                k = (task * 5 + r) % targets
+                value = pad(k, task * rounds + r)
+                await store.set_xattr(inodes[k].ino, b"user.pad", value)
+                last[k] = value
+                await trio.lowlevel.checkpoint()  # as many as the loop lets in between pieces
+
+        async with trio.open_nursery() as nursery:
+            for t in range(tasks):
+                nursery.start_soon(setter, t)
+        await store.close()
+        stats = store.journal.statistics()
+        assert stats.checkpoints > 5 and stats.abandoned_checkpoints == 0, stats
+    async with serving(pool, MANAGED) as store:
+        for k, value in last.items():
+            assert store.get_xattr(inodes[k].ino, b"user.pad") == value, k
+        assert len(store.ns.directory(ROOT_INO)) == 700

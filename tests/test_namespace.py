@@ -4,6 +4,7 @@ replay: the logged operations (or a snapshot) rebuild an identical namespace."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import random
 import stat
@@ -22,18 +23,31 @@ from kvfs.errors import (
     KvfsError,
     NameTooLong,
     NoAttribute,
+    NoSpace,
     NotADirectory,
     NotEmpty,
     NotFound,
     NotPermitted,
     Stale,
+    TooBig,
 )
 from kvfs.format import nsimage
-from kvfs.format.records import FLAG_GONE, FLAG_WRITING, NO_UNIT, Op, decode_ops, encode_ops, phys
+from kvfs.format.records import (
+    FLAG_GONE,
+    FLAG_WRITING,
+    NO_UNIT,
+    Op,
+    Xattr,
+    decode_ops,
+    encode_ops,
+    phys,
+)
 from kvfs.namespace import (
     RENAME_EXCHANGE,
     RENAME_NOREPLACE,
     ROOT_INO,
+    XATTR_FILE_MAX,
+    XATTR_VALUE_MAX,
     Inode,
     Namespace,
 )
@@ -279,6 +293,59 @@ def test_xattrs(lg: Logged) -> None:
     assert_same(ns, replayed(lg.txns))
 
 
+def test_xattrs_are_bounded_per_value_and_per_file_like_ext4(lg: Logged) -> None:
+    """A value over one ext4 block is E2BIG; a set that would take a file's xattrs
+    (names + values) past XATTR_FILE_MAX is ENOSPC, even as a replacement, and logs
+    nothing; shrinking, removing and other files are unaffected; a directory's
+    ``user.kvfs.*`` policy xattrs (small) are set as before."""
+    ns = lg.ns
+    f, g = mk(ns, R, b"f"), mk(ns, R, b"g")
+    d = mk(ns, R, b"d", DIR)
+    big = bytes(range(256)) * (XATTR_VALUE_MAX // 256)
+    ns.set_xattr(f.ino, b"user.a", big)  # exactly the bound
+    with pytest.raises(TooBig) as e:
+        ns.set_xattr(f.ino, b"user.b", big + b"x")
+    assert e.value.errno == errno.E2BIG
+    with pytest.raises(TooBig):
+        ns.set_xattr(g.ino, b"user.pad", bytes(60_000))  # the issue's 60 kB value
+    used = len(b"user.a") + len(big)
+    room = XATTR_FILE_MAX - used
+    ns.set_xattr(f.ino, b"user.b", bytes(room - len(b"user.b")))  # fills the file exactly
+    before = len(lg.txns)
+    for name, value in [(b"user.c", b""), (b"user.b", bytes(room - len(b"user.b") + 1))]:
+        with pytest.raises(NoSpace) as e2:
+            ns.set_xattr(f.ino, name, value)
+        assert e2.value.errno == errno.ENOSPC
+    assert len(lg.txns) == before, "a refused set logged something"
+    assert ns.get_xattr(f.ino, b"user.b") == bytes(room - len(b"user.b"))
+    ns.set_xattr(f.ino, b"user.b", b"x")  # shrinking makes room again
+    ns.set_xattr(f.ino, b"user.vllm.kv_crc32c", b"3735928559")
+    ns.set_xattr(g.ino, b"user.a", big)  # the bound is per file
+    ns.set_xattr(d.ino, b"user.kvfs.policy", b"lru")
+    ns.set_xattr(d.ino, b"user.kvfs.quota", b"100G")
+    assert d.xattrs == {b"user.kvfs.policy": b"lru", b"user.kvfs.quota": b"100G"}
+    assert_same(ns, replayed(lg.txns))
+
+
+def test_a_file_over_the_xattr_bound_from_an_older_pool_may_shrink_not_grow() -> None:
+    """A pool written before the bound may hold more: replacing with no more bytes
+    works, growing (a new name, a longer value) is ENOSPC."""
+    ns = Namespace(lambda ops: None)
+    ns.init_root(0, 0)
+    f = mk(ns, R, b"f")
+    for i in range(3):  # replayed as recovery does: no bound on what is stored
+        ns.apply(Xattr(f.ino, b"user.%d" % i, bytes(3000)))
+    assert sum(len(k) + len(v) for k, v in (f.xattrs or {}).items()) > XATTR_FILE_MAX
+    ns.set_xattr(f.ino, b"user.0", bytes(range(200)) * 15)  # as many bytes
+    with pytest.raises(NoSpace):
+        ns.set_xattr(f.ino, b"user.1", bytes(3001))
+    with pytest.raises(NoSpace):
+        ns.set_xattr(f.ino, b"user.new", b"1")
+    ns.set_xattr(f.ino, b"user.2", b"small")
+    ns.set_xattr(f.ino, b"user.1", None)
+    assert f.xattrs == {b"user.0": bytes(range(200)) * 15, b"user.2": b"small"}
+
+
 def test_failed_mutations_log_nothing(lg: Logged) -> None:
     ns = lg.ns
     mk(ns, R, b"f")
@@ -500,7 +567,12 @@ def model_step(ns: Namespace, m: Model, rng: random.Random, used: set[int]) -> b
             ns.set_xattr(ino, key, None)
             del m.xattrs[ino][key]
         else:
-            value = rng.randbytes(rng.choice([4, 8, 300, 5000]))
+            value = rng.randbytes(rng.choice([4, 8, 300, 4000]))
+            after = {**m.xattrs[ino], key: value}
+            if sum(len(k) + len(v) for k, v in after.items()) > XATTR_FILE_MAX:
+                with pytest.raises(NoSpace):  # the file's xattrs are bounded
+                    ns.set_xattr(ino, key, value)
+                return False
             ns.set_xattr(ino, key, value)
             m.xattrs[ino][key] = value
     return False
