@@ -6,11 +6,12 @@ the client holds open (``docs/design.md``, "The direct path"):
 
 - ``getxattr(fd, "user.kvfs.direct.map")``: the file's extent map (JSON): for each
   run of units contiguous on one device its device, byte offset and length, and
-  every unit's checksum. The map is a **lease**: from then until the file's last
-  handle closes, no unit the file had is freed for reuse (a rewrite, truncate or
-  unlink meanwhile keeps the old units aside), and the open handle keeps the file
-  from eviction. A file with bytes only in memory (being written) answers EBUSY:
-  the client reads it through the mount instead.
+  every unit's checksum. The map is a **lease**: a unit the file stops mapping (a
+  rewrite, truncate or unlink) is kept from reuse until every handle that was open
+  at the file's last map before that has closed (one of them may still be reading
+  it), and the open handle keeps the file from eviction. A file with bytes only in
+  memory (being written) answers EBUSY: the client reads it through the mount
+  instead.
 - ``getxattr(fd, "user.kvfs.direct.reserve.<size>.<nonce>")``: room for a new
   ``size``-byte file's bytes, allocated (evicting as a write would) and held by the
   writable handle the caller opened; the answer is where to write. Idempotent per
@@ -32,7 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvfs import direct as client
@@ -85,6 +86,19 @@ class Reservation:
 
 
 @dataclass
+class Lease:
+    """A file mapped while open: who may still read which units it no longer maps."""
+
+    upto: int = 0
+    """The newest handle number at the file's last map: a handle opened later was
+    not open then, so it holds no map of the units freed since."""
+    held: list[tuple[int, list[int]]] = field(default_factory=list)
+    """Units the file no longer maps, in batches by the ``upto`` when they were
+    freed (oldest first): a batch is kept until no handle of the file numbered up
+    to it is open."""
+
+
+@dataclass
 class DirectStatistics:
     maps: int
     reservations: int
@@ -94,7 +108,8 @@ class DirectStatistics:
     bytes_committed: int
     leased_files: int
     held_units: int
-    """Units a leased file no longer maps, kept from reuse until its last close."""
+    """Units a leased file no longer maps, kept from reuse while a handle that may
+    have mapped them is open."""
 
 
 class DirectPath:
@@ -103,8 +118,8 @@ class DirectPath:
     def __init__(self, store: Store) -> None:
         self.s = store
         self.unit = store.unit
-        self._held: dict[int, list[int]] = {}
-        """Leased files: the units each no longer maps, kept until its last close."""
+        self._leases: dict[int, Lease] = {}
+        """Files mapped since their last close (by inode)."""
         self._reservations: dict[int, Reservation] = {}  # by handle
         self._devices = [self._describe(d) for d in store.pool.devices]
         self._maps = self._commits = self._aborts = self._reserved = 0
@@ -136,19 +151,33 @@ class DirectPath:
 
     # ------------------------------------------------------------------ unit frees
     def free_later(self, ino: int, p: int) -> None:
-        """A unit ``ino`` no longer maps: kept aside while the file is leased."""
-        held = self._held.get(ino)
-        if held is not None:
-            held.append(p)
-        else:
+        """A unit ``ino`` no longer maps: kept aside while a handle that may hold a
+        map of it is open."""
+        lease = self._leases.get(ino)
+        if lease is None:
             self.s.space.defer_free(p)
+        elif lease.held and lease.held[-1][0] == lease.upto:
+            lease.held[-1][1].append(p)
+        else:
+            lease.held.append((lease.upto, [p]))
 
     def closed(self, fh: int, inode: Inode) -> None:
         """Handle ``fh`` of ``inode`` closed: an uncommitted reservation it held is
-        freed; the lease ends with the file's last handle."""
+        freed; the units no open handle may have mapped go back (all of them, and
+        the lease, at the file's last close)."""
         self.abandon(fh)
+        lease = self._leases.get(inode.ino)
+        if lease is None:
+            return
         if inode.opens == 0:
-            for p in self._held.pop(inode.ino, ()):
+            del self._leases[inode.ino]
+        if not lease.held:
+            return
+        # per close, and only while a rewritten file is leased: a scan of the handles
+        ino = inode.ino
+        oldest = min((n for n, h in self.s.handles.items() if h.ino == ino), default=None)
+        while lease.held and (oldest is None or lease.held[0][0] < oldest):
+            for p in lease.held.pop(0)[1]:
                 self.s.space.defer_free(p)
 
     def abandon(self, fh: int) -> None:
@@ -228,7 +257,8 @@ class DirectPath:
                 runs.append([dev, offset, length, u, 1])
             extendable = not frag
         reply = self._reply(ino, size=inode.size, runs=runs, csums=csums)
-        self._held.setdefault(ino, [])  # leased from now until its last close
+        # leased from now: to the handles open now, until the file's last close
+        self._leases.setdefault(ino, Lease()).upto = self.s.handles.newest
         self._maps += 1
         self._bytes_mapped += inode.size
         return reply
@@ -344,6 +374,6 @@ class DirectPath:
             self._aborts,
             self._bytes_mapped,
             self._bytes_committed,
-            len(self._held),
-            sum(len(v) for v in self._held.values()),
+            len(self._leases),
+            sum(len(units) for lease in self._leases.values() for _, units in lease.held),
         )

@@ -33,6 +33,12 @@ class Handles:
     def items(self) -> ItemsView[int, Handle]:
         return self._handles.items()
 
+    @property
+    def newest(self) -> int:
+        """The number of the newest handle opened so far (0 before any): numbers
+        grow, so a handle opened after this moment has a larger one."""
+        return self._next_fh - 1
+
     def add(self, h: Handle) -> int:
         """Register ``h``; its number."""
         fh = self._next_fh
