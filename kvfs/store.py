@@ -23,7 +23,8 @@ import os
 import stat
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager
 from dataclasses import asdict, replace
 from typing import Any, TypeVar
 
@@ -266,7 +267,8 @@ class Store:
             raise Corruption(f"inode {ino} is quarantined")
         writable = flags & os.O_ACCMODE != os.O_RDONLY
         if writable and flags & os.O_TRUNC:
-            await self.writer.truncate_at_open(inode, caller)
+            async with self._shrinking(ino, inode.size > 0):
+                await self.writer.truncate_at_open(inode, caller)
             inode = self.ns.get(ino)  # the await may have let an eviction in
         inode.opens += 1
         owner = self.evictor.opened(inode, caller.pid)
@@ -274,6 +276,29 @@ class Store:
             self.writer.state(ino).writers += 1
         shrinks = self._shrinks(ino)
         return self.handles.add(Handle(ino, writable, caller.pid, owner, caller.uid, shrinks))
+
+    @asynccontextmanager
+    async def _shrinking(self, ino: int, shrinks: bool) -> AsyncIterator[None]:
+        """A truncate that may shrink the file runs inside: reads wait (``_settle``)."""
+        if not shrinks:
+            yield
+            return
+        st = self.writer.state(ino)
+        st.resizing += 1
+        try:
+            yield
+        finally:
+            st.resizing -= 1
+            if not st.resizing:
+                st.settled.set()
+                st.settled = trio.Event()
+
+    async def _settle(self, ino: int) -> None:
+        """Wait until no shrinking truncate of ``ino`` is in progress."""
+        st = self._files.get(ino)
+        while st is not None and st.resizing:
+            await st.settled.wait()
+            st = self._files.get(ino)
 
     def _shrinks(self, ino: int) -> int:
         """How often the file shrank while some handle held it open (FileState lives
@@ -468,6 +493,8 @@ class Store:
     def _maybe_forget_state(self, inode: Inode) -> None:
         st = self._files.get(inode.ino)
         if st is not None and inode.opens == 0 and not (st.dirty or st.inflight or st.busy):
+            if st.resizing:
+                return
             del self._files[inode.ino]
 
     def forget(self, ino: int, count: int) -> None:
@@ -565,23 +592,31 @@ class Store:
         on a missing member (degraded mount)."""
         h = self.handles[fh]
         ino = h.ino
-        inode = self.ns.inodes.get(ino)
+        while True:  # replied only while no shrinking truncate of the file is unanswered
+            await self._settle(ino)
+            data = await self._read_once(fh, h, off, size)
+            st = self._files.get(ino)
+            if st is None or not st.resizing:
+                break
+        self._check_not_rewritten(fh, h)  # a truncate may have come while it waited
+        self._reads += 1
+        self._bytes_read += len(data)
+        return data
+
+    async def _read_once(self, fh: int, h: Handle, off: int, size: int) -> bytes | memoryview:
+        inode = self.ns.inodes.get(h.ino)
         if inode is None or inode.flags & FLAG_QUARANTINED:
-            raise Corruption(f"inode {ino} is quarantined or gone")
+            raise Corruption(f"inode {h.ino} is quarantined or gone")
         self._check_not_rewritten(fh, h)
-        if ino in self.unreadable:
+        if h.ino in self.unreadable:
             raise self._unreadable_error(inode)
-        st = self._files.get(ino)
+        st = self._files.get(h.ino)
         if st is not None:
             check_failed(st)
         end = min(off + size, inode.size)
         if off >= end:
             return b""
-        data = await self.reader.read(inode, off, end)
-        self._check_not_rewritten(fh, h)  # a truncate may have come while it waited
-        self._reads += 1
-        self._bytes_read += len(data)
-        return data
+        return await self.reader.read(inode, off, end)
 
     def _unreadable_error(self, inode: Inode) -> DeviceError:
         """EIO for a file with data on a missing member (degraded mount)."""
@@ -701,8 +736,9 @@ class Store:
         )
         check_times(*new_times)  # refused before anything changes
         if size is not None:
-            await self.writer.truncate(node, size)
-            self._keep_readable(ino, caller.pid, fh)
+            async with self._shrinking(ino, size < node.size):
+                await self.writer.truncate(node, size)
+                self._keep_readable(ino, caller.pid, fh)
         if mode is not None:
             node.mode = stat.S_IFMT(node.mode) | stat.S_IMODE(mode)
         if uid is not None and node.uid != uid:

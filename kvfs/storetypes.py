@@ -83,6 +83,13 @@ class FileState:
     shrinks: int = 0
     """Truncates that shrank the file: a read that awaited across one retakes its
     bytes (the units it waited for may be gone, its length taken from the old size)."""
+    resizing: int = 0
+    """Shrinking truncates in progress (a SETATTR or an ``O_TRUNC`` open not yet
+    answered): reads of the file wait until none is, so that no short reply reaches
+    the kernel while it still holds the old size (it would zero-fill the rest of the
+    pages and cache them as the file's bytes, ``docs/design.md``)."""
+    settled: trio.Event = field(default_factory=trio.Event)
+    """Set (and replaced) each time ``resizing`` drops back to 0."""
 
 
 def check_failed(st: FileState) -> None:

@@ -152,3 +152,46 @@ def test_descriptor_opened_before_another_truncate_reads_eio_until_reopened(
         os.close(old)
         os.close(own)
     assert read_whole(path, direct=False) == CONTENTS[1][: 2 * MiB]
+
+
+def test_reader_beside_a_truncate_by_path_never_gets_zeros(kvfs_mount: KvfsMount) -> None:
+    """A SETATTR shrink is answered only after its commit; a read the daemon answered
+    short meanwhile reached a kernel that still held the old size, which zero-filled
+    the rest of the pages and cached them as the file's bytes: O_DIRECT reads (whose
+    tail falls back to the page cache) then got the old length with zeros past the
+    cut (17 of 267 reads). Reads now wait until no shrink of the file is unanswered."""
+    path = kvfs_mount.path / "chunk.pt"
+    full = CONTENTS[1]  # 8 MiB
+    cut = 4 * MiB + 5
+    path.write_bytes(full)
+    stop = threading.Event()
+    bad: list[str] = []
+    reads = [0]
+
+    def reader() -> None:
+        while not stop.is_set():
+            got = read_whole(path, direct=True)
+            if isinstance(got, int):
+                if got not in (errno.ENOENT, errno.EIO):
+                    bad.append(f"errno {got}")
+                continue
+            reads[0] += 1
+            if got != full[: len(got)]:
+                zeros = not got[cut:].strip(b"\0")
+                bad.append(f"{len(got)} bytes, not a prefix (zeros past the cut: {zeros})")
+
+    threads = [threading.Thread(target=reader) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        for _ in range(40):
+            path.write_bytes(full)
+            os.truncate(path, cut)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    assert not any(t.is_alive() for t in threads), "a reader hung"
+    assert reads[0], "no read succeeded"
+    assert not bad, f"{len(bad)} wrong reads of {reads[0]}: {bad[:5]}"
+    assert read_whole(path, direct=True) == full[:cut]
