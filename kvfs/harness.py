@@ -104,7 +104,9 @@ def kill(proc: subprocess.Popen[bytes], mountpoint: str | Path, grace: float = 1
     thread stuck in a notification: see :func:`kvfs.daemon.abort_connection`)."""
     from kvfs import daemon
 
-    mount = daemon.mount_at(os.path.realpath(mountpoint))  # the lazy unmount hides it
+    # its entry (the lazy unmount hides it), found without a request to the mount root
+    here = Path(os.path.abspath(mountpoint))
+    mount = daemon.mount_at(os.path.join(os.path.realpath(here.parent), here.name))
     proc.kill()
     try:
         proc.wait(grace)

@@ -1142,10 +1142,8 @@ class Soak:
         for p in self.procs:
             with contextlib.suppress(ProcessLookupError):
                 p.kill()
-        if self.daemon is not None:
-            with contextlib.suppress(ProcessLookupError):
-                self.daemon.kill()
-            self.daemon.wait()
+        if self.daemon is not None:  # aborts its connection if it cannot exit
+            harness.kill(self.daemon, self.mnt)
         harness.unmount(self.mnt)
         if self.loop:
             subprocess.run(["losetup", "-d", self.device], capture_output=True)
