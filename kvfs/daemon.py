@@ -104,6 +104,33 @@ def daemon_gone(point: str) -> bool:
     return False
 
 
+FUSECTL = "/sys/fs/fuse/connections"
+"""The FUSE control filesystem: ``MINOR/abort`` ends every request of a connection."""
+
+
+def abort_connection(mount: Mount) -> bool:
+    """Abort the FUSE connection of ``mount`` (root only; fusectl is mounted first if
+    it is not): every request waiting on it ends with ECONNABORTED, as when its
+    daemon's ``/dev/fuse`` closes. Needed for a daemon that cannot close it: one
+    killed while a thread of it sends a notification (an evicted file's
+    ``invalidate_entry``) blocks, unkillably, on a directory lock that a caller
+    waiting on the dead daemon holds (its ``open(O_CREAT)`` in that directory): the
+    thread keeps the descriptor table, so the kernel never aborts, and both wait
+    forever. False: no such connection (gone already) or not allowed."""
+    minor = mount.devno.partition(":")[2]
+    if not os.path.isdir(os.path.join(FUSECTL, minor)):
+        import subprocess
+
+        subprocess.run(["mount", "-t", "fusectl", "fusectl", FUSECTL], capture_output=True)
+    try:
+        with open(os.path.join(FUSECTL, minor, "abort"), "w") as f:
+            f.write("1")
+    except OSError as e:
+        log.debug("abort FUSE connection %s: %s", minor, e)
+        return False
+    return True
+
+
 # ----------------------------------------------------------------------------- pidfile
 def pidfile_path(devno: str) -> str:
     return os.path.join(RUN_DIR, devno.replace(":", "-") + ".pid")

@@ -98,11 +98,24 @@ def stop(proc: subprocess.Popen[bytes], mountpoint: str | Path, timeout: float =
     return proc.returncode
 
 
-def kill(proc: subprocess.Popen[bytes], mountpoint: str | Path) -> None:
-    """kill -9 the daemon (crash tests) and clear the dead mount."""
+def kill(proc: subprocess.Popen[bytes], mountpoint: str | Path, grace: float = 10.0) -> bool:
+    """kill -9 the daemon (crash tests) and clear the dead mount. True if the daemon
+    could not exit within ``grace`` s and its FUSE connection was aborted for it (a
+    thread stuck in a notification: see :func:`kvfs.daemon.abort_connection`)."""
+    from kvfs import daemon
+
+    # its entry (the lazy unmount hides it), found without a request to the mount root
+    here = Path(os.path.abspath(mountpoint))
+    mount = daemon.mount_at(os.path.join(os.path.realpath(here.parent), here.name))
     proc.kill()
-    proc.wait()
+    try:
+        proc.wait(grace)
+        aborted = False
+    except subprocess.TimeoutExpired:
+        aborted = mount is not None and daemon.abort_connection(mount)
+        proc.wait()
     unmount(mountpoint)
+    return aborted
 
 
 def make_image(path: str | Path, size: int) -> Path:

@@ -852,6 +852,84 @@ class Ledgers:
 
 
 # ====================================================================== controller
+def _read_proc(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read().strip()
+    except OSError as e:
+        return f"<{e.strerror}>"
+
+
+def process_state(pid: int) -> dict[str, Any]:
+    """What the kernel says a process is doing: its State line and, per thread, the
+    wait channel and kernel stack (``/proc/PID/task/TID/stack``: root only)."""
+    status = _read_proc(f"/proc/{pid}/status")
+    state = next(
+        (ln.split(":", 1)[1].strip() for ln in status.splitlines() if ln.startswith("State:")),
+        status,
+    )
+    threads = {}
+    with contextlib.suppress(OSError):
+        for tid in sorted(os.listdir(f"/proc/{pid}/task"), key=int):
+            task = f"/proc/{pid}/task/{tid}"
+            threads[tid] = {
+                "state": (_read_proc(f"{task}/stat").rpartition(")")[2].split() or ["?"])[0],
+                "wchan": _read_proc(f"{task}/wchan"),
+                "stack": _read_proc(f"{task}/stack").splitlines(),
+            }
+    return {
+        "pid": pid,
+        "cmdline": _read_proc(f"/proc/{pid}/cmdline").replace("\0", " "),
+        "state": state,
+        "threads": threads,
+    }
+
+
+def fuse_holders() -> list[str]:
+    """Every process with ``/dev/fuse`` open ("PID fd FD CMDLINE"): while one holds a
+    connection's fd, the kernel does not abort the connection's requests. Each
+    thread's table is read: a killed daemon's leader is a zombie with none, while a
+    thread of it stuck in the kernel still holds the shared table."""
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                fds = f"/proc/{pid}/task/{tid}/fd"
+                for fd in os.listdir(fds):
+                    with contextlib.suppress(OSError):
+                        if os.readlink(f"{fds}/{fd}") == "/dev/fuse":
+                            cmd = _read_proc(f"/proc/{pid}/cmdline").replace("\0", " ")
+                            found[(pid, fd)] = f"{pid} fd {fd} (thread {tid}) {cmd[:120]}"
+    return sorted(found.values())
+
+
+def format_diagnosis(diag: dict[str, Any]) -> str:
+    """A hang's diagnosis for the terminal: the threads in the kernel, with stacks."""
+    lines = [
+        f"  /dev/fuse held by: {diag['fuse_holders'] or 'nobody'}; "
+        f"waiting requests per connection: {diag['fuse_connections']}"
+    ]
+    procs = [("stuck", diag["stuck"])]
+    if isinstance(diag["daemon"], dict):
+        procs.append(("daemon", diag["daemon"]))
+    else:
+        lines.append(f"  daemon: {diag['daemon']}")
+    for what, proc in procs:
+        lines.append(f"  {what} pid {proc['pid']} ({proc['state']}): {proc['cmdline'][:100]}")
+        for tid, t in proc["threads"].items():
+            lines.append(f"    thread {tid} {t['state']} wchan {t['wchan']}")
+            lines += [f"      {frame}" for frame in t["stack"]]
+    return "\n".join(lines)
+
+
+def fuse_connections() -> dict[str, str]:
+    """Requests waiting per FUSE connection (``/sys/fs/fuse/connections/N/waiting``)."""
+    root = "/sys/fs/fuse/connections"
+    with contextlib.suppress(OSError):
+        return {c: _read_proc(f"{root}/{c}/waiting") for c in sorted(os.listdir(root))}
+    return {}
+
+
 def _unlink(path: str | Path) -> None:
     with contextlib.suppress(FileNotFoundError):  # evicted meanwhile
         os.unlink(path)
@@ -860,6 +938,8 @@ def _unlink(path: str | Path) -> None:
 @dataclass
 class Totals:
     kills: int = 0
+    connections_aborted: int = 0
+    """Kills after which the daemon could not exit: its FUSE connection was aborted."""
     remounts: int = 0
     checks: int = 0
     names_checked: int = 0
@@ -913,8 +993,9 @@ class Soak:
         self.t0 = time.monotonic()
 
     # -------------------------------------------------------------- failures
-    def fail(self, kind: str, path: str, detail: str) -> None:
+    def fail(self, kind: str, path: str, detail: str, **extra: Any) -> None:
         rec = {"t": time.time(), "kind": kind, "who": "controller", "path": path, "detail": detail}
+        rec.update(extra)
         with open(self.failure_file, "a") as f:
             f.write(json.dumps(rec) + "\n")
 
@@ -928,6 +1009,8 @@ class Soak:
                 f"{rec['path']}: {rec['detail']}",
                 flush=True,
             )
+            if "diagnosis" in rec:
+                print(format_diagnosis(rec["diagnosis"]), flush=True)
         self.failures_seen = len(lines)
 
     def elapsed(self) -> float:
@@ -956,7 +1039,12 @@ class Soak:
     def kill(self) -> None:
         assert self.daemon is not None and self.stack is not None
         self.poll_stats()
-        harness.kill(self.daemon, self.mnt)
+        if harness.kill(self.daemon, self.mnt):
+            self.totals.connections_aborted += 1
+            self.note(
+                "the killed daemon could not exit (a thread of it blocked in a FUSE "
+                "notification): its connection was aborted"
+            )
         self.stack.close()
         self.stack = None
         self.daemon = None
@@ -1030,10 +1118,23 @@ class Soak:
                         path,
                         f"{who}: {OP_CODES[code]} running for {(now - started) / 1e9:.0f} s "
                         f"(deadline {self.cfg.deadline:.0f} s)",
+                        diagnosis=self.diagnose(s),
                     )
                     self.abort()
                     return
             time.sleep(1)
+
+    def diagnose(self, slot: int) -> dict[str, Any]:
+        """Where a hung slot's process is stuck, who holds ``/dev/fuse``, the daemon."""
+        pid = os.getpid() if slot == self.slot else self.procs[slot].pid
+        daemon = self.daemon
+        alive = daemon is not None and daemon.poll() is None
+        return {
+            "stuck": process_state(pid),
+            "fuse_holders": fuse_holders(),
+            "fuse_connections": fuse_connections(),
+            "daemon": process_state(daemon.pid) if daemon is not None and alive else "not running",
+        }
 
     def abort(self) -> None:
         self.aborted = True
@@ -1041,10 +1142,8 @@ class Soak:
         for p in self.procs:
             with contextlib.suppress(ProcessLookupError):
                 p.kill()
-        if self.daemon is not None:
-            with contextlib.suppress(ProcessLookupError):
-                self.daemon.kill()
-            self.daemon.wait()
+        if self.daemon is not None:  # aborts its connection if it cannot exit
+            harness.kill(self.daemon, self.mnt)
         harness.unmount(self.mnt)
         if self.loop:
             subprocess.run(["losetup", "-d", self.device], capture_output=True)
@@ -1281,6 +1380,7 @@ class Soak:
             "seed": self.args.seed,
             "seconds": round(self.elapsed(), 1),
             "kills": t.kills,
+            "connections_aborted": t.connections_aborted,
             "remounts": t.remounts,
             "recovery_checks": t.checks,
             "names_checked": t.names_checked,
@@ -1307,7 +1407,8 @@ class Soak:
         for key, n in ops.items():
             by_kind[key.split(":")[0]] += n
         print(
-            f"soak: {s['seconds']} s, seed {s['seed']}, {s['kills']} kill -9, "
+            f"soak: {s['seconds']} s, seed {s['seed']}, {s['kills']} kill -9 "
+            f"({s['connections_aborted']} needing a connection abort), "
             f"{s['recovery_checks']} recovery checks ({s['names_checked']} names, "
             f"{s['durable_verified_after_recovery']} durable files byte-identical, "
             f"{s['absent_after_recovery']} absent after being durable)"
