@@ -543,10 +543,7 @@ class Space:
         self.evictor.reap()
         if self.evictor.orphans:
             return True
-        root = self.ns.inodes[ROOT_INO]
-        groups = [ROOT_INO] + [
-            ino for ino in (root.entries or {}).values() if self.ns.inodes[ino].is_dir
-        ]
+        groups = [ROOT_INO, *self._tops]  # (not a listing of the root: it may hold millions)
         return any(self.evictor.group_policy(g) == KVFS_MANAGED for g in groups)
 
     def _log_pressure(self, estimate: int, wanted: int, evicted: int) -> None:
