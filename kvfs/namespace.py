@@ -23,7 +23,7 @@ from array import array
 from collections import Counter
 from collections.abc import Callable, Iterator
 from itertools import compress
-from operator import mul, sub
+from operator import sub
 
 from kvfs.columns import ARENA_MAX_ENTRY, GRANULE, MASK, ROWS, SHIFT, Arena, Column, NameIndex
 from kvfs.errors import (
@@ -662,29 +662,27 @@ class Namespace:
         name (``Inode.parent``)."""
         parents: Counter[int] = Counter()
         owners: Counter[int] = Counter()  # owner-table id -> units
-        live = bytes(b for b in range(256) if not b & F_DEAD)
+        # flags byte -> 1 for a row that has a name and is not dead (a file without a
+        # name has no F_NAMED: ``_del_name`` gives it another name's, or clears it)
+        named = bytes(int(bool(f & F_NAMED and not f & F_DEAD)) for f in range(256))
         end = self.next_ino
-        columns = (self._unit0, self._nlink, self._flags, self._parent, self._owner)
+        columns = (self._unit0, self._flags, self._parent, self._owner)
         chunks = zip(*(col.chunks for col in columns), strict=False)
-        for c, (u0, nl, fl, par, own) in enumerate(chunks):
+        for c, (u0, fl, par, own) in enumerate(chunks):
             if c << SHIFT >= end:
                 break
             raw = u0.tobytes()
             if raw.count(0) == len(raw):  # (bytes.count: C speed; array.count is not)
                 continue  # no compact map here (directories, side maps, free rows)
-            if fl.tobytes().translate(None, live):  # a dead row (still holding its map)
-                sel: list[int] = [
-                    int(bool(u and n and not f & F_DEAD))
-                    for u, n, f in zip(u0, nl, fl, strict=True)
-                ]
-            else:
-                sel = list(map(mul, u0, nl))  # nonzero: a first unit and a name
-            parents.update(compress(par, sel))
+            # the rows with a first unit, then of those the named ones: iterators only
+            sel = bytes(compress(fl.tobytes().translate(named), u0))
+            here = Counter(compress(compress(par, u0), sel))
+            parents.update(here)
             raw = own.tobytes()
             if raw.count(0) == len(raw):  # one owner: the usual pool
-                owners[0] += len(sel) - sel.count(0)
+                owners[0] += here.total()
             else:
-                owners.update(compress(own, sel))
+                owners.update(compress(compress(own, u0), sel))
         # further units of contiguous multi-unit files; general (side) maps
         extra = [(ino, len(csums) - 1) for ino, csums in self._multi.items()]
         extra += [(ino, len(u) - u.count(NO_UNIT)) for ino, (u, _) in self._maps.items()]

@@ -26,6 +26,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict
+from operator import itemgetter
 from typing import Any, TypeVar
 
 import trio
@@ -732,9 +733,7 @@ class Store:
         :attr:`DIRECTORY_LIMIT`), then the root's own files as ``/`` if it has any.
         O(top-level directories): the usage comes from running counters
         (:meth:`Space.placed`, :meth:`Space.charge`), never from a walk."""
-        largest = heapq.nsmallest(
-            self.DIRECTORY_LIMIT, self.space.top_level(), key=lambda row: -row[1]
-        )
+        largest = heapq.nlargest(self.DIRECTORY_LIMIT, self.space.top_level(), key=itemgetter(1))
         rows = [
             DirectoryUsage(
                 self.ns.inodes[ino].name.decode(errors="replace"),
@@ -763,7 +762,8 @@ class Store:
             "devices": [asdict(d.statistics()) for d in self.pool.devices],
             "space": [asdict(d) for d in self.device_space()],
             "direct": asdict(self.direct.statistics()),
-            "directories": [asdict(d) for d in self.directory_usage()],
+            # flat rows: dict(vars()) is ~5x cheaper than asdict's deep copy (256 rows)
+            "directories": [dict(vars(d)) for d in self.directory_usage()],
             "evictions": self.eviction_counts(),
             **({"cluster": asdict(self.cluster.statistics())} if self.cluster is not None else {}),
         }
