@@ -232,11 +232,10 @@ class StoreCollector:
         yield labelled(
             GaugeMetricFamily(
                 "kvfs_directory_used_bytes",
-                "Bytes mapped by each top-level directory's files (the largest 256; a "
-                "directory of over 100,000 entries appears once a quota sums it)",
+                "Bytes mapped by each top-level directory's files (the largest 256)",
                 labels=["directory"],
             ),
-            [([r["name"]], r["used_bytes"]) for r in dirs if r["used_bytes"] >= 0],
+            [([r["name"]], r["used_bytes"]) for r in dirs],
         )
         yield labelled(
             GaugeMetricFamily(

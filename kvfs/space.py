@@ -37,9 +37,6 @@ from kvfs.pool import Pool
 
 log = logging.getLogger(__name__)
 
-SUM_BUDGET = 100_000
-"""Entries ``kvfs stats`` and a metrics scrape may walk to sum directories not yet
-summed (~0.1-0.5 s of the daemon's thread; 10^6 files took 5 s on a loaded 2-core VM)."""
 T = TypeVar("T")
 EVICTION_LOG_INTERVAL = 5.0
 """Seconds between the INFO lines that sum up evictions (a line per file is DEBUG)."""
@@ -147,11 +144,15 @@ class Space:
         self._io, self._evictable, self._evict, self._claimed = io, evictable, evict, claimed
         self._pinned, self._privileged, self.reserve_units = pinned, privileged, reserve_units
         self.high, self.low, self.discard = high_watermark, low_watermark, discard
-        self._uids: dict[int, int] | None = None  # uid -> bytes mapped (built lazily)
+        self._uids: dict[int, int] = {}  # uid -> bytes mapped
+        self._tree: dict[int, int] = {}
+        """Directory -> bytes mapped by the named files in its subtree (absent: none);
+        running counters, started by :meth:`count_usage` at mount."""
+        self._root_files = 0  # bytes mapped by the root's own files
+        self._tops: set[int] = set()  # the top-level directories
         self._evicted = [0, 0, 0]  # files, units, orphans since the last log line
         self._evicted_since = -EVICTION_LOG_INTERVAL  # the first eviction logs at once
         self._deferred: deque[tuple[int, int]] = deque()
-        self._usage: dict[int, int] = {}  # quota group -> bytes mapped (computed lazily)
         self._trim: list[int] = []
         self._trimming = 0
         self._trim_wake = trio.Event()
@@ -162,8 +163,6 @@ class Space:
         self._meta_logged = -EVICTION_LOG_INTERVAL
         self._full_logged = -EVICTION_LOG_INTERVAL
         self.metadata_evictions = 0
-        self._too_large: set[int] = set()
-        """Groups :meth:`known_group_usage` gave up on (until a quota sums them)."""
         self.evicted_by: dict[tuple[str, int], int] = {}
         """Files evicted by (reason, top-level directory inode); reasons: ``space``
         (the pool above its watermark or full), ``quota`` (a directory over its
@@ -242,66 +241,89 @@ class Space:
         free = self.available() + self.pending_free()
         return 1 - free / online
 
-    # ------------------------------------------------------------------ quotas
-    def charge(self, inode: Inode, units: int) -> None:
-        """Account mapped units to the inode's owner and to its group, if that group
-        has a quota."""
-        if units and self._uids is not None:
-            self._uids[inode.uid] = self._uids.get(inode.uid, 0) + units * self.unit
-        if self._usage and units:
-            group = self.evictor.group_of(inode)
-            if group in self._usage:
-                self._usage[group] += units * self.unit
+    # ------------------------------------------------------------------ usage counters
+    def count_usage(self) -> None:
+        """Start the running counters from the index (a mount, before serving): bytes
+        mapped per directory subtree, per owner, and the top-level directories, in
+        C-level passes over the columns (``Namespace.mapped_by_directory``)."""
+        by_dir, by_uid, tops = self.ns.mapped_by_directory()
+        self._tree, self._root_files = {}, 0
+        for d, units in by_dir.items():
+            self._add(d, units * self.unit)
+        self._uids = {uid: units * self.unit for uid, units in by_uid.items()}
+        self._tops = set(tops)
 
-    def known_group_usage(self, group: int, budget: int) -> tuple[int | None, int]:
-        """(the group's usage, entries visited) if summing it takes at most ``budget``
-        entries (the sum is then kept up to date like :meth:`group_usage`'s), else
-        (None, entries visited); a group larger than a whole ``SUM_BUDGET`` is not
-        walked again (one cut short by a budget already spent is, next call)."""
-        if group in self._usage:
-            return self._usage[group], 0
-        if group in self._too_large or budget <= 0:
-            return None, 0
-        total, seen = self._sum_group(group, budget)
-        if total is None and budget >= SUM_BUDGET:  # too large for a whole call
-            self._too_large.add(group)
-        return total, seen
-
-    def _sum_group(self, group: int, budget: float) -> tuple[int | None, int]:
-        """(bytes mapped under ``group``, entries visited), remembered in
-        ``_usage``; (None, visited) as soon as more than ``budget`` would be walked."""
-        total, stack, seen = 0, [group], 0
-        while stack:
-            seen += 1
-            if seen > budget:
-                return None, seen
-            node = self.ns.inodes[stack.pop()]
-            if node.entries is None:
-                total += node.mapped_units * self.unit
+    def _add(self, d: int, delta: int) -> None:
+        """``delta`` bytes more under directory ``d``: for it and each ancestor below
+        the root (O(depth)); the root's own files have a counter of their own."""
+        if not delta:
+            return
+        if d == ROOT_INO:
+            self._root_files += delta
+            return
+        tree, parent_of = self._tree, self.ns.parent_of
+        for _ in range(4096):
+            total = tree.get(d, 0) + delta
+            if total:
+                tree[d] = total
             else:
-                stack.extend(i for i in node.entries.values() if i in self.ns.inodes)
-        self._usage[group] = total
-        return total, seen
+                del tree[d]  # a directory with no bytes below it costs no entry
+            d = parent_of(d)
+            if d == ROOT_INO:
+                return
+
+    def charge(self, inode: Inode, units: int) -> None:
+        """Account mapped units to the inode's owner and, while it has a name, to its
+        directory and that directory's ancestors (an unlinked file's bytes left them
+        with its last name: :meth:`placed`)."""
+        if not units:
+            return
+        self._uids[inode.uid] = self._uids.get(inode.uid, 0) + units * self.unit
+        if inode.nlink:
+            self._add(inode.parent, units * self.unit)
+
+    def placement(self, inode: Inode) -> tuple[int, int] | None:
+        """(the directory whose counters hold the inode's bytes, those bytes), None
+        for an inode without a name (or gone): what :meth:`placed` compares."""
+        if inode.ino not in self.ns.inodes or not inode.nlink:
+            return None
+        if inode.is_dir:
+            return inode.parent, self._tree.get(inode.ino, 0)
+        return inode.parent, inode.mapped_units * self.unit
+
+    def placed(self, inode: Inode, before: tuple[int, int] | None) -> None:
+        """A name operation is done (rename, unlink, link, rmdir, eviction): move the
+        inode's bytes from where they were counted (``before``, its
+        :meth:`placement` then) to where they count now: O(depth), a directory's
+        whole subtree included (its total moves, nothing below it is walked)."""
+        after = self.placement(inode)
+        if after != before:
+            if before is not None:
+                self._add(before[0], -before[1])
+            if after is not None:
+                self._add(after[0], after[1])
+        if after is not None and after[0] == ROOT_INO and inode.is_dir:
+            self._tops.add(inode.ino)
+        else:
+            self._tops.discard(inode.ino)
 
     def group_usage(self, group: int) -> int:
-        if group not in self._usage:
-            self._sum_group(group, float("inf"))
-        return self._usage[group]
+        """Bytes mapped by the named files of a top-level directory's subtree (for
+        ``ROOT_INO``: of the root's own files), O(1)."""
+        return self._root_files if group == ROOT_INO else self._tree.get(group, 0)
+
+    def top_level(self) -> list[tuple[int, int]]:
+        """(top-level directory, bytes under it) for each one, O(top-level directories)."""
+        tree = self._tree
+        return [(d, tree.get(d, 0)) for d in self._tops]
 
     def uid_usage(self) -> dict[int, int]:
-        """Bytes mapped per file owner: one pass over the index the first time, then
-        kept by :meth:`charge` and :meth:`owner_changed`."""
-        if self._uids is None:
-            uids: dict[int, int] = {}
-            for node in self.ns.inodes.values():
-                if node.entries is None and node.units:
-                    uids[node.uid] = uids.get(node.uid, 0) + node.mapped_units * self.unit
-            self._uids = uids
+        """Bytes mapped per file owner (kept by :meth:`charge` and :meth:`owner_changed`)."""
         return self._uids
 
     def owner_changed(self, inode: Inode, old_uid: int) -> None:
         """A chown moved a file's bytes to another owner."""
-        if self._uids is not None and old_uid != inode.uid:
+        if old_uid != inode.uid:
             moved = inode.mapped_units * self.unit
             self._uids[old_uid] = self._uids.get(old_uid, 0) - moved
             self._uids[inode.uid] = self._uids.get(inode.uid, 0) + moved
@@ -311,31 +333,6 @@ class Space:
         unprivileged users may fill, split evenly over the users holding data."""
         users = sum(1 for used in self.uid_usage().values() if used > 0) or 1
         return (self.alloc.online_units - self.reserve_units) * self.unit // users
-
-    def recount(self, group: int | None = None) -> None:
-        """Forget cached usage (a quota changed)."""
-        if group is None:
-            self._usage.clear()
-        else:
-            self._usage.pop(group, None)
-
-    def moved(self, inode: Inode, old_group: int) -> None:
-        """A rename took ``inode`` out of ``old_group``: a file's mapped bytes move
-        from that group's count to its new group's, O(1); a directory's subtree was
-        never summed, so the two groups it left and joined are counted afresh when
-        next needed (O(group), once)."""
-        new_group = self.evictor.group_of(inode)
-        if new_group == old_group or not self._usage:
-            return
-        if inode.entries is not None:
-            self._usage.pop(old_group, None)
-            self._usage.pop(new_group, None)
-            return
-        moved = inode.mapped_units * self.unit
-        if old_group in self._usage:
-            self._usage[old_group] -= moved
-        if new_group in self._usage:
-            self._usage[new_group] += moved
 
     # ------------------------------------------------------------------ eviction
     def evict_units(
@@ -546,10 +543,7 @@ class Space:
         self.evictor.reap()
         if self.evictor.orphans:
             return True
-        root = self.ns.inodes[ROOT_INO]
-        groups = [ROOT_INO] + [
-            ino for ino in (root.entries or {}).values() if self.ns.inodes[ino].is_dir
-        ]
+        groups = [ROOT_INO, *self._tops]  # (not a listing of the root: it may hold millions)
         return any(self.evictor.group_policy(g) == KVFS_MANAGED for g in groups)
 
     def _log_pressure(self, estimate: int, wanted: int, evicted: int) -> None:

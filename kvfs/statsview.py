@@ -293,11 +293,9 @@ def render(stats: dict[str, Any]) -> str:
         rows = [
             [
                 r["name"],
-                format_size(r["used_bytes"]) if r["used_bytes"] >= 0 else "not summed",
+                format_size(r["used_bytes"]),
                 format_size(r["quota_bytes"]) if r["quota_bytes"] else "-",
-                _pct(r["used_bytes"], r["quota_bytes"])
-                if r["quota_bytes"] and r["used_bytes"] >= 0
-                else "-",
+                _pct(r["used_bytes"], r["quota_bytes"]) if r["quota_bytes"] else "-",
                 r["policy"],
             ]
             for r in dirs[:DIRECTORY_ROWS]

@@ -130,9 +130,8 @@ class DirectoryUsage:
 
     name: str
     used_bytes: int
-    """Bytes of device space its files map (whole units); -1: not summed yet (a
-    directory of more than ``space.SUM_BUDGET`` entries, summed only once a quota
-    needs it, so that no request waits behind a pass over millions of files)."""
+    """Bytes of device space its named files map (whole units), from running
+    counters (``Space.placed``/``Space.charge``): no call walks the directory."""
     quota_bytes: int
     """Its ``user.kvfs.quota``, or the mount's default; 0: no quota."""
     policy: str

@@ -9,7 +9,7 @@ import os
 import random
 import stat
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager, contextmanager, suppress
 from pathlib import Path
 
 import pytest
@@ -821,40 +821,141 @@ async def test_a_read_that_finds_its_unit_rewritten_meanwhile_serves_the_new_dat
         assert await get(store, a) == old_data
 
 
-async def test_directory_usage_never_walks_more_than_its_budget(
+def usage_recounted(store: Store) -> tuple[dict[int, int], int, dict[int, int], set[int]]:
+    """What the usage counters must hold, by a full pass: (bytes under each directory,
+    the root's own files' bytes, bytes per owner, the top-level directories). A named
+    file counts for the directory of its indexed name and every ancestor of it."""
+    tree: dict[int, int] = {}
+    root_files = 0
+    uids: dict[int, int] = {}
+    tops: set[int] = set()
+    for ino in list(store.ns.inodes):
+        inode = store.ns.inodes[ino]
+        if inode.is_dir:
+            if ino != ROOT_INO and inode.parent == ROOT_INO:
+                tops.add(ino)
+            continue
+        used = inode.mapped_units * store.unit
+        if used:
+            uids[inode.uid] = uids.get(inode.uid, 0) + used
+        if not used or not inode.nlink:
+            continue
+        d = inode.parent
+        if d == ROOT_INO:
+            root_files += used
+        while d != ROOT_INO:
+            tree[d] = tree.get(d, 0) + used
+            d = store.ns.inodes[d].parent
+    return tree, root_files, uids, tops
+
+
+def assert_usage_counted(store: Store) -> None:
+    """The running counters equal a full recount, and ``kvfs stats`` shows them."""
+    tree, root_files, uids, tops = usage_recounted(store)
+    space = store.space
+    assert space._tree == tree
+    assert space.group_usage(ROOT_INO) == root_files
+    assert {u: b for u, b in space.uid_usage().items() if b} == uids
+    assert space._tops == tops
+    rows = {r.name: r.used_bytes for r in store.directory_usage()}
+    want = {store.ns.inodes[d].name.decode(): tree.get(d, 0) for d in tops}
+    if root_files:
+        want["/"] = root_files
+    assert rows == want
+
+
+def file_names(store: Store, dirs: list[int]) -> list[tuple[int, bytes]]:
+    """(directory, name) of every file name in ``dirs`` (hard links included)."""
+    return [
+        (d, n)
+        for d in dirs
+        for n, i in store.ns.directory(d).items()
+        if not store.ns.inodes[i].is_dir
+    ]
+
+
+async def test_directory_usage_is_kept_by_running_counters_never_a_walk(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A directory too large to sum within a call's budget shows -1 (no pass over
-    millions of files on the daemon's thread); small ones are summed and then kept
-    current; a quota sums the large one, which then shows."""
-    import kvfs.space as space_mod
-    import kvfs.store as store_mod
+    """After random writes, truncates, renames of files and directories across
+    top-level directories (replacing targets too), hard links, unlinks (one while
+    open) and evictions, every directory's usage equals a full recount; a reload (a
+    clean unmount's checkpoint, and a crash's log) starts from the same; and neither
+    ``kvfs stats`` nor a quota check lists a single directory to get there."""
+    from kvfs.inodes import DirView
 
-    monkeypatch.setattr(store_mod, "SUM_BUDGET", 8)
-    monkeypatch.setattr(space_mod, "SUM_BUDGET", 8)
-    async with serving(memory_pool(size=64 << 20)) as store:
-        big = await store.make(ROOT_INO, b"big", stat.S_IFDIR | 0o755)
-        small = await store.make(ROOT_INO, b"small", stat.S_IFDIR | 0o755)
-        for i in range(12):
-            inode = await store.create(big.ino, b"f%d" % i, FILE)
-            fh = await store.open(inode.ino, os.O_RDWR)
-            await store.write(fh, 0, b"x" * UNIT)
-            await store.commit(store.ns.get(inode.ino))
-            await store.release(fh)
-        inode = await store.create(small.ino, b"s", FILE)
-        fh = await store.open(inode.ino, os.O_RDWR)
-        await store.write(fh, 0, b"y" * (2 * UNIT))
-        await store.commit(store.ns.get(inode.ino))
-        await store.release(fh)
-        first = {r.name: r.used_bytes for r in store.directory_usage()}
-        assert first["big"] == -1  # the call's budget went on finding it too large
-        rows = {r.name: r.used_bytes for r in store.directory_usage()}
-        assert rows == {"big": -1, "small": 2 * UNIT}  # not walked again; the rest summed
-        assert store.space.group_usage(big.ino) == 12 * UNIT  # what a quota check does
-        rows = {r.name: r.used_bytes for r in store.directory_usage()}
-        assert rows == {"big": 12 * UNIT, "small": 2 * UNIT}
-        await store.truncate(store.ns.get(inode.ino), 0)
-        assert {r.name: r.used_bytes for r in store.directory_usage()}["small"] == 0
+    rng = random.Random(26)
+    cfg = dataclasses.replace(CFG, default_policy="kvfs-managed")
+    pool = memory_pool(size=48 << 20)
+    dirs = [ROOT_INO]
+    async with serving(pool, cfg) as store:
+        for name in (b"a", b"b", b"c"):
+            top = (await store.make(ROOT_INO, name, stat.S_IFDIR | 0o755)).ino
+            sub = (await store.make(top, b"sub", stat.S_IFDIR | 0o755)).ino
+            dirs += [top, sub, (await store.make(sub, b"deep", stat.S_IFDIR | 0o755)).ino]
+        tops = dirs[1::3]
+        for step in range(300):
+            named = file_names(store, dirs)
+            op = rng.choice("wwwttrrlued")
+            if op == "w" or not named:
+                ino, fh = await create(store, b"f%d" % step, rng.choice(dirs))
+                await store.write(fh, 0, rng.randbytes(rng.randrange(1, 3 * UNIT)))
+                await store.commit(store.ns.get(ino))
+                await store.release(fh)
+                continue
+            d, name = rng.choice(named)
+            found = store.ns.find(d, name)
+            assert found is not None
+            if op == "t":
+                await store.truncate(found, rng.randrange(0, 3 * UNIT))
+                await store.commit(found)
+            elif op == "r":  # to any directory, over an existing file at times
+                to_dir, to = rng.choice(named) if rng.random() < 0.3 else (rng.choice(dirs), name)
+                if store.ns.find(to_dir, to) is not found:
+                    store.rename(d, name, to_dir, to, 0)
+            elif op == "l":  # a hard link elsewhere; then maybe the first name goes
+                to_dir, to = rng.choice(dirs), b"l%d" % step
+                await store.link(found.ino, to_dir, to)
+                if rng.random() < 0.5:
+                    store.unlink(d, name)
+            elif op == "u":  # sometimes while open: it grows after its last name went
+                held = await store.open(found.ino, os.O_RDWR) if rng.random() < 0.3 else None
+                store.unlink(d, name)
+                if held is not None:
+                    await store.write(held, found.size, b"z" * UNIT)
+                    await store.release(held)
+            elif op == "e":
+                store.space.evict_units(rng.randrange(1, 4), include_fresh=True)
+            elif op == "d":  # a subdirectory (and its subtree) to another top-level one
+                sub = rng.choice([x for x in dirs if x != ROOT_INO and x not in tops])
+                node = store.ns.inodes[sub]
+                with suppress(KvfsError):  # a move into itself
+                    store.rename(node.parent, node.name, rng.choice(tops), b"m%d" % step, 0)
+            if step % 20 == 0:
+                assert_usage_counted(store)
+        assert_usage_counted(store)
+        assert all(store.space._tree.get(t) for t in tops)
+        # neither stats nor a quota check lists a directory
+        with monkeypatch.context() as m:
+            for method in ("items", "keys", "values", "__iter__"):
+                m.setattr(DirView, method, lambda *a: pytest.fail("a directory was listed"))
+            store.all_statistics()
+            for top in tops:
+                store.ns.set_xattr(top, b"user.kvfs.quota", b"%d" % (40 << 20))
+                ino, fh = await create(store, b"q", top)
+                await store.write(fh, 0, b"q" * UNIT)
+                await store.commit(store.ns.get(ino))
+                await store.release(fh)
+        assert_usage_counted(store)
+        crashed = usage_recounted(store), crash_image(pool)
+        await store.close()
+        closed = usage_recounted(store)
+    async with serving(crash_image(pool), cfg) as store:  # the clean unmount's checkpoint
+        assert usage_recounted(store) == closed
+        assert_usage_counted(store)
+    async with serving(crashed[1], cfg) as store:  # the crash: replayed from the log
+        assert usage_recounted(store) == crashed[0]
+        assert_usage_counted(store)
 
 
 async def test_a_handle_straddling_another_threads_shrinking_truncate_reads_eio() -> None:
