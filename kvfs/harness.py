@@ -48,7 +48,7 @@ def mounted(
     devices: Sequence[str | Path],
     *extra: str,
     log_file: str | Path | None = None,
-    timeout: float = 30.0,
+    timeout: float = 120.0,  # a hang guard: start-up on a loaded machine is slow
     env: dict[str, str] | None = None,
 ) -> Iterator[subprocess.Popen[bytes]]:
     """Mount ``devices`` at ``mountpoint`` with ``kvfs mount --foreground *extra``."""

@@ -307,7 +307,7 @@ def aligned(size: int) -> Any:
     return mmap.mmap(-1, max(size, mmap.PAGESIZE))
 
 
-def wait_for(predicate: Any, timeout: float = 10.0, what: str = "condition") -> None:
+def wait_for(predicate: Any, timeout: float = 60.0, what: str = "condition") -> None:
     """Poll ``predicate`` until true or fail after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while not predicate():

@@ -44,6 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 MiB = 1 << 20
 THREADS = 3
 BUDGET = 30 * MiB  # live bytes per worker thread: far below the eviction watermark
@@ -403,6 +405,7 @@ def kvfs(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.timeout(900)  # a hang guard: 15 loops of mount, load, kill -9, fsck
 def test_kill9_torture(tmp_path: Path) -> None:
     import pytest
     from conftest import require_fuse
@@ -471,16 +474,18 @@ def test_kill9_torture(tmp_path: Path) -> None:
                     str(rng.randrange(1 << 30)),
                 ]
             )
-            deadline = time.monotonic() + 10
-            while not wlog.exists() and time.monotonic() < deadline and worker.poll() is None:
-                time.sleep(0.01)  # the worker is up (python start-up is not load)
-            delay = rng.choice([0.05, 0.2]) if rng.random() < 0.2 else rng.uniform(0.3, 2.5)
-            time.sleep(delay)
-            killed_at = time.monotonic()  # CLOCK_MONOTONIC: comparable across processes
-            daemon.kill()
-            daemon.wait()  # dead before the worker: its exit must not close (commit) files
-            worker.kill()
-            worker.wait()
+            try:  # a failure (or the hang guard) must not leave the worker running
+                deadline = time.monotonic() + 10
+                while not wlog.exists() and time.monotonic() < deadline and worker.poll() is None:
+                    time.sleep(0.01)  # the worker is up (python start-up is not load)
+                delay = rng.choice([0.05, 0.2]) if rng.random() < 0.2 else rng.uniform(0.3, 2.5)
+                time.sleep(delay)
+                killed_at = time.monotonic()  # CLOCK_MONOTONIC: comparable across processes
+                daemon.kill()
+                daemon.wait()  # dead before the worker: its exit must not close (commit) files
+            finally:
+                worker.kill()
+                worker.wait()
             harness.unmount(mnt)
         records = []
         for line in (wlog.read_text() if wlog.exists() else "").splitlines():

@@ -60,7 +60,21 @@ def lmcache_match(name: str) -> re.Match[str]:
     return m
 
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # hang guard; drivers have their own
+
+_DRIVERS: list[subprocess.Popen[str]] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_driver_left() -> Iterator[None]:
+    """A test that fails (or meets the hang guard) while a driver runs kills it: a
+    driver left running would hold the mount and be reaped by a later test."""
+    yield
+    while _DRIVERS:
+        proc = _DRIVERS.pop()
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
 
 
 def in_ci() -> bool:
@@ -91,7 +105,7 @@ def start_driver(script: str, *args: object) -> subprocess.Popen[str]:
     py = engines_python()
     env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONUNBUFFERED": "1"}
     env.pop("PYTHONPATH", None)
-    return subprocess.Popen(
+    proc = subprocess.Popen(
         [py, str(DRIVERS / script), *map(str, args)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -99,6 +113,8 @@ def start_driver(script: str, *args: object) -> subprocess.Popen[str]:
         env=env,
         cwd="/",
     )
+    _DRIVERS.append(proc)
+    return proc
 
 
 def _notable(err: str) -> str:

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from conftest import META_SIZE, KvfsMount, _expected, _finish, require_fuse
 from mooncake_master import Master, require_mooncake
-from test_engines import drive, engines_python, policy_dir
+from test_engines import _no_driver_left, drive, engines_python, policy_dir  # noqa: F401
 
 from kvfs import harness
 
@@ -122,7 +122,7 @@ def no_corruption(*mounts: KvfsMount, healthy: bool = True) -> None:
 
 
 # ---------------------------------------------------------------------- vLLM
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(600)
 def test_vllm_fs_tier_hits_across_nodes(cluster: Cluster) -> None:
     """Real vLLM FileSystemTierManager on A stores 16 blocks of 2 MiB (O_DIRECT tmp
     file + rename, deep fan-out dirs); once A has published them, a new vLLM tier
@@ -212,7 +212,7 @@ def test_vllm_fs_tier_master_killed_and_restarted(cluster: Cluster) -> None:
 
 
 # ---------------------------------------------------------------------- SGLang
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(600)
 def test_sglang_hicache_file_hits_across_nodes(cluster: Cluster) -> None:
     """Real SGLang HiCacheFile (sglang 0.5.23) on A batch_sets 8 pages of 8 MiB
     (tofile to a hidden .tmp, os.replace); on B a new HiCacheFile over B's directory

@@ -19,7 +19,15 @@ from typing import Any
 
 import pytest
 from conftest import META_SIZE, KvfsMount, _expected, _finish, require_fuse
-from test_engines import CHUNK, LMCACHE_NAME, drive, engines_python, lmcache_files, policy_dir
+from test_engines import (  # noqa: F401  (_no_driver_left: an autouse fixture)
+    CHUNK,
+    LMCACHE_NAME,
+    _no_driver_left,
+    drive,
+    engines_python,
+    lmcache_files,
+    policy_dir,
+)
 
 from kvfs import harness
 

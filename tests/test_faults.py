@@ -167,7 +167,7 @@ def faultfs(tmp_path: Path, sizes: dict[str, int]) -> Iterator[FaultFS]:
         [sys.executable, __file__, "faultfs", str(backing), str(mnt)], stderr=subprocess.PIPE
     )
     try:
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 90  # python start-up on a loaded machine
         while not harness.is_mounted(mnt):
             assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
             assert time.monotonic() < deadline, "faultfs did not mount"
@@ -183,6 +183,8 @@ def faultfs(tmp_path: Path, sizes: dict[str, int]) -> Iterator[FaultFS]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        if harness.is_mounted(mnt):  # it mounted after all, then died: no mount left behind
+            harness.unmount(mnt)
         if proc.stderr:
             proc.stderr.close()
 

@@ -127,9 +127,9 @@ def test_corrupt_data_unit_is_eio_quarantined_counted_and_logged(
         assert read_or_errno(mnt / "f1") == errno.EIO  # never the flipped bytes
         # quarantined: unlinked, and the kernel's cached dentry invalidated; FUSE
         # delivers that notification asynchronously, so allow it a bounded moment
-        deadline = time.monotonic() + 2
+        deadline = time.monotonic() + 60
         while os.path.lexists(mnt / "f1"):
-            assert time.monotonic() < deadline, "quarantined file still visible after 2 s"
+            assert time.monotonic() < deadline, "quarantined file still visible after 60 s"
             time.sleep(0.005)
         with pytest.raises(FileNotFoundError):
             os.stat(mnt / "f1")

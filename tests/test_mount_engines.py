@@ -456,7 +456,7 @@ def test_sglang_hicache_file_store_load(kvfs_mount: KvfsMount) -> None:
     assert not [n for n in os.listdir(root) if ".tmp." in n]
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 @pytest.mark.mount_options("--meta-size", "32M")  # 20k files: an area sized for them
 def test_sglang_scandir_of_a_flat_directory_with_20k_entries(kvfs_mount: KvfsMount) -> None:
     root = kvfs_mount.path / "hicache"

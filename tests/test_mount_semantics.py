@@ -102,7 +102,7 @@ class Model:
             self.check(name)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_random_operations_match_a_model(kvfs_mount: KvfsMount) -> None:
     rng = random.Random(20261130)
     root = kvfs_mount.path / "model"
@@ -315,7 +315,7 @@ def test_mkdir_deep_rmdir_and_unlink_errors(kvfs_mount: KvfsMount) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)  # a hang guard: creating 100k files alone took ~90 s on a loaded VM
+@pytest.mark.timeout(600)  # a hang guard: creating 100k files alone took ~90 s on a loaded VM
 @pytest.mark.mount_options("--meta-size", "64M")  # 100k inodes outgrow the 8 MiB default
 def test_readdir_of_a_100k_entry_directory(kvfs_mount: KvfsMount) -> None:
     flat = kvfs_mount.path / "flat"
@@ -343,7 +343,7 @@ def test_readdir_of_a_100k_entry_directory(kvfs_mount: KvfsMount) -> None:
     assert len(names) == n and set(names) == want
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 @pytest.mark.mount_options("--meta-size", "2M")
 def test_metadata_area_full_is_enospc_not_silent_loss(kvfs_mount: KvfsMount) -> None:
     """The 2 MiB metadata area holds ~4k inodes of long names. In an engine-managed directory,
@@ -574,7 +574,7 @@ def _verify(root: Path, files: dict[str, bytes]) -> None:
         assert read_all(root / rel) == data, f"{rel} differs"
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_persistence_across_clean_remount(kvfs_mount: KvfsMount) -> None:
     files = _populate(kvfs_mount.path, 5, 80)
     _verify(kvfs_mount.path, files)
@@ -607,7 +607,7 @@ def _verify_subset(root: Path, files: dict[str, bytes]) -> None:
         assert read_all(root / rel) == data, f"{rel} differs after the crash"
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_two_loop_device_pool_spreads_data_and_persists(loop_mount: KvfsMount) -> None:
     mnt = loop_mount.path
     files = _populate(mnt, 11, 40)
