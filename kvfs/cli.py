@@ -687,6 +687,15 @@ def cmd_umount(args: argparse.Namespace) -> int:
     if mount.fstype != KVFS_FSTYPE:
         raise UserError(f"{path} is a {mount.fstype} mount, not kvfs; refusing to unmount it")
     pid = daemon.daemon_pid(mount)  # its pidfile, keyed by the FUSE connection
+    stuck = daemon.killed_daemon(mount)
+    if stuck is not None and daemon.abort_connection(mount):
+        # killed while a thread of it waited in the kernel: it can neither answer nor
+        # exit, and every request to the mount (the statfs below too) would wait
+        print(
+            f"kvfs: {path}: its daemon (pid {stuck}) was killed but could not exit; "
+            "aborted its FUSE connection (waiting callers get ECONNABORTED)"
+        )
+        pid = stuck
     pids = [] if pid is None else [pid]
     dead = daemon.daemon_gone(path)  # only the kernel's mount is left
     if pid is None and not dead:  # a daemon of a release before pidfiles, or one exiting

@@ -86,6 +86,8 @@ def stale_kvfs_mount(path: str) -> str | None:
     m = mount_containing(path)
     if m is None or m.fstype != KVFS_FSTYPE:
         return None
+    if killed_daemon(m) is not None:  # a request to it would wait forever: ask none
+        return m.point
     return m.point if daemon_gone(m.point) else None
 
 
@@ -182,6 +184,23 @@ def daemon_pid(mount: Mount) -> int | None:
     except OSError:
         return None
     return pid
+
+
+def killed_daemon(mount: Mount) -> int | None:
+    """The pid in ``mount``'s pidfile if that daemon was killed and cannot finish
+    exiting: its leader a zombie while a thread of it lives on (one stuck in a
+    notification, see :func:`abort_connection`) and keeps ``/dev/fuse`` open, so any
+    request to the mount, a ``statfs`` too, waits forever. None otherwise."""
+    pid = read_pid(pidfile_path(mount.devno))
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+    except OSError:
+        return None
+    zombie = fields.get("State", "").strip()[:1] in ("Z", "X")
+    return pid if zombie and int(fields.get("Threads", "1")) > 1 else None
 
 
 # ----------------------------------------------------------------------------- notify

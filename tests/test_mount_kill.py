@@ -78,8 +78,28 @@ def _freeze_while_notify_blocked(proc: subprocess.Popen[bytes], timeout: float) 
     pytest.fail(f"no notification of the daemon waited on a directory lock in {timeout} s")
 
 
+def _umount_by_cli(proc: subprocess.Popen[bytes], mnt: Path, mount: daemon.Mount) -> None:
+    """What an operator does: kill -9 the daemon, then ``kvfs umount``; the command
+    must neither hang on the dead mount nor leave the daemon unable to exit."""
+    proc.kill()
+    deadline = time.monotonic() + 60
+    while daemon.killed_daemon(mount) is None:  # its leader gone, the stuck thread not
+        assert time.monotonic() < deadline, "the killed daemon left no zombie leader"
+        time.sleep(0.01)
+    r = subprocess.run(
+        [sys.executable, "-m", "kvfs", "umount", str(mnt)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "aborted its FUSE connection" in r.stdout, r.stdout
+    proc.wait(60)
+
+
 @pytest.mark.timeout(600)
-def test_kill9_while_a_notification_waits_on_a_directory_lock(tmp_path: Path) -> None:
+@pytest.mark.parametrize("clear", ["harness.kill", "kvfs umount"])
+def test_kill9_while_a_notification_waits_on_a_directory_lock(tmp_path: Path, clear: str) -> None:
     require_fuse()
     if not os.access("/proc/self/stack", os.R_OK):
         pytest.skip("needs root: reads kernel stacks (/proc/PID/stack)")
@@ -97,11 +117,20 @@ def test_kill9_while_a_notification_waits_on_a_directory_lock(tmp_path: Path) ->
         ]
         try:
             _freeze_while_notify_blocked(proc, timeout=300)
-            killed = threading.Thread(target=harness.kill, args=(proc, mnt), daemon=True)
+            assert mount is not None
+            killed = threading.Thread(
+                target=lambda: (
+                    harness.kill(proc, mnt)
+                    if clear == "harness.kill"
+                    else _umount_by_cli(proc, mnt, mount)
+                ),
+                daemon=True,
+            )
             killed.start()
             killed.join(120)
             assert not killed.is_alive(), "the killed daemon never exited: its callers hang"
             assert proc.returncode == -signal.SIGKILL
+            assert not harness.is_mounted(mnt)
             for w in writers:
                 assert w.wait(120) == 0, "a writer got an unexpected error"
         finally:
