@@ -241,8 +241,11 @@ class Reader:
         for i, (u, p, csum) in enumerate(run):
             view = memoryview(bufs[i]).toreadonly()
             current = inode.unit(u)
+            # rewritten while we read: the unit moved, or was freed and taken again
+            # for this same unit of this file, with new content (same place, new sum)
+            same = current == p and inode.csum(u) == csum
             if sums[i] != csum:
-                if current != p:  # rewritten while we read: serve the new data
+                if not same:  # serve the new data
                     now = self.resident(inode, self._files.get(inode.ino), u)
                     if now is None:  # read it here: a fetch would wait for this one
                         await self._read_run(inode, [(u, current, inode.csum(u))], results)
@@ -250,7 +253,7 @@ class Reader:
                         results[u] = now
                     continue
                 self._quarantine(inode, u, p)
-            if current == p:
+            if same:  # never cache bytes the file no longer holds
                 self.cache.put((inode.ino, u), view)
             results[u] = view
 

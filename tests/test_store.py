@@ -8,9 +8,11 @@ import dataclasses
 import os
 import random
 import stat
+import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager, suppress
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -982,5 +984,66 @@ async def test_a_handle_straddling_another_threads_shrinking_truncate_reads_eio(
         fresh = await store.open(ino, os.O_RDONLY, Caller(0, 0, 101))
         assert bytes(await store.read(fresh, 0, UNIT)) == b"A" * 10
         for h in (fh, reader, mine, other, fresh):
+            await store.release(h)
+        await store.close()
+
+
+async def test_a_device_read_beside_a_rewrite_into_the_same_unit_caches_nothing_stale(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A read of unit 0 is on the device when another caller rewrites the file with
+    O_TRUNC; the pool is full, so the new content takes the very unit just freed (same
+    place, new checksum). The straddling read gets EIO (``Rewritten``) and must not
+    leave the old bytes in the cache under the file's unit: a fresh open would then
+    read the old content where the file holds the new one (it did: "A" for "B")."""
+    pool = memory_pool()
+    async with serving(pool) as store:
+        ino, fh = await create(store, b"chunk")
+        await store.write(fh, 0, b"A" * UNIT)
+        await store.commit(store.ns.get(ino))
+        await store.release(fh)
+        place = store.ns.get(ino).unit(0)
+        for k in range(10_000):  # fill the pool: the rewrite can only take the freed unit
+            try:
+                await put(store, b"fill%d" % k, b"F" * UNIT)
+            except NoSpace:
+                with suppress(KvfsError):
+                    store.unlink(ROOT_INO, b"fill%d" % k)
+                break
+        assert (ino, 0) not in store.reader.cache
+        dev = pool.devices[0]
+        read_vec = dev.read_vec
+        on_device, go = trio.Event(), threading.Event()
+        token = trio.lowlevel.current_trio_token()
+
+        def held(offset: int, bufs: Any) -> None:  # the old bytes read, then it waits
+            read_vec(offset, bufs)
+            trio.from_thread.run_sync(on_device.set, trio_token=token)
+            go.wait(30)
+
+        monkeypatch.setattr(dev, "read_vec", held)
+        reader = await store.open(ino, os.O_RDONLY, Caller(0, 0, 101))
+        got: list[object] = []
+
+        async def read() -> None:
+            try:
+                got.append(bytes(await store.read(reader, 0, UNIT)))
+            except Rewritten as e:
+                got.append(e)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read)
+            await on_device.wait()
+            monkeypatch.setattr(dev, "read_vec", read_vec)
+            w = await store.open(ino, os.O_RDWR | os.O_TRUNC, Caller(0, 0, 202))
+            await store.write(w, 0, b"B" * UNIT)
+            await store.commit(store.ns.get(ino))
+            await store.release(w)
+            assert store.ns.get(ino).unit(0) == place  # the same unit, new content
+            go.set()
+        assert isinstance(got[0], Rewritten) or got[0] in (b"A" * UNIT, b"B" * UNIT)
+        fresh = await store.open(ino, os.O_RDONLY, Caller(0, 0, 303))
+        assert bytes(await store.read(fresh, 0, UNIT)) == b"B" * UNIT
+        for h in (reader, fresh):
             await store.release(h)
         await store.close()
