@@ -108,6 +108,14 @@ class Rewritten(KvfsError):
     expected = True
 
 
+class StaleSize(KvfsError):
+    """A read asked past the file's end as if it were longer: the kernel has not yet
+    applied a shrink. Answered EIO rather than short, which it would zero-fill."""
+
+    errno = errno.EIO
+    expected = True
+
+
 class Corruption(KvfsError):
     """Stored bytes do not match their checksum; never served as data."""
 

@@ -273,7 +273,9 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
 
     @_errors
     async def read(self, fh: int, off: int, size: int) -> Any:
-        return await self.store.read(fh, off, size)
+        data = await self.store.read(fh, off, size)
+        self.store.check_kernel_read(fh, off, size, len(data))  # never a short reply it zero-fills
+        return data
 
     @_errors
     async def write(self, fh: int, off: int, buf: bytes) -> int:

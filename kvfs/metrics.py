@@ -192,6 +192,11 @@ class StoreCollector:
         yield gauge("kvfs_directories", "Directories in the index", s["directories"])
         yield gauge("kvfs_open_handles", "Files open through the mount", s["open_handles"])
         yield counter("kvfs_read_requests", "FUSE reads answered", s["reads"])
+        yield counter(
+            "kvfs_stale_size_reads",
+            "FUSE reads answered EIO: the kernel asked past a size it had not yet seen shrink",
+            s["stale_size_reads"],
+        )
         yield counter("kvfs_write_requests", "FUSE writes accepted", s["writes"])
         yield labelled(
             CounterMetricFamily(

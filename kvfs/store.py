@@ -47,6 +47,7 @@ from kvfs.errors import (
     NotPermitted,
     QuotaExceeded,
     Rewritten,
+    StaleSize,
 )
 from kvfs.evict import Evictor
 from kvfs.format.records import (
@@ -79,6 +80,13 @@ from kvfs.storetypes import (
 from kvfs.writepath import Writer
 
 log = logging.getLogger(__name__)
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _page_up(n: int) -> int:
+    return -(-n // PAGE) * PAGE
+
+
 T = TypeVar("T")
 OP_LOG_BYTES = 512
 """Log bytes admitted for one index operation beyond its xattr (a create: its
@@ -116,6 +124,7 @@ class Store:
         self._limiters = [trio.CapacityLimiter(self.cfg.queue_depth) for _ in pool.devices]
         self._nursery: trio.Nursery | None = None
         self._reads = self._writes = self._bytes_read = self._bytes_written = 0
+        self._stale_size_reads = 0
         self.on_vanish: Callable[[int, bytes, int], None] = lambda parent, name, ino: None
         self.evictor = Evictor(
             self.ns, self.cfg.eviction_policy, self.cfg.default_policy, grace=self.cfg.fresh_grace
@@ -280,7 +289,10 @@ class Store:
         if writable:
             self.writer.state(ino).writers += 1
         shrinks = self._shrinks(ino)
-        return self.handles.add(Handle(ino, writable, caller.pid, owner, caller.uid, shrinks))
+        direct = bool(flags & os.O_DIRECT)
+        return self.handles.add(
+            Handle(ino, writable, caller.pid, owner, caller.uid, direct, shrinks)
+        )
 
     @asynccontextmanager
     async def _shrinking(self, ino: int, shrinks: bool) -> AsyncIterator[None]:
@@ -610,6 +622,19 @@ class Store:
         self._bytes_read += len(data)
         return data
 
+    def check_kernel_read(self, fh: int, off: int, size: int, got: int) -> None:
+        """The kernel's READ of ``size`` bytes at ``off`` is about to be answered with
+        ``got`` bytes. If it asked past the file's end by more than its page rounding
+        (a buffered handle; O_DIRECT asks in whole requests), it still holds a larger
+        size: a shrink it has not applied yet (another process's ``O_TRUNC`` open or
+        truncate answered a moment ago, a direct write that replaced the file). A
+        short answer would make it zero-fill the rest of its pages and copy them out
+        as the file's bytes (``docs/design.md``, "Reads beside a truncate", rule 5):
+        EIO instead (``StaleSize``)."""
+        if got < size and off + size > _page_up(off + got) and not self.handles[fh].direct:
+            self._stale_size_reads += 1
+            raise StaleSize(f"inode {self.handles[fh].ino}: read past a size not yet shrunk")
+
     async def _read_once(self, fh: int, h: Handle, off: int, size: int) -> bytes | memoryview:
         inode = self.ns.inodes.get(h.ino)
         if inode is None or inode.flags & FLAG_QUARANTINED:
@@ -909,6 +934,7 @@ class Store:
             dirty_bytes=self.writer.dirty_bytes,
             pending_free_bytes=self.space.pending_free() * self.unit,
             reads=self._reads,
+            stale_size_reads=self._stale_size_reads,
             writes=self._writes,
             bytes_read=self._bytes_read,
             bytes_written=self._bytes_written,

@@ -107,6 +107,9 @@ class Handle:
     """The opening process as (pid, start time): is it dying when it closes?"""
     uid: int = 0
     """The opener's user: what it holds open, it pins (bounded per user)."""
+    direct: bool = False
+    """Opened with O_DIRECT: the kernel may ask its reads past EOF (rounded up to a
+    whole request), so a short answer there is no sign of a stale size."""
     shrinks: int = 0
     """The file's ``FileState.shrinks`` when this handle was opened (or when it, or
     the thread that opened it, last shrank the file): once another thread's truncate
@@ -149,6 +152,9 @@ class StoreStatistics:
     dirty_bytes: int
     pending_free_bytes: int
     reads: int
+    stale_size_reads: int
+    """Reads answered EIO because the kernel asked past a size it had not yet seen
+    shrink (``docs/design.md``, "Reads beside a truncate", rule 5)."""
     writes: int
     bytes_read: int
     bytes_written: int

@@ -21,7 +21,15 @@ from test_journal import v1_device, v1_maker
 
 from kvfs import pool as pool_mod
 from kvfs.device import Device, FaultyDevice, MemoryDevice
-from kvfs.errors import Corruption, DeviceError, KvfsError, NoSpace, NotFound, Rewritten
+from kvfs.errors import (
+    Corruption,
+    DeviceError,
+    KvfsError,
+    NoSpace,
+    NotFound,
+    Rewritten,
+    StaleSize,
+)
 from kvfs.format import geometry, nsimage
 from kvfs.format.records import (
     DEV_SHIFT,
@@ -1045,5 +1053,36 @@ async def test_a_device_read_beside_a_rewrite_into_the_same_unit_caches_nothing_
         fresh = await store.open(ino, os.O_RDONLY, Caller(0, 0, 303))
         assert bytes(await store.read(fresh, 0, UNIT)) == b"B" * UNIT
         for h in (reader, fresh):
+            await store.release(h)
+        await store.close()
+
+
+async def test_a_kernel_read_past_a_size_it_has_not_seen_shrink_is_eio() -> None:
+    """``docs/design.md``, "Reads beside a truncate", rule 5: a buffered handle's READ
+    never asks past the page holding the file's last byte unless the kernel still
+    holds a larger size (a shrink it has not applied). Answered short, the kernel
+    zero-fills the rest of its pages and copies them out as the file's bytes (the
+    soak saw whole chunks of zeros beside O_TRUNC rewrites): EIO instead. A read
+    within the page rounding, and any O_DIRECT read (asked in whole requests past
+    EOF), is answered short as usual."""
+    async with serving(memory_pool()) as store:
+        ino, fh = await create(store, b"chunk")
+        await store.write(fh, 0, b"A" * (3 * UNIT))
+        await store.commit(store.ns.get(ino))
+        await store.setattr(ino, Caller(0, 0, 202), size=10_000, fh=fh)  # a shrink
+        # opened after it, as the kernel may still hold the old size
+        buffered = await store.open(ino, os.O_RDONLY, Caller(0, 0, 101))
+        direct = await store.open(ino, os.O_RDONLY | os.O_DIRECT, Caller(0, 0, 101))
+        for h in (buffered, direct):
+            got = bytes(await store.read(h, 0, 3 * UNIT))
+            assert got == b"A" * 10_000  # the store answers short...
+        with pytest.raises(StaleSize):  # ...the kernel, asking 3 units, must not get it
+            store.check_kernel_read(buffered, 0, 3 * UNIT, 10_000)
+        store.check_kernel_read(buffered, 8192, 4096, 10_000 - 8192)  # the last page
+        with pytest.raises(StaleSize):  # the page after the last: only a stale size asks
+            store.check_kernel_read(buffered, 12_288, 4096, 0)
+        store.check_kernel_read(direct, 0, 3 * UNIT, 10_000)
+        assert store.all_statistics()["store"]["stale_size_reads"] == 2
+        for h in (fh, buffered, direct):
             await store.release(h)
         await store.close()
