@@ -60,7 +60,7 @@ def lmcache_match(name: str) -> re.Match[str]:
     return m
 
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # hang guard; drivers have their own
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # hang guard; drivers have their own
 
 _DRIVERS: list[subprocess.Popen[str]] = []
 
@@ -124,7 +124,7 @@ def _notable(err: str) -> str:
 
 
 def finish_driver(
-    proc: subprocess.Popen[str], mount: KvfsMount, timeout: float = 180
+    proc: subprocess.Popen[str], mount: KvfsMount, timeout: float = 600
 ) -> dict[str, Any]:
     """Its JSON result (last stdout line). A driver still running after ``timeout`` is
     an engine hung on the mount: kill the kvfs daemon (pending FUSE requests then fail
@@ -153,7 +153,7 @@ def finish_driver(
     return result
 
 
-def drive(mount: KvfsMount, script: str, *args: object, timeout: float = 180) -> dict[str, Any]:
+def drive(mount: KvfsMount, script: str, *args: object, timeout: float = 600) -> dict[str, Any]:
     return finish_driver(start_driver(script, *args), mount, timeout)
 
 
@@ -391,7 +391,7 @@ def test_vllm_fs_tier_never_evicts_kvfs_does(engine_mount: MountFactory) -> None
         200,
         "--load",
         64,
-        timeout=240,
+        timeout=600,
     )
     assert r["stored_ok"] == 200 // 8, "a vLLM store job failed (ENOSPC?) on kvfs"
     assert 0 < r["present"] < 200
@@ -439,7 +439,7 @@ def test_sglang_hicache_file_without_evictor_kvfs_evicts(engine_mount: MountFact
     surviving page reads back identical."""
     mount = engine_mount(256 * MiB)
     d = policy_dir(mount, "sglang", "kvfs-managed")
-    r = drive(mount, "sglang_hicache_driver.py", "pressure", "--dir", d, "--pages", 48, timeout=240)
+    r = drive(mount, "sglang_hicache_driver.py", "pressure", "--dir", d, "--pages", 48, timeout=600)
     assert r["set_ok"] == r["set_batches"], "an SGLang batch_set failed on kvfs"
     assert 0 < r["present"] < 48
     assert r["scandir_matches_exists"]

@@ -122,7 +122,7 @@ def no_corruption(*mounts: KvfsMount, healthy: bool = True) -> None:
 
 
 # ---------------------------------------------------------------------- vLLM
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1800)
 def test_vllm_fs_tier_hits_across_nodes(cluster: Cluster) -> None:
     """Real vLLM FileSystemTierManager on A stores 16 blocks of 2 MiB (O_DIRECT tmp
     file + rename, deep fan-out dirs); once A has published them, a new vLLM tier
@@ -157,10 +157,11 @@ def test_vllm_fs_tier_hits_across_nodes(cluster: Cluster) -> None:
     no_corruption(a, b)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(1800)
 def test_vllm_fs_tier_master_killed_and_restarted(cluster: Cluster) -> None:
     """The master dies mid-run (SIGKILL): B's lookups of blocks it lacks are clean
-    misses, fast (each lookup burst well under 5 s), both right after the kill
+    misses, fast (a burst costs one deadline, not Mooncake's 90 s), both right after
+    the kill
     (before kvfs has noticed) and later, while B's local blocks (fetched ones and
     its own) still hit and load bit-identical; A keeps storing meanwhile (its
     publishes are dropped, the engine never sees it). The master comes back on the same
@@ -183,15 +184,18 @@ def test_vllm_fs_tier_master_killed_and_restarted(cluster: Cluster) -> None:
         """B's lookups of its local blocks and of ``remote`` (blocks it lacks)."""
         idx = ",".join(map(str, local + remote))
         r = drive(b, VLLM, "load", "--dir", db, "--idx", idx, "--lookup-timeout", 30)
-        assert r["lookup_s"] < 5, f"{when}: lookups took {r['lookup_s']:.1f} s"
+        # a hung call costs one deadline (1 s) to the first lookup that meets it;
+        # waiting on the dead master would take Mooncake's own 90 s: the bound tells
+        # the two apart with room for a loaded machine
+        assert r["lookup_s"] < 20, f"{when}: lookups took {r['lookup_s']:.1f} s"
         assert r["lookup"] == [True] * 8 + [False] * len(remote), (when, counters(b))
         assert r["loaded"] == [True] * 8 + [None] * len(remote), when
 
     b_lookup([4, 5, 6, 7], "right after the kill")  # published, in the dead cluster
-    r = drive(a, VLLM, "store", "--dir", da, "--first", 8, "--blocks", 4, timeout=60)
+    r = drive(a, VLLM, "store", "--dir", da, "--first", 8, "--blocks", 4)
     assert all(r["stored"]), "A's store failed while the master was down"
     b_lookup(list(range(8, 12)), "master down")
-    assert wait_state(b, "down", 15), f"B never reported the cluster down: {counters(b)}"
+    assert wait_state(b, "down", 60), f"B never reported the cluster down: {counters(b)}"
     down_a, down_b = counters(a), counters(b)
 
     cluster.master.start()  # same ports; its index of objects is gone
@@ -212,7 +216,7 @@ def test_vllm_fs_tier_master_killed_and_restarted(cluster: Cluster) -> None:
 
 
 # ---------------------------------------------------------------------- SGLang
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1800)
 def test_sglang_hicache_file_hits_across_nodes(cluster: Cluster) -> None:
     """Real SGLang HiCacheFile (sglang 0.5.23) on A batch_sets 8 pages of 8 MiB
     (tofile to a hidden .tmp, os.replace); on B a new HiCacheFile over B's directory

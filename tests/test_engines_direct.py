@@ -59,7 +59,7 @@ def only_direct(stats: dict[str, int], reads: int, writes: int) -> None:
     assert stats["bounced_bytes"] == 0 and stats["checksum_failures"] == 0, stats
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("mode", ["odirect", "buffered"])
 def test_lmcache_plugin_roundtrip_restart_and_local_disk_interop(
     mount: KvfsMount, mode: str

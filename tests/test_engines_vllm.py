@@ -41,7 +41,7 @@ CHUNK_FILE = CHUNK_TOKENS * 32 * 1024  # 4 layers x 8 KV heads x 128 x fp32 x (K
 MODEL_ARGS = ("--heads", "8", "--kv-heads", "8", "--head-dim", "128")
 FS_PATH = re.compile(r"[^/]+_[0-9a-f]{12}_r0/[0-9a-f]{3}/[0-9a-f]{2}_g0/[0-9a-f]{64}\.bin")
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
 def vllm_python() -> str:

@@ -244,7 +244,7 @@ def test_eio_device_fails_its_files_only(tmp_path: Path) -> None:
             for name in on1:
                 got, took = timed(read_or_errno, mnt / name)
                 assert got == errno.EIO, f"{name}: {got!r:.60}"
-                assert took < 5
+                assert took < 20  # at once, not after a deadline (a loaded machine is slow)
             for name in on0:
                 assert read_or_errno(mnt / name) == files[name]
             assert sorted(os.listdir(mnt)) == sorted(files)  # nothing quarantined
@@ -289,7 +289,9 @@ def test_hanging_device_times_out_and_the_mount_stays_responsive(tmp_path: Path)
         where = device_of(devs)
         on1 = sorted(n for n in files if where[n] == {1})
         on0 = sorted(n for n in files if where[n] == {0})
-        with harness.mounted(mnt, devs, "--io-timeout", "2", log_file=log) as proc:
+        # a deadline far above what a loaded machine takes to answer anything else,
+        # so that "at once" and "after the deadline" cannot be confused
+        with harness.mounted(mnt, devs, "--io-timeout", "10", log_file=log) as proc:
             ffs.set(**{"d1.img": {"read": "hang"}})
             result: dict[str, object] = {}
 
@@ -301,20 +303,20 @@ def test_hanging_device_times_out_and_the_mount_stays_responsive(tmp_path: Path)
             time.sleep(0.3)
             # while that read hangs on the device, everything else answers at once
             _, took = timed(os.listdir, mnt)
-            assert took < 1
+            assert took < 5
             _, took = timed(os.stat, mnt / on1[1])
-            assert took < 1
+            assert took < 5
             got, took = timed(read_or_errno, mnt / on0[0])
-            assert got == files[on0[0]] and took < 1.5
-            t.join(15)
+            assert got == files[on0[0]] and took < 5
+            t.join(60)
             assert not t.is_alive(), "a read of a hung device never returned"
             assert result["got"] == errno.EIO
-            assert 1.5 < result["took"] < 5, result["took"]  # type: ignore[operator]
+            assert 7.5 < result["took"] < 40, result["took"]  # type: ignore[operator]
             assert proc.poll() is None
             ffs.set()  # the device comes back
             assert read_or_errno(mnt / on1[0]) == files[on1[0]]
         text = log.read_text()
-        assert "missed its 2 s deadline" in text, text[-2000:]
+        assert "missed its 10 s deadline" in text, text[-2000:]
 
 
 def test_hanging_metadata_device_fails_commits_within_the_deadline(tmp_path: Path) -> None:
@@ -330,7 +332,7 @@ def test_hanging_metadata_device_fails_commits_within_the_deadline(tmp_path: Pat
         devs = [ffs.path / "d0.img"]
         mnt, log = tmp_path / "mnt", tmp_path / "kvfs.log"
         with harness.mounted(
-            mnt, devs, "--format", "--meta-size", "8M", "--io-timeout", "2", log_file=log
+            mnt, devs, "--format", "--meta-size", "8M", "--io-timeout", "10", log_file=log
         ) as proc:
             files = populate(mnt, 2)
             ffs.set(**{"d0.img": {"write": "hang", "flush": "hang"}})
@@ -348,13 +350,13 @@ def test_hanging_metadata_device_fails_commits_within_the_deadline(tmp_path: Pat
             t.start()
             time.sleep(0.3)
             _, took = timed(os.stat, mnt / "f0")
-            assert took < 1
-            t.join(10)
+            assert took < 5
+            t.join(60)
             hung = t.is_alive()
             ffs.set()  # release the device so the test can clean up either way
             t.join(30)
             assert not hung, (
-                f"close() on a hung metadata device did not return within 10 s "
+                f"close() on a hung metadata device did not return within 60 s "
                 f"(returned after {time.monotonic() - t0:.1f} s once the device came back)"
             )
             assert result["out"] == errno.EIO, result

@@ -886,6 +886,15 @@ def test_concurrent_engines_under_eviction_read_exact_bytes_or_clean_misses(
     writers.start()
     for t in threads:
         t.start()
+    # the load runs SECONDS, longer while the pool has not yet been under enough
+    # pressure (a loaded machine writes less per second): the workload is measured by
+    # what it did, never by the clock; 240 s more is only a hang guard
+    while any(t.is_alive() for t in threads):
+        if sh.deadline - time.monotonic() < 1 and sh.deadline < started + SECONDS + 240:
+            s = pool_mount.stats()["store"]
+            if not (s["evictions"] > 0 and s["bytes_written"] > 2 * s["capacity_bytes"]):
+                sh.deadline += 5
+        time.sleep(0.2)
     for t in threads:
         t.join()
     writers.join()

@@ -336,7 +336,7 @@ def test_readdir_of_a_100k_entry_directory(kvfs_mount: KvfsMount) -> None:
     names = os.listdir(flat)
     elapsed = time.monotonic() - t0
     assert len(names) == n and set(names) == want, "missing or extra names"
-    assert elapsed < 20, f"listing {n} entries took {elapsed:.1f} s"
+    assert elapsed < 60, f"listing {n} entries took {elapsed:.1f} s"  # quadratic: minutes
     kvfs_mount.remount()
     with os.scandir(flat) as it:
         names = [e.name for e in it]
@@ -356,10 +356,7 @@ def test_metadata_area_full_is_enospc_not_silent_loss(kvfs_mount: KvfsMount) -> 
     os.setxattr(flat, "user.kvfs.policy", b"engine-managed")
     created: list[str] = []
     failure: OSError | None = None
-    deadline = time.monotonic() + 45
-    for i in range(12_000):  # ~3x what fits
-        if time.monotonic() > deadline:
-            break
+    for i in range(12_000):  # ~3x what fits (bounded by count, never by the clock)
         name = f"{i:06d}-{'n' * 180}.bin"  # long names: the area holds ~4k of them
         try:
             os.mknod(flat / name, 0o644 | stat.S_IFREG)
