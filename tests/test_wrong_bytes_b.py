@@ -71,9 +71,6 @@ def _losetup_capacity(dev: str) -> None:
     subprocess.run(["losetup", "-c", dev], check=True, capture_output=True)
 
 
-@pytest.mark.expect_errors(
-    "write-back|failed|EIO|damag|metadata|device|loop|short read|checksum|quarantin|space"
-)
 def run_until(
     threads: list[threading.Thread], stop: threading.Event, least: float, enough: Any
 ) -> None:
@@ -93,6 +90,9 @@ def run_until(
         th.join(60)
 
 
+@pytest.mark.expect_errors(
+    "write-back|failed|EIO|damag|metadata|device|loop|short read|checksum|quarantin|space"
+)
 def test_failed_device_write_is_eio_never_zeros(loop_mount: KvfsMount, tmp_path: Path) -> None:
     """Device 2 starts failing writes (its loop device shrinks to 2 MiB) while a big
     file is written through buffered 8 MiB writes. Today the write-back error reaches
