@@ -127,7 +127,7 @@ def test_watch_under_a_terminal(kvfs_mount: KvfsMount, tmp_path: Path) -> None:
             (kvfs_mount.path / "lmcache" / "c1").read_bytes()
             harness.write_file(kvfs_mount.path / "lmcache" / "w", pattern("w", 4 * MIB))
             text = tmux.screen()
-            if re.search(r"written [1-9][\d.]* [KMG]iB/s", text):
+            if re.search(r"written [1-9][\d.]* [KMG]", text):  # the line may be cut at "~"
                 break
         else:
             raise AssertionError("no write rate shown:\n" + tmux.screen())
