@@ -740,13 +740,10 @@ def _alive(pid: int) -> bool:
     """Still running: not exited, or exited but with threads of it still ending (a
     zombie leader whose last thread is still tearing the memory down, which a parent's
     wait does not report yet)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            fields = dict(line.split(":", 1) for line in f if ":" in line)
-    except OSError:
-        return False
-    state = fields.get("State", "").strip()[:1]
-    return state not in ("Z", "X") or int(fields.get("Threads", "1")) > 1
+    from kvfs import daemon
+
+    seen = daemon.process_state(pid)
+    return seen is not None and (seen[0] not in ("Z", "X") or seen[1] > 1)
 
 
 def cmd_stats(args: argparse.Namespace) -> int:

@@ -192,15 +192,19 @@ def killed_daemon(mount: Mount) -> int | None:
     notification, see :func:`abort_connection`) and keeps ``/dev/fuse`` open, so any
     request to the mount, a ``statfs`` too, waits forever. None otherwise."""
     pid = read_pid(pidfile_path(mount.devno))
-    if pid is None:
-        return None
+    seen = process_state(pid) if pid is not None else None
+    return pid if seen is not None and seen[0] in ("Z", "X") and seen[1] > 1 else None
+
+
+def process_state(pid: int) -> tuple[str, int] | None:
+    """``pid``'s state letter (``R``, ``S``, ``Z``...) and its thread count, from
+    ``/proc/PID/status``; None if there is no such process."""
     try:
         with open(f"/proc/{pid}/status") as f:
             fields = dict(line.split(":", 1) for line in f if ":" in line)
     except OSError:
         return None
-    zombie = fields.get("State", "").strip()[:1] in ("Z", "X")
-    return pid if zombie and int(fields.get("Threads", "1")) > 1 else None
+    return fields.get("State", "").strip()[:1], int(fields.get("Threads", "1"))
 
 
 # ----------------------------------------------------------------------------- notify
