@@ -32,7 +32,7 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	$(PY) tools/demo.py --dir $(DEMO_DIR)
 
-# The real LMCache / vLLM fs tier / SGLang HiCacheFile code used by tests/test_engines.py
+# The real LMCache / vLLM fs tier / SGLang HiCacheFile code used by tests/engines/test_engines.py
 # (CPU builds, ~3.7 GB, ~4 min the first time; a no-op once built).
 engines-env:
 	tools/engines_env.sh

@@ -1,7 +1,7 @@
 """Fixtures of the real-mount tests: a kvfs daemon on an image file or loop devices.
 
 Every mount is the real CLI (``kvfs mount --foreground``) in a child process, started
-and always torn down by :func:`kvfs.harness.mounted`. After each test the daemon's log
+and always torn down by :func:`kvfs.testing.harness.mounted`. After each test the daemon's log
 is checked: an ERROR line the test did not declare with
 ``@pytest.mark.expect_errors("regex", ...)`` (or by appending to
 ``mount.expect_errors``) fails the test, and so does a daemon that exited non-zero
@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from kvfs import harness
+from kvfs.testing import harness
 
 KVFS_FSTYPE = "fuse.kvfs"
 IMAGE_SIZE = 512 << 20

@@ -1,4 +1,4 @@
-"""A real Mooncake master on loopback for the tests (:class:`kvfs.harness.MooncakeMaster`).
+"""A real Mooncake master on loopback for the tests (:class:`kvfs.testing.harness.MooncakeMaster`).
 
 ``mooncake_master`` comes from the ``mooncake-transfer-engine-non-cuda`` wheel (the
 ``cluster`` extra of kvfs, installed in the dev venv by ``make install``). It runs
@@ -12,8 +12,8 @@ import os
 
 import pytest
 
-from kvfs.harness import LEASE_MS, free_port, master_binary, running_master
-from kvfs.harness import MooncakeMaster as Master
+from kvfs.testing.harness import LEASE_MS, free_port, master_binary, running_master
+from kvfs.testing.harness import MooncakeMaster as Master
 
 __all__ = ["LEASE_MS", "Master", "free_port", "require_mooncake", "running_master"]
 

@@ -73,7 +73,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kvfs.harness import kvfs_command, loop_device, make_image, stop, unmount, wait_mounted
+from kvfs.testing.harness import kvfs_command, loop_device, make_image, stop, unmount, wait_mounted
 
 MiB = 1 << 20
 GiB = 1 << 30

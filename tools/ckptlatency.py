@@ -51,7 +51,8 @@ def _add_trigger() -> None:
     """Give an older tree the checkpoint trigger (daemon process only)."""
     import pyfuse3
 
-    from kvfs import fs, journal
+    from kvfs.fuse import ops as fs
+    from kvfs.log import journal
 
     if not hasattr(journal.Journal, "request_checkpoint"):
 
@@ -88,7 +89,7 @@ def _child(argv: list[str]) -> int:
 
 # ----------------------------------------------------------------------------- driver
 def daemon(tree: str, mnt: Path, image: Path, log: Path, *extra: str) -> subprocess.Popen[bytes]:
-    from kvfs import harness
+    from kvfs.testing import harness
 
     mnt.mkdir(exist_ok=True)
     cmd = [sys.executable, str(HERE), "--daemon", tree, "mount", "--foreground", str(mnt)]
@@ -147,7 +148,7 @@ def checkpoint_times(log: Path) -> list[float]:
 
 
 def latency_run(tree: str, work: Path, n: int, checkpoints: int) -> str:
-    from kvfs import harness
+    from kvfs.testing import harness
 
     image, mnt, log = work / f"pool-{n}.img", work / "mnt", work / f"kvfs-{n}.log"
     log.unlink(missing_ok=True)
@@ -190,7 +191,7 @@ def latency_run(tree: str, work: Path, n: int, checkpoints: int) -> str:
 
 
 def bytes_per_close(tree: str, work: Path, closes: int) -> str:
-    from kvfs import harness
+    from kvfs.testing import harness
 
     image, mnt, log = work / "small.img", work / "mnt", work / "kvfs-small.log"
     image.unlink(missing_ok=True)
@@ -223,8 +224,8 @@ def loop_gaps(tree: str, work: Path, n: int) -> str:
     import mounttime
     import trio
 
-    from kvfs.pool import open_pool
-    from kvfs.store import Store
+    from kvfs.devices.pool import open_pool
+    from kvfs.store.facade import Store
 
     image = work / f"gaps-{n}.img"
     mounttime.build(image, n)

@@ -34,7 +34,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvfs import harness
+from kvfs.testing import harness
 
 MiB = 1 << 20
 

@@ -1,13 +1,13 @@
 """clustersim: score a two-tier cache (node-local kvfs + shared Mooncake Store) on traces.
 
 A sibling of ``tools/kvtrace.py``: same traces, same ``Request`` type, same prefix
-rule, same kvfs policies (``kvfs.policy.make_policy``), but ``N`` nodes instead of one.
+rule, same kvfs policies (``kvfs.evict.policy.make_policy``), but ``N`` nodes instead of one.
 
 What is modelled
 ----------------
 - ``N`` nodes, each with a node-local kvfs cache of ``C`` bytes (``--local``, a
   fraction of the trace's footprint = distinct chunks x chunk size; *per node*) that
-  evicts with a kvfs policy (``--policy``, default ``kvfs.policy.DEFAULT_POLICY``)
+  evicts with a kvfs policy (``--policy``, default ``kvfs.evict.policy.DEFAULT_POLICY``)
   exactly as ``kvtrace.simulate`` does: leading hits are ``touch()``-ed, written
   chunks ``track()``-ed, victims taken from ``victims()`` until the cache fits, the
   chunk being written is never a victim.  The policy sees the trace's stream id.
@@ -78,7 +78,7 @@ import kvtrace
 import traces
 from kvtrace import LLAMA3_8B_CHUNK_BYTES, Request, prefix_hits
 
-from kvfs.policy import DEFAULT_POLICY, POLICY_NAMES, EvictionPolicy, make_policy
+from kvfs.evict.policy import DEFAULT_POLICY, POLICY_NAMES, EvictionPolicy, make_policy
 
 MODES = ("local-only", "on-close", "on-evict")
 ROUTINGS = ("random", "sticky")

@@ -25,8 +25,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvfs.harness import kvfs_command, make_image, mounted
-from kvfs.sizes import parse_size
+from kvfs.common.sizes import parse_size
+from kvfs.testing.harness import kvfs_command, make_image, mounted
 
 CHUNK = 2 * 32 * 256 * 8 * 128 * 2  # Llama-3-8B bf16, 256 tokens: 32 MiB
 MODEL = "meta-llama-Meta-Llama-3-8B"
@@ -56,8 +56,8 @@ def chunk(i: int) -> bytes:
 
 
 def is_pool(devices: list[str]) -> bool:
-    from kvfs.errors import UserError
-    from kvfs.pool import inspect_pool
+    from kvfs.common.errors import UserError
+    from kvfs.devices.pool import inspect_pool
 
     try:
         inspect_pool(devices).close()

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""kvfs.direct vs raw O_DIRECT vs kvfs through FUSE, paired in one run (32 MiB files).
+"""kvfs.client.direct vs raw O_DIRECT vs kvfs through FUSE, paired in one run (32 MiB files).
 
 Reproduce (root; loop devices and FUSE; ~3 min on the 2-core VM)::
 
@@ -10,8 +10,8 @@ Two identical 2 GiB sparse images on the same host filesystem, each a loop devic
 ``pwrite``/``preadv`` of the whole file at a fixed offset of an O_DIRECT descriptor,
 one ``fdatasync`` per write phase; **raw-sync**: one ``fdatasync`` per file, the
 durability a ``write_from`` or a kvfs close gives), then a fresh kvfs pool on the
-other device: **direct** (``kvfs.direct.write_from`` per file, durable per file; cold
-``read_into`` after a remount and ``drop_caches``), **batch** (``kvfs.direct.write_many``
+other device: **direct** (``kvfs.client.direct.write_from`` per file, durable per file; cold
+``read_into`` after a remount and ``drop_caches``), **batch** (``kvfs.client.direct.write_many``
 of each stream's files: all durable at its return, as raw's one ``fdatasync``) and
 **fuse** (``open/write/close`` and buffered reads of the same size through the
 mount). Ratios are taken within a repetition, then the median across repetitions is
@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import drop_caches, run_streams
 
-import kvfs.direct as direct
-from kvfs import harness
+import kvfs.client.direct as direct
+from kvfs.testing import harness
 
 MiB = 1 << 20
 

@@ -52,7 +52,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
 
-from kvfs import harness  # noqa: E402
+from kvfs.testing import harness  # noqa: E402
 
 TRIGGER = "user.kvfs.checkpoint"
 PER_DIR = 1000
@@ -238,10 +238,10 @@ def cpu_steps(image: Path) -> dict[str, Any]:
     loaded machine add to wall time is not in it) and wall time, in ms."""
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from kvfs.fs import Operations
-    from kvfs.metrics import StoreCollector
-    from kvfs.pool import open_pool
-    from kvfs.store import Store
+    from kvfs.devices.pool import open_pool
+    from kvfs.fuse.metrics import StoreCollector
+    from kvfs.fuse.ops import Operations
+    from kvfs.store.facade import Store
 
     def timed(fn: Callable[[], object]) -> tuple[float, float]:
         c0, w0 = time.thread_time(), time.perf_counter()

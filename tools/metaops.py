@@ -77,7 +77,7 @@ from typing import Any, cast
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvfs.harness import kvfs_command, loop_device, make_image, stop, unmount, wait_mounted
+from kvfs.testing.harness import kvfs_command, loop_device, make_image, stop, unmount, wait_mounted
 
 GiB = 1 << 30
 STATS_XATTR = "user.kvfs.stats"
@@ -127,7 +127,8 @@ def counting_daemon(argv: list[str]) -> int:
     entries of batched FORGETs); SIGUSR1 writes the counts to $KVFS_COUNTS."""
     import functools
 
-    from kvfs import cli, fs
+    from kvfs import cli
+    from kvfs.fuse import ops as fs
 
     counts: dict[str, int] = {}
     out = os.environ["KVFS_COUNTS"]
@@ -349,7 +350,7 @@ def backends(args: argparse.Namespace, work: Path) -> Iterator[list[Any]]:
             sys.path.insert(0, str(Path(__file__).resolve().parent))
             import mounttime  # one unit per file, 60% full
 
-            from kvfs.pool import format_pool
+            from kvfs.devices.pool import format_pool
 
             def roomy(paths: list[str], *, meta_size: int) -> None:
                 # mounttime sizes the metadata area for its own files only; the N
@@ -448,14 +449,14 @@ def in_process(counts: list[int]) -> None:
 
     import trio
 
-    from kvfs import pool as pool_mod
-    from kvfs.alloc import Allocator
-    from kvfs.device import Device, MemoryDevice
+    from kvfs.devices import pool as pool_mod
+    from kvfs.devices.alloc import Allocator
+    from kvfs.devices.device import Device, MemoryDevice
+    from kvfs.devices.pool import Pool
     from kvfs.format import geometry
-    from kvfs.fs import Operations
-    from kvfs.namespace import ROOT_INO
-    from kvfs.pool import Pool
-    from kvfs.store import Store, StoreConfig
+    from kvfs.fuse.ops import Operations
+    from kvfs.index.namespace import ROOT_INO
+    from kvfs.store.facade import Store, StoreConfig
 
     for n in counts:
         devs: list[Device] = [MemoryDevice(64 << 20, "mem0")]
@@ -517,13 +518,13 @@ def handlers(counts: list[int], rounds: int = 3) -> None:
 
     import trio
 
-    from kvfs import pool as pool_mod
-    from kvfs.device import Device, MemoryDevice
+    from kvfs.devices import pool as pool_mod
+    from kvfs.devices.device import Device, MemoryDevice
+    from kvfs.devices.pool import Pool
     from kvfs.format import geometry
-    from kvfs.fs import Operations
-    from kvfs.namespace import ROOT_INO
-    from kvfs.pool import Pool
-    from kvfs.store import Store, StoreConfig
+    from kvfs.fuse.ops import Operations
+    from kvfs.index.namespace import ROOT_INO
+    from kvfs.store.facade import Store, StoreConfig
 
     class Ctx:
         uid = gid = pid = 0

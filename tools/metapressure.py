@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvfs import harness
+from kvfs.testing import harness
 
 WRITER = """
 import os, sys

@@ -28,12 +28,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvfs import harness
+from kvfs.devices.pool import _write, format_pool, open_pool
 from kvfs.format.halves import encode_checkpoint, half_bounds
 from kvfs.format.records import Xattr
-from kvfs.namespace import Namespace
-from kvfs.pool import _write, format_pool, open_pool
-from kvfs.store import Store
+from kvfs.index.namespace import Namespace
+from kvfs.store.facade import Store
+from kvfs.testing import harness
 
 UNIT = 1 << 20
 PER_DIR = 1000

@@ -21,9 +21,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvfs.columns import NameIndex
-from kvfs.harness import fill_namespace
-from kvfs.namespace import Namespace
+from kvfs.index.columns import NameIndex
+from kvfs.index.namespace import Namespace
+from kvfs.testing.harness import fill_namespace
 
 PER_DIR = 1000
 

@@ -20,8 +20,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvfs.format.records import Xattr
-from kvfs.harness import fill_namespace
-from kvfs.namespace import Namespace
+from kvfs.index.namespace import Namespace
+from kvfs.testing.harness import fill_namespace
 
 PER_DIR = 1000
 

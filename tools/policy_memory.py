@@ -6,7 +6,7 @@
   (the keys themselves belong to the caller and are allocated before measuring),
   and after a mount's bulk ``adopt`` of them (``per_key_adopted``);
   then with a full ghost list (N more keys tracked while evicting down to N/2);
-- evictor: bytes per file of ``kvfs.evict.Evictor``'s own per-file state (owners,
+- evictor: bytes per file of ``kvfs.evict.evictor.Evictor``'s own per-file state (owners,
   the files of each owner, the grace list) after ``created`` + ``committed`` of N
   files by 64 live processes, minus the policy's share; and of the orphan list
   after a remount (``adopt_all``: every file starts as an orphan); ``owners_per_file``
@@ -36,9 +36,9 @@ from typing import Any
 
 sys.path.insert(0, os.environ.get("KVFS_SRC", str(Path(__file__).resolve().parent.parent)))
 
-from kvfs.evict import Evictor
-from kvfs.namespace import ROOT_INO, Inode, Namespace
-from kvfs.policy import make_policy
+from kvfs.evict.evictor import Evictor
+from kvfs.evict.policy import make_policy
+from kvfs.index.namespace import ROOT_INO, Inode, Namespace
 
 
 def _measure(action: Any) -> int:

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kvtrace
 import traces
 
-from kvfs.harness import make_image, mounted
+from kvfs.testing.harness import make_image, mounted
 
 UNIT = 64 * 1024
 META = 16 << 20

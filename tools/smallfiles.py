@@ -30,7 +30,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvfs import harness
+from kvfs.testing import harness
 
 MiB = 1 << 20
 

@@ -7,9 +7,9 @@ eviction pressure and kill -9 of the daemon.
 Writer processes store chunks the ways the engines do (``docs/engines.md``): LMCache
 (``O_TRUNC`` + one write; ``O_DIRECT`` overwriting in place), vLLM's fs tier (an
 ``O_EXCL|O_DIRECT`` tmp file + ``os.replace``), SGLang (a buffered tmp file +
-``os.replace``), ``kvfs.direct.write_from``, an fsync before the close; and delete.
+``os.replace``), ``kvfs.client.direct.write_from``, an fsync before the close; and delete.
 Reader processes read whole files as the engines do (one ``read``, ``readinto``,
-``O_DIRECT`` ``readv``, ``kvfs.direct.read_into``) or in 1 MiB pieces. Two top-level
+``O_DIRECT`` ``readv``, ``kvfs.client.direct.read_into``) or in 1 MiB pieces. Two top-level
 directories: ``pool`` (kvfs-managed, a quota far below what its names need, so
 eviction runs all the time) and ``durable`` (engine-managed, well within the pool:
 nothing there may ever go). Every few minutes the daemon is killed with SIGKILL
@@ -40,7 +40,7 @@ durable change on (``pool`` may also have lost it to eviction), never other byte
 Failures (wrong, short, stale or zero-filled reads, lost durable files, unexpected
 errors, an operation past its deadline, a daemon that died by itself, fsck not
 clean) are printed as they happen and summarised at the end; the exit code is 1 if
-there was any. ``tests/test_soak.py`` runs a short version.
+there was any. ``tests/mount/test_soak.py`` runs a short version.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kvfs import harness  # noqa: E402
+from kvfs.testing import harness  # noqa: E402
 
 MiB = 1 << 20
 BLOCK = 4096
@@ -426,7 +426,7 @@ class Writer(Worker):
         self.aligned = memoryview(mmap.mmap(-1, -(-biggest // BLOCK) * BLOCK + BLOCK))
 
     def aligned_copy(self, data: bytes) -> memoryview:
-        """``data`` in a page-aligned buffer (O_DIRECT, kvfs.direct)."""
+        """``data`` in a page-aligned buffer (O_DIRECT, kvfs.client.direct)."""
         self.aligned[: len(data)] = data
         return self.aligned[: len(data)]
 
@@ -518,9 +518,9 @@ class Writer(Worker):
 
     def _store(self, kind: str, path: str, data: bytes) -> None:
         if kind == "direct-write":
-            import kvfs.direct
+            import kvfs.client.direct
 
-            kvfs.direct.write_from(path, self.aligned_copy(data))
+            kvfs.client.direct.write_from(path, self.aligned_copy(data))
             return
         flags = os.O_WRONLY | os.O_CREAT
         flags |= os.O_DIRECT if kind == "odirect-inplace" else os.O_TRUNC
@@ -674,10 +674,10 @@ class Reader(Worker):
 
     def _read(self, kind: str, path: str, length: int) -> bytes:
         if kind == "direct-read":
-            import kvfs.direct
+            import kvfs.client.direct
 
             buf = self.buffer(length)
-            n = kvfs.direct.read_into(path, buf)
+            n = kvfs.client.direct.read_into(path, buf)
             return bytes(buf[:n])
         if kind == "readinto":
             with open(path, "rb", buffering=0) as f:
@@ -1436,7 +1436,7 @@ def _interval(text: str) -> tuple[float, float]:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    from kvfs.sizes import parse_size
+    from kvfs.common.sizes import parse_size
 
     def size(text: str) -> int:
         try:

@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kvtrace
 import traces
 
-from kvfs.policy import EvictionPolicy, KvfsPolicy, make_policy
-from kvfs.policy.prefix import RULES
+from kvfs.evict.policy import EvictionPolicy, KvfsPolicy, make_policy
+from kvfs.evict.policy.prefix import RULES
 
 CHUNK = 1000
 POLICIES = ("lru", "fifo", "kvfs", "prefix-lru", "adaptive")

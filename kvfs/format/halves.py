@@ -1,8 +1,8 @@
 """The metadata area's two log halves and the checkpoint that starts each one
 (``docs/format.md``, "Metadata area: two log halves").
 
-Pure: offsets and bytes only. The journal (:mod:`kvfs.journal`) writes these halves
-live, piece by piece; recovery (:mod:`kvfs.recovery`) reads them back.
+Pure: offsets and bytes only. The journal (:mod:`kvfs.log.journal`) writes these halves
+live, piece by piece; recovery (:mod:`kvfs.log.recovery`) reads them back.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Iterator
 
-from kvfs.device import ALIGN
+from kvfs.devices.device import ALIGN
 from kvfs.format.records import (
     KIND_CKPT_BEGIN,
     KIND_CKPT_DATA,

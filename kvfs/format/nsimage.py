@@ -14,11 +14,11 @@ from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from kvfs.columns import ARENA_CHUNK, GRANULE, ROWS
-from kvfs.errors import Corruption
+from kvfs.common.errors import Corruption
+from kvfs.index.columns import ARENA_CHUNK, GRANULE, ROWS
 
 if TYPE_CHECKING:
-    from kvfs.namespace import Namespace
+    from kvfs.index.namespace import Namespace
 
 TAG = 0xC5
 VERSION = 3
@@ -497,7 +497,7 @@ def _array(code: str, raw: bytes) -> array[int]:
 
 
 def _load_side(ns: Namespace, pid: int, key: int, value: bytes) -> None:
-    from kvfs.namespace import _Dir
+    from kvfs.index.namespace import _Dir
 
     if pid == S_OWNERS:
         owner = _OWNER.unpack(value)

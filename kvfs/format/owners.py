@@ -13,7 +13,7 @@ import zlib
 from array import array
 from collections.abc import Iterator, Sequence
 
-from kvfs.slots import ROWS, SlotColumn
+from kvfs.evict.slots import ROWS, SlotColumn
 
 POLICY_BLOB = "eviction-policy"
 """Blob of the version 1 policy image (pools written before the evictor's own

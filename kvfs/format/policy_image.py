@@ -29,7 +29,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvfs.slots import (
+from kvfs.evict.slots import (
     DIRECT,
     FREE,
     LEGACY_DIRECT,

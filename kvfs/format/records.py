@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from kvfs.errors import Corruption
+from kvfs.common.errors import Corruption
 
 ENTRY_VERSION = 2
 """Version of the journal entry framing and of the log grammar written now: version 2

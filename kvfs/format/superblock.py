@@ -13,7 +13,7 @@ from typing import Any
 
 import xxhash
 
-from kvfs.errors import Corruption
+from kvfs.common.errors import Corruption
 
 FORMAT_VERSION = 2
 """Version of the pool format (the superblock); version 1 pools are still read."""

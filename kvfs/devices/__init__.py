@@ -1,0 +1,1 @@
+"""Devices, their identity, the pool of members and the extent allocator."""

@@ -1,0 +1,2 @@
+"""Eviction: the evictor (ownership, order), the space driver (claims, quotas, frees), the slot
+table and the policies."""

@@ -1,0 +1,451 @@
+"""The adaptive policy ("adaptive"): learns online which of two experts to follow.
+
+Two experts see every event and keep their own order over the same resident keys:
+
+- *recency*: :class:`~kvfs.evict.policy.prefix_lru.PrefixLRUPolicy` (LRU whose prompts
+  leave deepest chunk first), the right order for chat-like traffic where what was
+  used last is used next;
+- *loop*: :class:`~kvfs.evict.policy.prefix.KvfsPolicy` without its dead-tails-first rule
+  (the ablation in ``docs/eviction.md`` found it worth nothing and it evicts fresh
+  files), which keeps a fixed subset of conversations when they come back after a
+  round longer than the cache (multi-round QA), where LRU keeps none.
+
+Eviction follows the expert with the larger weight. Learning is LeCaR's (Vietri et
+al., HotStorage'18): every eviction is remembered (key, the expert that chose it,
+the eviction count) in a history as long as the cache holds keys -- unless the
+other expert's first victim was the same key: both would have evicted it, so a
+later miss on it is nobody's regret (LeCaR's rule; without it the followed expert
+collects all the regrets and the weights swing, landing between the experts).
+When a remembered key is written again -- a miss the other expert might have
+avoided -- the other expert's weight grows by
+``exp(learning_rate * 0.005 ** (age / resident keys))`` (a regret that fades with
+the time since the eviction), and the weights are normalised -- once per run of
+rewrites of a stream: under the prefix rule the chunks after a missing one are
+misses whatever is cached, so only the first rewrite after a hit is a mistake.
+O(1) per event (each expert is), plus O(1) history work and a bounded look at the
+other expert's order.
+
+Memory: the history is no dict. A remembered eviction is a note kept with the
+loop expert's ghost of the key (``KvfsPolicy.note_ghost``: the ghost's gap column,
+unused while it is no resident), so it lives exactly as long as that ghost (the
+newest ``max(1024, resident)`` evictions). The recency expert's table has the loop
+expert's geometry (the same sentinels, its list where the loop expert's probation
+is), so after a mount's bulk adoption both hold the same links, owners and sizes;
+chunks that hold the same rows are one array, copy-on-write for both
+(``slots.share_equal_chunks``: at adoption and recovery, and a bounded number per
+checkpoint), and the second expert costs what has diverged.
+
+Persisted as a version 3 image of kind 3 in two tables (``docs/format.md``): table
+0 the loop expert's (its lists, ghosts and notes), table 1 the recency expert's,
+whose scalars carry the weights, the eviction count and the regret counters. Both
+are frozen in O(chunks), as the other policies' are. Older images still load: the
+0.3 release's one-piece version 1 adaptive image (weights start even, no history),
+a ``kvfs`` image (adopted whole by the loop expert, the recency expert taking its
+residents in order) and any other policy's residents.
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from collections import OrderedDict
+from collections.abc import Collection, Hashable, Iterator
+from itertools import chain
+
+from kvfs.evict.policy import PolicyStatistics
+from kvfs.evict.policy.prefix import _GHOST, _PROBATION, _STREAM_MEMORY, KvfsPolicy
+from kvfs.evict.policy.prefix_lru import PrefixLRUPolicy
+from kvfs.evict.slots import FREE, LOOSE, SHIFT, SlotTable, share_equal_chunks
+from kvfs.format import policy_image as img
+from kvfs.format.policy_image import Image
+
+RECENCY = 0
+LOOP = 1
+_DISCOUNT = 0.005  # LeCaR: a regret one cache-turnover old counts 0.5 %
+_LOOP_LISTS = 3
+_PEEK = 64  # how far victims() looks into the other expert's order for agreement
+_SHARE_STEP = 256  # chunks per column compared for sharing at each checkpoint
+_RECENCY_LIST = 1  # the recency expert's list: where the loop expert's probation is
+assert _RECENCY_LIST == _PROBATION
+
+
+class _Recency(PrefixLRUPolicy):
+    """The recency expert: prefix-LRU in the loop expert's table geometry (four
+    sentinels, its one list where the loop expert's probation is), so that the
+    two tables' chunks can be one array while they agree; its image scalars carry
+    the adaptive policy's own (``carried``)."""
+
+    _lists = (_RECENCY_LIST,)
+    _slot_lists = 4
+    _order = _RECENCY_LIST
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.carried: list[int] = []
+
+    def _extra_scalars(self) -> list[int]:
+        return self.carried
+
+    def _set_extra(self, values: list[int]) -> None:
+        self.carried = list(values)
+
+    def follow(self, loop: KvfsPolicy) -> bool:
+        """On a fresh table: hold ``loop``'s residents in its image order (its dead,
+        probation then main lists, oldest first), built from its columns in
+        O(chunks) at C level, its link chunks (and owner and size chunks where
+        they agree) shared copy-on-write: what ``adopt`` of those keys in that
+        order gives (a first mount, where the loop expert adopted the files into
+        probation; a pool of the ``kvfs`` default upgraded to ``adaptive``). False
+        (nothing changed) if its keys are mapped through a dict."""
+        source = loop._slots
+        if not source.direct or source.sparse_keys or self._slots.decided:
+            return False
+        table = SlotTable(self._slot_lists, self._columns)
+        table.decided, table.direct = source.decided, source.direct
+        table.sparse_base = source.sparse_base
+        to_recency = bytearray(range(256))  # owner byte -> this table's owner
+        for lst in loop._lists:
+            to_recency[lst] = _RECENCY_LIST
+        to_recency[_GHOST] = FREE & 0xFF
+        loose, ghostly = bytes([LOOSE & 0xFF]), bytes([_GHOST])
+        size = table.columns[0]
+        for c, owners in enumerate(source.owner.chunks):
+            if owners is None:
+                continue
+            table.columns[1].ensure_row(c << SHIFT)  # predecessors: none
+            raw = owners.tobytes()
+            if loose in raw:
+                return False  # (never between two calls; shared flags set are harmless)
+            mine = raw.translate(to_recency)
+            pairs = [(source.prev, table.prev), (source.next, table.next)]
+            if mine == raw:
+                pairs.append((source.owner, table.owner))
+            else:
+                table.owner.load(c, array("b", mine))
+            if ghostly not in raw:
+                pairs.append((source.columns[0], size))
+            else:  # a ghost's size column holds its eviction record: 0 here
+                size.load(c, array("q", source.columns[0].chunks[c]), narrow=True)  # type: ignore[arg-type]
+                ghost = raw.find(ghostly)
+                while ghost >= 0:
+                    size[(c << SHIFT) + ghost] = 0
+                    ghost = raw.find(ghostly, ghost + 1)
+            for theirs, ours in pairs:  # the same array, copy-on-write for both
+                chunk = theirs.chunks[c]
+                assert chunk is not None
+                ours.load(c, chunk)
+                theirs.shared[c] = ours.shared[c] = 1
+        for lst in range(self._slot_lists):  # the sentinels: empty lists
+            table.owner[lst] = table.prev[lst] = table.next[lst] = lst
+        tail = _RECENCY_LIST
+        for lst in loop._lists:  # then one list: the loop's lists end to end
+            if source.count[lst]:
+                first, last = source.next[lst], source.prev[lst]
+                table.next[tail], table.prev[first] = first, tail
+                tail = last
+        table.next[tail], table.prev[_RECENCY_LIST] = _RECENCY_LIST, tail
+        table.count[_RECENCY_LIST] = len(loop)
+        self._slots = table
+        self._bind_columns()
+        self._resident, self._bytes = len(loop), loop.statistics().bytes
+        self._tracks = len(loop)  # as adopt() counts them
+        return True
+
+
+class AdaptivePolicy:
+    """Follow the better of a recency and a loop-resistant expert (module docstring)."""
+
+    name = "adaptive"
+    _kind = img.KIND_ADAPTIVE
+
+    def __init__(self, learning_rate: float = 0.45) -> None:
+        if learning_rate <= 0:
+            raise ValueError("learning_rate must be > 0")
+        self.learning_rate = learning_rate
+        self.recency = _Recency()
+        self.loop = KvfsPolicy(without=frozenset({"dead-first"}))
+        self._experts: tuple[PrefixLRUPolicy, KvfsPolicy] = (self.recency, self.loop)
+        self.weights = [0.5, 0.5]
+        self._evictions = 0
+        self._yielded = -1
+        self._agreed = False
+        self._chosen = RECENCY
+        self.regrets = [0, 0]
+        self._missing: OrderedDict[Hashable, None] = OrderedDict()  # last access a write
+        self._share_from = 0  # the next chunk the checkpoint's sharing pass compares
+
+    # -- verbs -----------------------------------------------------------------------
+
+    def track(self, key: int, size: int, stream: Hashable) -> None:
+        """Record a write; a write of a key evicted recently is a regret, unless the
+        stream's previous access was a write too: under the prefix rule a chunk after
+        a missing one is a miss whatever is cached, so a request's run of rewritten
+        chunks is one mistake, not one per chunk (on a mount a batch of evictions
+        takes a whole chain at once, and per-chunk regrets swung the weights)."""
+        note = self.loop.take_note(key)  # only a ghost (no resident) has one
+        after_miss = stream in self._missing
+        self._missing[stream] = None
+        self._missing.move_to_end(stream)
+        if len(self._missing) > _STREAM_MEMORY:
+            self._missing.popitem(last=False)
+        if note and not after_miss and (note - 1) >> 1 <= self._evictions:
+            self._regret(note - 1)  # (a note from past the count: not this policy's)
+        for expert in self._experts:
+            expert.track(key, size, stream)
+
+    def touch(self, key: int, stream: Hashable) -> None:
+        """Record a read; a hit ends the stream's run of misses. (A mount also
+        touches a file it is about to create: an unknown key ends nothing.)"""
+        if key in self.recency:
+            self._missing.pop(stream, None)
+        for expert in self._experts:
+            expert.touch(key, stream)
+
+    def remove(self, key: int) -> None:
+        """Forget ``key``; if it is the victim just yielded, remember the eviction
+        (with the loop expert's ghost of it) unless both experts chose it."""
+        evicted = key == self._yielded and key in self.recency
+        for expert in self._experts:
+            expert.remove(key)
+        if evicted:
+            self._evictions += 1
+            if not self._agreed:
+                self.loop.note_ghost(key, (self._evictions << 1 | self._chosen) + 1)
+
+    def remembers(self, key: int) -> bool:
+        """Whether an eviction of ``key`` is remembered: writing it would be a regret."""
+        return self.loop.note(key) != 0
+
+    def take_ghost(self, key: int) -> int | None:
+        """The loop expert's ghost of ``key`` (its remembered eviction included)."""
+        return None if key in self.recency else self.loop.take_ghost(key)
+
+    def put_ghost(self, key: int, ghost: int) -> None:
+        """Restore what :meth:`take_ghost` handed over, under ``key``."""
+        if key not in self.recency:
+            self.loop.put_ghost(key, ghost)
+
+    def victims(self) -> Iterator[int]:
+        """The victims of the expert with the larger weight (ties: recency).
+
+        Each key yielded is marked *agreed* when the other expert's first victim
+        (passing over the keys the caller skipped) is the same key: both would
+        have evicted it, so a later miss on it is nobody's regret (LeCaR)."""
+        self._chosen = LOOP if self.weights[LOOP] > self.weights[RECENCY] else RECENCY
+        other = self._experts[1 - self._chosen]
+        skipped: set[int] = set()
+        self._yielded = -1
+        for key in self._experts[self._chosen].victims():
+            if self._yielded in self.recency:  # the caller kept the previous key
+                skipped.add(self._yielded)
+            self._yielded = key
+            self._agreed = _first_victim(other, skipped) == key
+            yield key
+        self._yielded = -1
+
+    def remove_many(self, keys: Collection[int]) -> None:
+        """``remove()`` each of ``keys`` in the order a fresh ``victims()`` lists them
+        (one walk of the chosen expert's order, O(resident keys))."""
+        for key in [k for k in self.victims() if k in keys]:
+            self.remove(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.recency
+
+    def __len__(self) -> int:
+        return len(self.recency)
+
+    def keys(self) -> set[int]:
+        return self.recency.keys()
+
+    def statistics(self) -> PolicyStatistics:
+        """The loop expert's segments, this policy's name and counters."""
+        loop = self.loop.statistics()
+        return PolicyStatistics(
+            name=self.name,
+            keys=loop.keys,
+            bytes=loop.bytes,
+            probation_keys=loop.probation_keys,
+            main_keys=loop.main_keys,
+            main_bytes=loop.main_bytes,
+            dead_keys=loop.dead_keys,
+            ghost_keys=loop.ghost_keys,
+            tracks=loop.tracks,
+            touches=loop.touches,
+            removes=loop.removes,
+            promotions=loop.promotions,
+            chain_links=loop.chain_links,
+            horizon=loop.horizon,
+        )
+
+    def reset(self) -> None:
+        self.__init__(self.learning_rate)  # type: ignore[misc]
+
+    def _regret(self, record: int) -> None:
+        """LeCaR's update: the expert that did not evict the key gains weight."""
+        age = max(0, self._evictions - (record >> 1))
+        reward = _DISCOUNT ** (age / max(len(self.recency), 1))
+        other = 1 - (record & 1)
+        self.regrets[record & 1] += 1
+        self.weights[other] *= math.exp(self.learning_rate * reward)
+        total = sum(self.weights)
+        self.weights = [weight / total for weight in self.weights]
+
+    # -- sharing the experts' chunks ---------------------------------------------------
+
+    def _share(self, first: int, count: int) -> None:
+        """Make the recency expert's link, owner and size chunks ``first ..`` that
+        equal the loop expert's the same arrays (copy-on-write for both)."""
+        a, b = self.loop._slots, self.recency._slots
+        for x, y in ((a.prev, b.prev), (a.next, b.next), (a.owner, b.owner)):
+            share_equal_chunks(x, y, first, count)
+        share_equal_chunks(a.columns[0], b.columns[0], first, count)
+
+    def _share_all(self) -> None:
+        self._share(0, len(self.loop._slots.owner.chunks))
+
+    # -- persistence -------------------------------------------------------------------
+
+    def persist(self) -> bytes:
+        """The image :meth:`persist_pieces` yields, joined."""
+        return b"".join(self.persist_pieces())
+
+    def persist_pieces(self) -> Iterator[bytes]:
+        """Freeze both experts now (O(chunks)) and return an iterator over the
+        pieces of the two-table image (module docstring). First a bounded sharing
+        pass over the next ``_SHARE_STEP`` chunks (a cursor through the table)."""
+        chunks = len(self.loop._slots.owner.chunks)
+        if self._share_from >= chunks:
+            self._share_from = 0
+        self._share(self._share_from, _SHARE_STEP)
+        self._share_from += _SHARE_STEP
+        self.recency.carried = [
+            self._evictions,
+            img.float_bits(self.weights[RECENCY]),
+            img.float_bits(self.weights[LOOP]),
+            *self.regrets,
+        ]
+        loop = self.loop._pieces(self._kind, 0)
+        recency = self.recency._pieces(self._kind, 1)
+        return chain(loop, recency)
+
+    def recover_pieces(self, pieces: list[bytes]) -> None:
+        """Replace the state by the image ``persist_pieces`` gave (or a one-piece
+        version 1 image of the 0.3 release); ValueError changes nothing."""
+        if len(pieces) == 1 and img.version_of(pieces[0]) == 1:
+            self._recover_v1(pieces[0])
+            return
+        loop = KvfsPolicy(without=self.loop.without)
+        recency = _Recency()
+        loop._load_pieces(pieces, self._kind, 0)
+        recency._load_pieces(pieces, self._kind, 1, loop._slots)  # sharing as it reads
+        carried = recency.carried
+        if len(carried) != 5:
+            raise ValueError("adaptive policy image: wrong scalar count")
+        evictions, w_recency, w_loop, *regrets = carried
+        weights = [img.bits_float(w_recency), img.bits_float(w_loop)]
+        if not all(0.0 < w <= 1.0 for w in weights) or evictions < 0 or min(regrets) < 0:
+            raise ValueError("adaptive policy image: scalars out of range")
+        if len(loop) != len(recency) or not _same_keys(loop, recency):
+            raise ValueError("adaptive policy image: the experts hold different keys")
+        self.reset()
+        self.loop, self.recency = loop, recency
+        self._experts = (recency, loop)
+        self._evictions, self.weights, self.regrets = evictions, weights, regrets
+
+    def recover(self, data: bytes) -> None:
+        """Replace the state by an image of this policy; ValueError changes nothing."""
+        if img.version_of(data) == 1:
+            self._recover_v1(data)
+        else:
+            self.recover_pieces(img.split_pieces(data))
+
+    def _recover_v1(self, data: bytes) -> None:
+        """The 0.3 release's image: the loop expert's lists and ghosts, then the
+        recency list, in one piece (weights and history were not kept)."""
+        decoded = img.decode(data, self._kind, _LOOP_LISTS + 1, orders=1)
+        self.reset()
+        loop = Image(
+            decoded.clock,
+            decoded.horizon,
+            decoded.lists[:_LOOP_LISTS],
+            decoded.ghost_keys,
+            decoded.ghost_last,
+        )
+        self.loop._restore(loop)
+        empty = decoded.ghost_keys[:0]
+        self.recency._restore(Image(0, 0, decoded.lists[_LOOP_LISTS:], empty, empty))
+
+    def resident_mask(self, n: int) -> bytes | None:
+        """The residents (both experts hold the same keys)."""
+        return self.recency.resident_mask(n)
+
+    def adopt(
+        self, keys: array[int], sizes: array[int], spans: list[tuple[int, int]] | None = None
+    ) -> None:
+        """``track(key, size, None)`` per key, oldest first: in bulk by each expert
+        on a policy that never held a key (then their chunks are shared)."""
+        if self.loop._slots.decided or self.recency._slots.decided:
+            for key, size in zip(keys, sizes, strict=True):
+                self.track(key, size, None)
+            return
+        self.loop.adopt(keys, sizes, spans)
+        if not self.recency.follow(self.loop):
+            self.recency.adopt(keys, sizes, spans)
+            self._share_all()
+
+    def recover_foreign(self, data: bytes) -> bool:
+        """A ``kvfs`` image (the 0.2-0.3 default) restores the loop expert whole and
+        a ``prefix-lru`` one the recency expert's order, the other expert taking the
+        residents in that order; other kinds: both take the residents."""
+        if img.kind_of(data) == img.KIND_KVFS:
+            self.reset()
+            try:
+                self.loop.recover(data)
+            except ValueError:
+                self.reset()
+                return False
+            # notes a kvfs policy carried over from an adaptive one count from
+            # another eviction count: start this one past them, four cache
+            # turnovers on, where a regret weighs 0.005**4 (nothing)
+            turnover = max(len(self.loop), 1024)
+            self._evictions = (self.loop.note_ceiling() >> 1) + 4 * turnover
+            if not self.recency.follow(self.loop):
+                order = array("q", self.loop.keys_in_image_order())
+                self.recency.adopt(order, array("q", map(self.loop.size_of, order)))
+            return True
+        if img.kind_of(data) == img.KIND_PREFIX_LRU:
+            source = PrefixLRUPolicy()
+            try:
+                source.recover(data)
+            except ValueError:
+                return False
+        else:
+            source = _Recency()
+            if not source.recover_foreign(data):
+                return False
+        self.reset()
+        order = array("q", source.victims())
+        sizes = array("q", map(source.size_of, order))
+        self.adopt(order, sizes)
+        return True
+
+
+def _same_keys(a: KvfsPolicy, b: PrefixLRUPolicy) -> bool:
+    """Whether ``a`` and ``b`` hold the same keys: masks of one length where both
+    can say at C speed (one table may have chunks that hold only ghosts)."""
+    n = max(len(a._slots.owner.chunks), len(b._slots.owner.chunks)) << SHIFT
+    masks = (a.resident_mask(n), b.resident_mask(n))
+    if a._slots.direct and b._slots.direct and None not in masks:
+        return masks[0] == masks[1]
+    return a.keys() == b.keys()
+
+
+def _first_victim(expert: KvfsPolicy | PrefixLRUPolicy, skipped: set[int]) -> int | None:
+    """``expert``'s first victim not in ``skipped``; None if none within ``_PEEK``."""
+    for index, key in enumerate(expert.victims()):
+        if key not in skipped:
+            return key
+        if index >= _PEEK:
+            break
+    return None

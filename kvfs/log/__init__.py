@@ -1,0 +1,1 @@
+"""The metadata journal and its recovery."""

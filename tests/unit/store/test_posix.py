@@ -1,0 +1,107 @@
+"""Unit tests of kvfs.store.posix (the ownership, setuid/setgid and xattr-namespace rules)
+and of the ``/proc`` credentials it reads; the real-mount side is in
+``test_mount_posix.py``."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from kvfs.common import procs
+from kvfs.common.errors import InvalidArgument, NotSupported
+from kvfs.store import posix
+from kvfs.store.posix import CAP_FSETID, CAP_SYS_ADMIN, ROOT, Caller
+
+REG, DIR = stat.S_IFREG, stat.S_IFDIR
+
+
+class Fixed(Caller):
+    """A caller with given groups and capabilities (no ``/proc``)."""
+
+    def __init__(self, uid: int, gid: int, groups: set[int], caps: set[int]) -> None:
+        super().__init__(uid, gid, 0)
+        self.groups, self.caps = groups, caps
+
+    def in_group(self, gid: int) -> bool:
+        return gid == self.gid or gid in self.groups
+
+    def capable(self, cap: int) -> bool:
+        return cap in self.caps
+
+
+USER = Fixed(1000, 1000, {20}, set())
+MEMBER_OF_7 = Fixed(1000, 1000, {7}, set())
+FSETID = Fixed(1000, 1000, set(), {CAP_FSETID})
+
+
+def test_new_owner_in_a_plain_directory_is_the_caller() -> None:
+    assert posix.new_owner(DIR | 0o777, 7, REG | 0o2755, USER) == (REG | 0o2755, 1000)
+    assert posix.new_owner(DIR | 0o777, 7, DIR | 0o755, USER) == (DIR | 0o755, 1000)
+
+
+def test_new_owner_in_a_setgid_directory() -> None:
+    sgid_dir = DIR | 0o2777
+    assert posix.new_owner(sgid_dir, 7, REG | 0o644, USER) == (REG | 0o644, 7)
+    assert posix.new_owner(sgid_dir, 7, DIR | 0o700, USER) == (DIR | 0o2700, 7)
+    # a group-executable setgid file by a non-member loses S_ISGID ...
+    assert posix.new_owner(sgid_dir, 7, REG | 0o2755, USER) == (REG | 0o755, 7)
+    # ... not by a member, nor with CAP_FSETID, nor without group-exec
+    assert posix.new_owner(sgid_dir, 7, REG | 0o2755, MEMBER_OF_7) == (REG | 0o2755, 7)
+    assert posix.new_owner(sgid_dir, 7, REG | 0o2755, FSETID) == (REG | 0o2755, 7)
+    assert posix.new_owner(sgid_dir, 7, REG | 0o2745, USER) == (REG | 0o2745, 7)
+    assert posix.new_owner(sgid_dir, 1000, REG | 0o2755, USER) == (REG | 0o2755, 1000)
+
+
+@pytest.mark.parametrize(
+    ("mode", "gid", "caller", "after"),
+    [
+        (0o6777, 7, USER, 0o0777),
+        (0o6767, 7, MEMBER_OF_7, 0o2767),
+        (0o2767, 7, USER, 0o0767),
+        (0o2767, 1000, USER, 0o2767),
+        (0o4700, 7, USER, 0o0700),
+        (0o6777, 7, FSETID, 0o6777),
+        (0o6777, 0, ROOT, 0o6777),
+        (0o0777, 7, USER, 0o0777),
+    ],
+)
+def test_drop_suid_sgid(mode: int, gid: int, caller: Caller, after: int) -> None:
+    assert posix.drop_suid_sgid(REG | mode, gid, caller) == REG | after
+
+
+def test_drop_suid_sgid_leaves_directories_alone() -> None:
+    assert posix.drop_suid_sgid(DIR | 0o2777, 7, USER) == DIR | 0o2777
+
+
+def test_xattr_namespaces() -> None:
+    for name in (b"user.a", b"trusted.b", b"security.c", b"user.kvfs.policy"):
+        posix.check_xattr_name(name)
+    for name in (b"bogus.x", b"system.posix_acl_access", b"userx", b"x", b""):
+        with pytest.raises(NotSupported):
+            posix.check_xattr_name(name)
+    with pytest.raises(InvalidArgument):
+        posix.check_xattr_name(b"user.")
+
+
+def test_listed_xattrs_hide_trusted_without_cap_sys_admin() -> None:
+    names = [b"user.a", b"trusted.t", b"security.s", b"bogus.old"]
+    admin = Fixed(1000, 1000, set(), {CAP_SYS_ADMIN})
+    assert posix.listed_xattrs(names, USER) == [b"user.a", b"security.s"]
+    assert posix.listed_xattrs(names, admin) == [b"user.a", b"trusted.t", b"security.s"]
+    assert posix.listed_xattrs(names, ROOT) == [b"user.a", b"trusted.t", b"security.s"]
+
+
+def test_caller_reads_this_threads_credentials() -> None:
+    creds = procs.credentials(os.getpid())
+    assert creds is not None
+    assert creds.groups == frozenset(os.getgroups())  # both: the supplementary groups
+    me = Caller(os.geteuid(), os.getegid(), os.getpid())
+    for g in os.getgroups():
+        assert me.in_group(g)
+    assert me.capable(CAP_FSETID) == creds.capable(CAP_FSETID)
+    assert procs.credentials(2**22 + 12345) is None  # beyond pid_max: no such thread
+    gone = Caller(1000, 1000, 2**22 + 12345)
+    assert not gone.capable(CAP_FSETID) and not gone.in_group(7) and gone.in_group(1000)
+    assert Caller(0, 0, 2**22 + 12345).capable(CAP_SYS_ADMIN)  # uid 0 where /proc can't tell
