@@ -304,7 +304,7 @@ def test_both_checkpoints_destroyed_refuses_to_mount(tmp_path: Path, pool: list[
 def test_garbage_superblock_is_refused_and_data_stays_intact(tmp_path: Path) -> None:
     """Both copies of one device's superblock damaged: mount refuses with one line, fsck
     says what it would rebuild, nothing is written. (One damaged copy is repaired from
-    the other: ``test_mount_superblock.py``.)"""
+    the other: ``tests/mount/test_superblock.py``.)"""
     require_fuse()
     devs = [harness.make_image(tmp_path / f"d{i}.img", 192 * MiB) for i in range(2)]
     data = files(4, 20 * MiB)  # striped over both devices

@@ -6,7 +6,7 @@ damaged: the backup stands in, a member with both copies damaged is rebuilt only
 upgrade from version 1 that is interrupted is refused until it is completed.
 
 The real-mount cases (every overwrite, mount / fsck / repair, every byte read back)
-are in ``test_mount_superblock.py``.
+are in ``tests/mount/test_superblock.py``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Unit tests of kvfs.store.posix (the ownership, setuid/setgid and xattr-namespace rules)
 and of the ``/proc`` credentials it reads; the real-mount side is in
-``test_mount_posix.py``."""
+``tests/mount/test_posix.py``."""
 
 from __future__ import annotations
 
