@@ -4,6 +4,9 @@ bytes (loaded with ``array.frombytes``, no per-file decoding), plus side tables.
 Every payload starts with a header ``<BBHI``: TAG (0xC5, never an op kind, so a
 loader tells image parts from ``encode_ops`` payloads by the first byte), part kind,
 part id, chunk index. Format in ``docs/format.md`` ("Namespace image").
+
+Encoded from and decoded into the plain records of :mod:`kvfs.format.nsparts`
+(:func:`image_payloads`, :func:`decode_part`): the index never shows its objects here.
 """
 
 from __future__ import annotations
