@@ -28,11 +28,10 @@ from dataclasses import dataclass
 from kvfs.common.errors import DeviceError, UserError
 from kvfs.common.timing import Histogram
 from kvfs.devices import identity
+from kvfs.format.records import ALIGN as ALIGN  # the format's block: device I/O is aligned to it
 
 log = logging.getLogger(__name__)
 
-ALIGN = 4096
-"""All device I/O is aligned to this (offsets, lengths and buffer addresses)."""
 
 # linux/fs.h ioctls
 _BLKGETSIZE64 = 0x80081272

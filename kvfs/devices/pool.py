@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import stat
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -30,6 +32,9 @@ from kvfs.devices.device import (
 )
 from kvfs.format.geometry import DEFAULT_UNIT, new_pool, unit_for
 from kvfs.format.halves import encode_checkpoint, half_bounds
+from kvfs.format.nsimage import image_payloads
+from kvfs.format.nsparts import root_snapshot
+from kvfs.format.records import Image
 from kvfs.format.superblock import (
     FORMAT_VERSION,
     MAX_MEMBERS,
@@ -41,7 +46,6 @@ from kvfs.format.superblock import (
     foreign_signature,
     with_article,
 )
-from kvfs.index.namespace import Namespace
 
 log = logging.getLogger(__name__)
 
@@ -196,9 +200,9 @@ def _check_formattable(dev: Device, force: bool) -> None:
 def _write_empty_pool(devices: list[Device], sbs: list[Superblock]) -> None:
     sb0 = sbs[0]
     seed = sb0.log_seed
-    ns = Namespace(lambda ops: None)
-    ns.init_root(os.getuid(), os.getgid())
-    data, _, _ = encode_checkpoint(ns.snapshot(), 1, 0, seed)
+    root = root_snapshot(os.getuid(), os.getgid(), time.time_ns(), stat.S_IFDIR | 0o755)
+    image = (Image(p) for p in image_payloads(root) if p)  # a namespace of its root only
+    data, _, _ = encode_checkpoint(image, 1, 0, seed)
     meta = devices[0]
     for half in (1, 0):  # invalidate whatever log was there, then write generation 1
         base, _ = half_bounds(sb0.meta_start, sb0.meta_size, half)

@@ -11,7 +11,8 @@ offsets, no I/O):
 - :mod:`~kvfs.format.records`: journal entries (``ENTRY_VERSION``), the operations
   they carry, unit addresses and fragment tails;
 - :mod:`~kvfs.format.nsimage`: the namespace image, the checkpoint's columns
-  (``nsimage.VERSION``);
+  (``nsimage.VERSION``), from and into the plain records and sizes of
+  :mod:`~kvfs.format.nsparts`;
 - :mod:`~kvfs.format.policy_image`: the eviction policy's image
   (``policy_image.FORMAT_VERSION`` for the blob of older pools, its pieces'
   version for today's);

@@ -13,8 +13,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from kvfs.common.errors import UserError
-from kvfs.devices.device import ALIGN
-from kvfs.format.records import MIN_UNIT
+from kvfs.format.records import ALIGN, MIN_UNIT
 from kvfs.format.superblock import RESERVED_HEAD, SB_BLOCK, Member, Superblock
 
 META_FULL = 0.75

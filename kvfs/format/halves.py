@@ -10,8 +10,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Iterator
 
-from kvfs.devices.device import ALIGN
 from kvfs.format.records import (
+    ALIGN,
     KIND_CKPT_BEGIN,
     KIND_CKPT_DATA,
     KIND_CKPT_END,

@@ -4,6 +4,9 @@ bytes (loaded with ``array.frombytes``, no per-file decoding), plus side tables.
 Every payload starts with a header ``<BBHI``: TAG (0xC5, never an op kind, so a
 loader tells image parts from ``encode_ops`` payloads by the first byte), part kind,
 part id, chunk index. Format in ``docs/format.md`` ("Namespace image").
+
+Encoded from and decoded into the plain records of :mod:`kvfs.format.nsparts`
+(:func:`image_payloads`, :func:`decode_part`): the index never shows its objects here.
 """
 
 from __future__ import annotations
@@ -12,13 +15,32 @@ import re
 import struct
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING
 
 from kvfs.common.errors import Corruption
-from kvfs.index.columns import ARENA_CHUNK, GRANULE, ROWS
-
-if TYPE_CHECKING:
-    from kvfs.index.namespace import Namespace
+from kvfs.format.nsparts import (
+    ARENA_CHUNK,
+    COLUMN,
+    COLUMNS,
+    GRANULE,
+    ROWS,
+    SLOTS,
+    ArenaChunks,
+    ArenaFree,
+    BigXattrs,
+    Blobs,
+    Chunks,
+    DeadRows,
+    FreeRows,
+    Links,
+    Listings,
+    Meta,
+    MultiMaps,
+    Owners,
+    Part,
+    Snapshot,
+    UnitMaps,
+    XattrNames,
+)
 
 TAG = 0xC5
 VERSION = 3
@@ -83,32 +105,26 @@ SCAN_STEP = 256
 """Chunks (or side-table entries, x16) one step may scan without yielding: ~1 ms."""
 
 
-def _side_tables(ns: Namespace) -> tuple[list[bytes], Iterator[bytes]]:
+def _side_tables(snap: Snapshot) -> tuple[list[bytes], Iterator[bytes]]:
     """The side tables: the small ones serialized now, and an iterator over the big
-    ones, which reads only what this call froze: every directory's listing
-    (copy-on-write, ``_Dir.shared``) and the contiguous maps' checksum arrays (a
-    map is replaced, never changed in place). O(directories + files with a
-    contiguous multi-unit map) here, the bytes later, in bounded steps."""
-    for state in ns._dirs.values():
-        state.shared = True
-    listings = [(d, state.children) for d, state in ns._dirs.items()]
-    multi = list(ns._multi.items())
+    ones, which reads only the frozen listings and multi-unit maps of ``snap``."""
     links = (
-        (d, b"".join(_LINK.pack(len(n), i) + n for n, i in state.links.items()))
-        for d, state in ns._dirs.items()
-        if state.links
+        (d, b"".join(_LINK.pack(len(n), i) + n for n, i in names.items()))
+        for d, names in snap.links
     )
+    maps = ((i, u.tobytes() + c.tobytes()) for i, (u, c) in snap.maps.items())
     parts = [
-        *_pairs(S_OWNERS, ((i, _OWNER.pack(*o)) for i, o in enumerate(ns._owners))),
-        *_pairs(S_XNAMES, enumerate(ns._xnames)),
-        *_pairs(S_FREE, [(0, ns._free.tobytes())]),
-        *_pairs(S_DEAD, ((i, b"") for i in [*ns._deferred, *ns._ghosts])),
+        *_pairs(S_OWNERS, ((i, _OWNER.pack(*o)) for i, o in enumerate(snap.owners))),
+        *_pairs(S_XNAMES, enumerate(snap.xattr_names)),
+        *_pairs(S_FREE, [(0, snap.free.tobytes())]),
+        *_pairs(S_DEAD, ((i, b"") for i in snap.dead)),
         *_pairs(S_LINKS, links),
-        *_pairs(S_MAPS, ((i, u.tobytes() + c.tobytes()) for i, (u, c) in ns._maps.items())),
-        *_pairs(S_BIGX, ns._big_xattrs.items()),
-        *_pairs(S_AFREE, ((g, a.tobytes()) for g, a in ns._arena.free.items())),
-        *_pairs(S_BLOBS, ((0, k.encode() + b"\0" + v) for k, v in ns.blobs.items())),
+        *_pairs(S_MAPS, maps),
+        *_pairs(S_BIGX, snap.big_xattrs.items()),
+        *_pairs(S_AFREE, ((g, a.tobytes()) for g, a in snap.arena_free.items())),
+        *_pairs(S_BLOBS, ((0, k.encode() + b"\0" + v) for k, v in snap.blobs.items())),
     ]
+    listings, multi = snap.listings, snap.multi
 
     def later() -> Iterator[bytes]:
         yield from _pairs(S_CHILDREN, ((d, a.tobytes()) for d, a in listings))
@@ -220,7 +236,7 @@ def _live_runs(modes: array[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def _row_parts(columns: list[list[array[int]]], holey: list[int]) -> Iterator[bytes]:
+def _row_parts(columns: Sequence[Sequence[array[int]]], holey: list[int]) -> Iterator[bytes]:
     """K_CODED_ROWS payloads: each chunk with free rows as ``<IH`` (chunk, runs), the
     runs ``<HH`` (start, length), a byte per persisted column (its item code there:
     ``CODES`` index), then every column's values of those rows in column order. So
@@ -257,10 +273,10 @@ def _run_record(body: bytes, pos: int) -> tuple[int, list[tuple[int, int]], int]
     return c, runs, pos + n * _RUN.size
 
 
-def _load_rows(ns: Namespace, body: bytes, coded: bool) -> None:
+def _decode_rows(body: bytes, coded: bool) -> Iterator[Chunks]:
     """K_ROWS (``coded`` False: every column at its declared code, versions 1-2)
-    or K_CODED_ROWS records."""
-    columns = ns.persisted_columns
+    or K_CODED_ROWS records: per chunk, every column's chunk with those rows
+    filled in (zero elsewhere)."""
     pos = 0
     while pos < len(body):
         c, runs, pos = _run_record(body, pos)
@@ -268,11 +284,13 @@ def _load_rows(ns: Namespace, body: bytes, coded: bool) -> None:
         if any(a + length > ROWS for a, length in runs):
             raise ValueError("row run past its chunk")
         if coded:
-            codes = [CODES[k] for k in body[pos : pos + len(columns)]]
-            pos += len(columns)
+            codes = [CODES[k] for k in body[pos : pos + len(COLUMNS)]]
+            pos += len(COLUMNS)
+            if len(codes) != len(COLUMNS):
+                raise ValueError("truncated row chunk")
         else:
-            codes = [col.code for col in columns]
-        for col, code in zip(columns, codes, strict=True):
+            codes = [spec.code for spec in COLUMNS]
+        for cid, code in enumerate(codes):
             itemsize = array(code).itemsize
             end = pos + live * itemsize
             if end > len(body):
@@ -280,19 +298,18 @@ def _load_rows(ns: Namespace, body: bytes, coded: bool) -> None:
             values = array(code)
             values.frombytes(body[pos:end])
             pos = end
-            chunk, done = col.load_chunk(c, bytes(ROWS * itemsize), code), 0
+            chunk, done = array(code, bytes(ROWS * itemsize)), 0
             for a, length in runs:
                 chunk[a : a + length] = values[done : done + length]
                 done += length
-            if not coded:
-                col.narrow(c)
+            yield Chunks(COLUMN, cid, [(c, chunk)], not coded)
 
 
 ARENA_GAP = re.compile(rb"[^\x00]+(?:\x00{1,15}[^\x00]+)*")
 """Non-zero runs of an arena chunk; gaps under 16 zero bytes stay inside a run."""
 
 
-def _arena_parts(chunks: list[bytearray]) -> Iterator[bytes]:
+def _arena_parts(chunks: Sequence[bytearray]) -> Iterator[bytes]:
     """The arena: chunks without a gap of 16 zero bytes as raw chunks (K_ARENA),
     the others (released names, the unused tail) as ``<IH`` (chunk, runs), the runs
     ``<HH`` (offset, length), their bytes (K_ARENA | SPARSE)."""
@@ -329,7 +346,8 @@ def _arena_parts(chunks: list[bytearray]) -> Iterator[bytes]:
         yield _part(K_ARENA | SPARSE, 0, 0, b"".join(batch))
 
 
-def _load_arena_runs(ns: Namespace, body: bytes) -> None:
+def _decode_arena_runs(body: bytes) -> ArenaChunks:
+    out = []
     pos = 0
     while pos < len(body):
         c, runs, pos = _run_record(body, pos)
@@ -339,7 +357,8 @@ def _load_arena_runs(ns: Namespace, body: bytes) -> None:
                 raise ValueError("arena run past its chunk")
             chunk[a : a + length] = body[pos : pos + length]
             pos += length
-        ns._arena.load_chunk(c, bytes(chunk))
+        out.append((c, bytes(chunk)))
+    return ArenaChunks(out)
 
 
 def _sparse_chunks(body: bytes, code: str) -> Iterator[tuple[int, array[int], array[int]]]:
@@ -364,26 +383,16 @@ def _expand(where: array[int], values: array[int], items: array[int]) -> None:
         items[i] = v
 
 
-def image_payloads(ns: Namespace) -> Iterator[bytes]:
-    """Freeze ``ns`` now and return an iterator over its image payloads, which reads
-    only the frozen chunks and the side tables serialized here."""
-    index = ns._index
-    old = index.old
+def image_payloads(snap: Snapshot) -> Iterator[bytes]:
+    """An iterator over the image payloads of ``snap``: its small side tables are
+    serialized now, its frozen chunks and big side tables as it is consumed."""
     meta = _META.pack(
-        VERSION,
-        ns.next_ino,
-        ns._live,
-        ns._rows,
-        index.table.size,
-        index.table.used,
-        0,
-        ns._arena.tail,
-    ) + _MIGRATION.pack(old.size if old else 0, old.used if old else 0, index.cursor)
-    columns = [col.freeze() for col in ns.persisted_columns]
-    codes = [col.code for col in ns.persisted_columns]  # sparse records' item codes
-    slots, old_slots = index.freeze()
-    arena = ns._arena.freeze()
-    side, big_side = _side_tables(ns)
+        VERSION, snap.next_ino, snap.live, snap.rows, *snap.table, 0, snap.arena_tail
+    ) + _MIGRATION.pack(*snap.old_table, snap.cursor)
+    columns = snap.columns
+    codes = [spec.code for spec in COLUMNS]  # sparse records' item codes
+    slots, old_slots, arena = snap.slots, snap.old_slots, snap.arena
+    side, big_side = _side_tables(snap)
 
     def parts() -> Iterator[bytes]:
         yield _part(K_META, 0, 0, meta)
@@ -408,50 +417,50 @@ def image_payloads(ns: Namespace) -> Iterator[bytes]:
     return parts()
 
 
-def load_part(ns: Namespace, payload: bytes) -> None:
-    """Load one image payload into a namespace being recovered."""
+def decode_part(payload: bytes) -> list[Part]:
+    """The records of one image payload (Corruption if it is not one)."""
     try:
         _tag, kind, pid, index = _HEAD.unpack_from(payload, 0)
         body = payload[_HEAD.size :]
         if kind == K_META:
-            _load_meta(ns, body)
-        elif kind in (K_COLUMN, K_SLOTS):
-            col = (
-                ns.persisted_columns[pid & 0xFF]
-                if kind == K_COLUMN
-                else ns._index.part_table(pid & 0xFF).slots
-            )
+            return [_decode_meta(body)]
+        if kind in (K_COLUMN, K_SLOTS):
+            target = COLUMN if kind == K_COLUMN else SLOTS
+            declared = COLUMNS[pid & 0xFF].code if kind == K_COLUMN else "I"
             code = CODES[(pid >> 8) - 1] if pid >> 8 else ""  # "": version 1-2, full width
-            step = ROWS * array(code or col.code).itemsize
-            for i in range(0, len(body), step):
-                col.load_chunk(index + i // step, body[i : i + step], code)
-        elif kind == K_ARENA:
-            for i in range(0, len(body), ARENA_CHUNK):
-                ns._arena.load_chunk(index + i // ARENA_CHUNK, body[i : i + ARENA_CHUNK])
-        elif kind in (K_ROWS, K_CODED_ROWS):
-            _load_rows(ns, body, kind == K_CODED_ROWS)
-        elif kind == K_COLUMN | SPARSE or kind == K_SLOTS | SPARSE:
-            col = (
-                ns.persisted_columns[pid]
-                if kind == K_COLUMN | SPARSE
-                else ns._index.part_table(pid).slots
-            )
-            zero = bytes(ROWS * array(col.code).itemsize)
-            for c, where, values in _sparse_chunks(body, col.code):
-                _expand(where, values, col.load_chunk(c, zero, col.code))
-                col.narrow(c)
-        elif kind == K_ARENA | SPARSE:
-            _load_arena_runs(ns, body)
-        elif kind == K_SIDE:
-            for key, value in _unpairs(body):
-                _load_side(ns, pid, key, value)
-        else:
-            raise Corruption(f"unknown namespace image part {kind}")
+            step = ROWS * array(code or declared).itemsize
+            chunks = [
+                (index + i // step, _chunk(code or declared, body[i : i + step]))
+                for i in range(0, len(body), step)
+            ]
+            return [Chunks(target, pid & 0xFF, chunks, not code)]
+        if kind == K_ARENA:
+            raws = [body[i : i + ARENA_CHUNK] for i in range(0, len(body), ARENA_CHUNK)]
+            if raws and len(raws[-1]) != ARENA_CHUNK:
+                raise ValueError(f"arena chunk of {len(raws[-1])} bytes")
+            return [ArenaChunks([(index + k, raw) for k, raw in enumerate(raws)])]
+        if kind in (K_ROWS, K_CODED_ROWS):
+            return list(_decode_rows(body, kind == K_CODED_ROWS))
+        if kind in (K_COLUMN | SPARSE, K_SLOTS | SPARSE):
+            target = COLUMN if kind == K_COLUMN | SPARSE else SLOTS
+            code = COLUMNS[pid].code if target == COLUMN else "I"
+            zero = bytes(ROWS * array(code).itemsize)
+            chunks = []
+            for c, where, values in _sparse_chunks(body, code):
+                items = _array(code, zero)
+                _expand(where, values, items)
+                chunks.append((c, items))
+            return [Chunks(target, pid, chunks, True)]
+        if kind == K_ARENA | SPARSE:
+            return [_decode_arena_runs(body)]
+        if kind == K_SIDE:
+            return [_decode_side(pid, list(_unpairs(body)))]
+        raise Corruption(f"unknown namespace image part {kind}")
     except (struct.error, ValueError, IndexError) as e:
         raise Corruption(f"namespace image part: {e}") from e
 
 
-def _load_meta(ns: Namespace, body: bytes) -> None:
+def _decode_meta(body: bytes) -> Meta:
     version, next_ino, live, rows, isize, iused, itombs, tail = _META.unpack_from(body)
     if version not in (1, 2, VERSION):
         raise Corruption(f"namespace image version {version} (this release reads 1 to {VERSION})")
@@ -466,14 +475,7 @@ def _load_meta(ns: Namespace, body: bytes) -> None:
         or (version > 1 and itombs)
     ):
         raise Corruption("namespace image geometry")
-    ns.next_ino, ns._live = next_ino, live
-    ns._absolute_times = version < 3
-    ns._ensure(rows)
-    if version == 1:
-        ns._index.load_legacy(isize, iused, itombs)
-    else:
-        ns._index.load(isize, iused, osize, oused, cursor)
-    ns._arena.tail = tail
+    return Meta(version, next_ino, live, rows, (isize, iused), itombs, (osize, oused), cursor, tail)
 
 
 def _table_geometry(size: int, used: int) -> bool:
@@ -496,42 +498,53 @@ def _array(code: str, raw: bytes) -> array[int]:
     return a
 
 
-def _load_side(ns: Namespace, pid: int, key: int, value: bytes) -> None:
-    from kvfs.index.namespace import _Dir
+def _chunk(code: str, raw: bytes) -> array[int]:
+    """A whole column chunk of item code ``code`` from its bytes."""
+    chunk = _array(code, raw)
+    if len(chunk) != ROWS:
+        raise ValueError(f"column chunk of {len(chunk)} rows")
+    return chunk
 
+
+def _links(value: bytes) -> list[tuple[bytes, int]]:
+    out = []
+    pos = 0
+    while pos < len(value):
+        n, ino = _LINK.unpack_from(value, pos)
+        pos += _LINK.size + n
+        out.append((value[pos - n : pos], ino))
+    return out
+
+
+def _decode_side(pid: int, pairs: list[tuple[int, bytes]]) -> Part:
     if pid == S_OWNERS:
-        owner = _OWNER.unpack(value)
-        ns._owner_ids[owner] = len(ns._owners)
-        ns._owners.append(owner)
-    elif pid == S_XNAMES:
-        ns._xname_ids[value] = len(ns._xnames)
-        ns._xnames.append(value)
-    elif pid == S_FREE:
-        ns._free.frombytes(value)
-    elif pid == S_DEAD:
-        ns._deferred.append(key)
-    elif pid == S_CHILDREN:
-        d = ns._dirs.setdefault(key, _Dir())
-        d.children.frombytes(value)
-    elif pid == S_LINKS:
-        links = ns._dirs.setdefault(key, _Dir()).links = {}
-        pos = 0
-        while pos < len(value):
-            n, ino = _LINK.unpack_from(value, pos)
-            pos += _LINK.size + n
-            links[value[pos - n : pos]] = ino
-            ns._extra.setdefault(ino, []).append((key, value[pos - n : pos]))
-    elif pid == S_MAPS:
-        half = len(value) // 2
-        ns._maps[key] = (_array("q", value[:half]), _array("Q", value[half:]))
-    elif pid == S_MULTI:
-        ns._multi[key] = _array("Q", value)
-    elif pid == S_BIGX:
-        ns._big_xattrs[key] = value
-    elif pid == S_AFREE:
-        ns._arena.free[key] = _array("I", value)
-    elif pid == S_BLOBS:
-        name, _, data = value.partition(b"\0")
-        ns.blobs[name.decode()] = data
-    else:
-        raise ValueError(f"unknown side table {pid}")
+        return Owners([_OWNER.unpack(value) for _, value in pairs])
+    if pid == S_XNAMES:
+        return XattrNames([value for _, value in pairs])
+    if pid == S_FREE:
+        return FreeRows(_array("I", b"".join(value for _, value in pairs)))
+    if pid == S_DEAD:
+        return DeadRows([key for key, _ in pairs])
+    if pid == S_CHILDREN:
+        return Listings([(key, _array("I", value)) for key, value in pairs])
+    if pid == S_LINKS:
+        return Links([(key, _links(value)) for key, value in pairs])
+    if pid == S_MAPS:
+        maps = []
+        for key, value in pairs:
+            half = len(value) // 2
+            maps.append((key, _array("q", value[:half]), _array("Q", value[half:])))
+        return UnitMaps(maps)
+    if pid == S_MULTI:
+        return MultiMaps([(key, _array("Q", value)) for key, value in pairs])
+    if pid == S_BIGX:
+        return BigXattrs(pairs)
+    if pid == S_AFREE:
+        return ArenaFree([(key, _array("I", value)) for key, value in pairs])
+    if pid == S_BLOBS:
+        blobs = []
+        for _, value in pairs:
+            name, _, data = value.partition(b"\0")
+            blobs.append((name.decode(), data))
+        return Blobs(blobs)
+    raise ValueError(f"unknown side table {pid}")

@@ -23,6 +23,11 @@ padding it to a block (PAD). Logs of version 1 (kvfs 0.2.0) are still read."""
 ENTRY_VERSIONS = (1, 2)
 """Entry versions recovery reads; one half holds entries of one version only."""
 
+ALIGN = 4096
+"""The device block every record is aligned to: all device I/O (offsets, lengths and
+buffer addresses), the log halves' bounds and the metadata area's size are multiples
+of it (``docs/format.md``, "Device layout")."""
+
 # ----------------------------------------------------------------------------- journal
 JOURNAL_MAGIC = 0x314A564B  # "KVJ1"
 _ENTRY = struct.Struct("<IHHQQII")

@@ -13,32 +13,11 @@ from collections.abc import Callable
 
 import xxhash
 
-SHIFT = 10
-ROWS = 1 << SHIFT
-"""Rows per column chunk (8 KiB for an 8-byte column): the unit of copy-on-write,
-and small enough that a nearly empty namespace checkpoints in a few KiB."""
-MASK = ROWS - 1
+from kvfs.format.nsparts import ARENA_CHUNK, GRANULE, LADDERS, ROWS, SHIFT
 
-GRANULE = 4
-"""Arena allocation unit in bytes: offsets are granule numbers in an 'I' column."""
-ARENA_CHUNK = 64 << 10
-"""Arena chunk size in bytes; no entry spans two chunks."""
+MASK = ROWS - 1
 ARENA_MAX_ENTRY = 4096
 """Larger values (big xattr sets) live in a side table instead."""
-
-
-_LADDERS = {
-    "B": "B",
-    "H": "BH",
-    "I": "BHI",
-    "Q": "BHIQ",
-    "b": "b",
-    "h": "bh",
-    "i": "bhi",
-    "q": "bhiq",
-}
-"""Item codes a narrowing column's chunks may take, narrowest first, up to the
-column's declared code (unsigned and signed ladders)."""
 
 
 def narrowed(values: array[int], ladder: str) -> array[int]:
@@ -68,8 +47,8 @@ class Column:
     """An integer column indexed by row (inode number), zero where never written.
 
     A *narrowing* column (``narrow=True``) keeps each chunk in the narrowest item
-    code its values fit (``_LADDERS``: a column of link counts is one byte per row
-    until a count passes 255): a store that does not fit widens that one chunk
+    code its values fit (``kvfs.format.nsparts.LADDERS``: a column of link counts is
+    one byte per row until a count passes 255): a store that does not fit widens that one chunk
     (``OverflowError`` from the array, caught), exact values always. Chunks never
     written are one shared zero chunk (copy-on-write like a frozen one). Readers
     index chunks as before; only C-level byte tricks need a fixed code, and the
@@ -79,7 +58,7 @@ class Column:
 
     def __init__(self, code: str, narrow: bool = False) -> None:
         self.code = code
-        self.ladder = _LADDERS[code] if narrow else code
+        self.ladder = LADDERS[code] if narrow else code
         self.chunks: list[array[int]] = []
         self.shared = bytearray()
         self.zero = array(self.ladder[0], bytes(ROWS * array(self.ladder[0]).itemsize))
@@ -136,22 +115,17 @@ class Column:
         self.shared[:] = b"\1" * len(self.chunks)
         return list(self.chunks)
 
-    def load_chunk(self, c: int, raw: bytes, code: str = "") -> array[int]:
-        """Chunk ``c`` from its bytes, items of ``code`` (default: the declared
-        code, narrowed if the column narrows); returns it. With ``code`` given
-        the chunk keeps that code (a caller filling it in calls :meth:`narrow`)."""
-        if code and code not in self.ladder:
-            raise ValueError(f"column chunk of code {code!r} in a {self.code!r} column")
-        chunk = array(code or self.code)
-        chunk.frombytes(raw)
+    def install(self, c: int, chunk: array[int]) -> None:
+        """Chunk ``c`` = ``chunk`` (``ROWS`` items of a code of this column's ladder,
+        decoded from an image; kept as it is: a caller that filled it at the declared
+        code calls :meth:`narrow`)."""
+        if chunk.typecode not in self.ladder:
+            raise ValueError(f"column chunk of code {chunk.typecode!r} in a {self.code!r} column")
         if len(chunk) != ROWS:
             raise ValueError(f"column chunk of {len(chunk)} rows")
         self.ensure((c + 1) << SHIFT)
         self.chunks[c] = chunk
         self.shared[c] = 0
-        if not code:
-            self.narrow(c)
-        return self.chunks[c]
 
     def narrow(self, c: int) -> None:
         """Chunk ``c`` in the narrowest code its values fit (after a bulk write)."""
@@ -474,3 +448,23 @@ def _place(t: Table, h: int, ino: int) -> None:
         h = (h + 1) & mask
     slots[h] = ino
     t.used += 1
+
+
+__all__ = [
+    "ARENA_CHUNK",
+    "ARENA_MAX_ENTRY",
+    "GRANULE",
+    "MASK",
+    "MIGRATE_STEP",
+    "ROWS",
+    "SHIFT",
+    "TOMB",
+    "Arena",
+    "Column",
+    "NameIndex",
+    "Table",
+    "fit",
+    "name_hash",
+    "narrowed",
+    "table_size",
+]

@@ -1,30 +1,23 @@
 """Views over the namespace's columns: :class:`Inode`, a directory's entries, the
 inode table. A view holds no state of its own beyond (namespace, inode number).
 
-The namespace interns live views (one object per live inode while anyone holds
+The inode table interns live views (one object per live inode while anyone holds
 it), so ``ns.inodes.get(i) is inode`` means "the same live file". A view of a
 dropped inode keeps reading the dropped row, which is not reused while the view
-lives (see ``Namespace.drop``).
+lives (see ``Namespace.drop``). Views read and write the rows of
+:class:`kvfs.index.rows.Rows` (the namespace below its facade).
 """
 
 from __future__ import annotations
 
 import stat
-from array import array
+import weakref
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING
 
-from kvfs.format.records import DEV_SHIFT, FLAG_GONE, NO_UNIT, InodeRecord
+from kvfs.format.records import FLAG_GONE, NO_UNIT, InodeRecord
 from kvfs.index.columns import MASK, SHIFT
-
-if TYPE_CHECKING:
-    from kvfs.index.namespace import Namespace
-
-F_DEAD = 0x80
-"""Internal: the row was dropped (kept until no view or kernel reference names it)."""
-F_NAMED = 0x40
-"""Internal: the row's (parent, name) is in the name index."""
-F_INTERNAL = F_DEAD | F_NAMED
+from kvfs.index.rows import Rows
+from kvfs.index.state import F_DEAD, F_INTERNAL, F_NAMED
 
 
 class Inode:
@@ -32,7 +25,7 @@ class Inode:
 
     __slots__ = ("__weakref__", "_ns", "ino")
 
-    def __init__(self, ns: Namespace, ino: int) -> None:
+    def __init__(self, ns: Rows, ino: int) -> None:
         self._ns = ns
         self.ino = ino
 
@@ -227,7 +220,7 @@ class DirView:
 
     __slots__ = ("_ns", "ino")
 
-    def __init__(self, ns: Namespace, ino: int) -> None:
+    def __init__(self, ns: Rows, ino: int) -> None:
         self._ns = ns
         self.ino = ino
 
@@ -272,17 +265,21 @@ class DirView:
 
 
 class InodeTable(Mapping[int, Inode]):
-    """``ns.inodes``: the live inodes by number (views, interned)."""
+    """``ns.inodes``: the live inodes by number (views, interned in ``views``)."""
 
-    __slots__ = ("_ns",)
+    __slots__ = ("_ns", "views")
 
-    def __init__(self, ns: Namespace) -> None:
+    def __init__(self, ns: Rows) -> None:
         self._ns = ns
+        self.views: weakref.WeakValueDictionary[int, Inode] = weakref.WeakValueDictionary()
 
     def get(self, ino: int, default: Inode | None = None) -> Inode | None:  # type: ignore[override]
         ns = self._ns
         if 0 < ino < ns.next_ino and ns._mode[ino] and not ns._flags[ino] & F_DEAD:
-            return ns._view(ino)
+            view = self.views.get(ino)
+            if view is None:
+                view = self.views[ino] = Inode(ns, ino)
+            return view
         return default
 
     def __getitem__(self, ino: int) -> Inode:
@@ -317,23 +314,4 @@ class InodeTable(Mapping[int, Inode]):
                     yield base + i
 
 
-def compact_kind(units: array[int], csums: array[int]) -> int:
-    """0: empty map; 1: one mapped unit; 2: one contiguous extent of several units;
-    3: anything else (holes, several extents)."""
-    n = len(units)
-    if n == 0:
-        return 0
-    first = units[0]
-    if first < 0 or len(csums) != n:
-        return 3
-    if n == 1:
-        return 1
-    last = first + n - 1
-    if units[-1] != last or first >> DEV_SHIFT != last >> DEV_SHIFT:
-        return 3
-    if units != array("q", range(first, first + n)):
-        return 3
-    return 2
-
-
-__all__ = ["NO_UNIT", "DirView", "Inode", "InodeTable", "compact_kind"]
+__all__ = ["F_DEAD", "F_INTERNAL", "F_NAMED", "NO_UNIT", "DirView", "Inode", "InodeTable"]
