@@ -377,18 +377,17 @@ class Evictor:
         """Restore who owns which file from the checkpoint (or an older pool's blob),
         keeping only processes still alive (one /proc read each) and files that are
         still there; returns how many processes own files."""
-        saved = SlotColumn("H")
-        procs_: list[tuple[int, int] | None] = [None]
+        saved = owners_fmt.Owners([None], [])
         try:
             if pieces:
-                procs_ = owners_fmt.decode(pieces, saved)
+                saved = owners_fmt.decode(pieces)
             elif blob:
-                procs_ = owners_fmt.decode_blob(blob, saved)
+                saved = owners_fmt.decode_blob(blob)
         except ValueError as e:
             log.warning("saved file owners unusable (%s); every file starts as an orphan", e)
             return 0
         live = {}
-        for number, proc in enumerate(procs_):
+        for number, proc in enumerate(saved.procs):
             if proc is not None and self._alive(proc[0]) == proc[1]:
                 live[number] = proc
         if not live:

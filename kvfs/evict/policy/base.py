@@ -179,9 +179,8 @@ class LinkedPolicy:
     def _pieces(self, kind: int, number: int) -> Iterator[bytes]:
         """``persist_pieces`` as table ``number`` of an image of policy ``kind``."""
         clock, horizon = self._scalars()
-        table = self._slots
         scalars = [clock, horizon, self._resident, self._bytes, *self._extra_scalars()]
-        return img.encode_pieces(kind, table, len(self._lists), scalars, number)
+        return img.encode_pieces(kind, self._slots.image(len(self._lists), scalars), number)
 
     def persist(self) -> bytes:
         """Encode the state as an image (``kvfs.format.policy_image``, ``docs/format.md``)."""
@@ -208,19 +207,20 @@ class LinkedPolicy:
         """``recover_pieces`` of table ``number`` of an image of policy ``kind``
         (chunks equal to ``twin``'s shared with it: ``decode_pieces``)."""
         table = self._slots
-        got = img.decode_pieces(
+        shared = () if twin is None or twin.lists != table.lists else twin.twin_chunks()
+        image = img.decode_pieces(
             pieces,
             kind,
             len(table.count),
             len(self._lists),
             [c.code for c in table.columns],
             number,
-            twin,
+            shared,
         )
         self.reset()
-        self._slots, scalars = got
+        self._slots = SlotTable.from_image(image, twin)
         self._bind_columns()
-        clock, horizon, self._resident, self._bytes, *extra = scalars
+        clock, horizon, self._resident, self._bytes, *extra = image.scalars
         self._set_scalars(clock, horizon)
         self._set_extra(extra)
 
