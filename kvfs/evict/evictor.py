@@ -32,7 +32,7 @@ from operator import le
 from kvfs.common import procs
 from kvfs.common.errors import InvalidArgument
 from kvfs.common.sizes import SizeError, parse_size
-from kvfs.evict.policy import DEFAULT_POLICY, EvictionPolicy, make_policy
+from kvfs.evict.policy import DEFAULT_POLICY, Policy, make_policy
 from kvfs.evict.slots import ROWS, SHIFT, SlotColumn, runs
 from kvfs.format import owners as owners_fmt
 from kvfs.format.owners import MAX_PROCESSES, OWNERS_BLOB, PART_OWNERS, PART_POLICY, POLICY_BLOB
@@ -226,7 +226,7 @@ class Evictor:
         if default_policy not in POLICIES:
             raise ValueError(f"default policy must be one of {POLICIES}")
         self.ns = ns
-        self.policy: EvictionPolicy = make_policy(policy)
+        self.policy: Policy = make_policy(policy)
         self.default_policy = default_policy
         self.default_quota = default_quota
         self._alive = alive
@@ -377,18 +377,17 @@ class Evictor:
         """Restore who owns which file from the checkpoint (or an older pool's blob),
         keeping only processes still alive (one /proc read each) and files that are
         still there; returns how many processes own files."""
-        saved = SlotColumn("H")
-        procs_: list[tuple[int, int] | None] = [None]
+        saved = owners_fmt.Owners([None], [])
         try:
             if pieces:
-                procs_ = owners_fmt.decode(pieces, saved)
+                saved = owners_fmt.decode(pieces)
             elif blob:
-                procs_ = owners_fmt.decode_blob(blob, saved)
+                saved = owners_fmt.decode_blob(blob)
         except ValueError as e:
             log.warning("saved file owners unusable (%s); every file starts as an orphan", e)
             return 0
         live = {}
-        for number, proc in enumerate(procs_):
+        for number, proc in enumerate(saved.procs):
             if proc is not None and self._alive(proc[0]) == proc[1]:
                 live[number] = proc
         if not live:
@@ -439,7 +438,7 @@ class Evictor:
     def committed(self, inode: Inode, pid: int) -> None:
         """A file was closed with new data: track it, and give it its grace. A new
         file with the name of one that went (an evicted chunk written again)
-        inherits what the policy remembers of it (``EvictionPolicy.put_ghost``)."""
+        inherits what the policy remembers of it (``Policy.put_ghost``)."""
         if inode.ino not in self.policy:
             # the namespace reuses inode numbers: what the policy remembers under this
             # one was another file's (dropped); what it remembers of this name is this

@@ -22,28 +22,38 @@ from array import array
 from collections.abc import Iterator
 from itertools import compress
 
+from kvfs.format.policy_image import (
+    DIRECT,
+    FREE,
+    LADDERS,
+    LEGACY_DIRECT,
+    LINK,
+    MASK,
+    NO_KEY,
+    ROWS,
+    SHIFT,
+    TableImage,
+)
 from kvfs.index.columns import fit, narrowed
 
-NO_KEY = -1
-"""'No key' in key-valued columns and in persisted columns."""
-FREE = -1
-"""Owner of a slot that holds no key."""
+__all__ = [
+    "DIRECT",
+    "FREE",
+    "LEGACY_DIRECT",
+    "LOOSE",
+    "MASK",
+    "NO_KEY",
+    "ROWS",
+    "SHIFT",
+    "SlotColumn",
+    "SlotTable",
+    "runs",
+    "share_equal_chunks",
+]
+
 LOOSE = -2
-"""Owner of a slot that holds a key but is in no list (between two list moves)."""
-LINK = "i"
-"""Typecode of the link columns: int32, so a table holds at most 2**31 - 1 slots."""
-SHIFT = 10
-ROWS = 1 << SHIFT
-"""Rows per column chunk: the unit of allocation and of copy-on-write."""
-MASK = ROWS - 1
-DIRECT = 1 << 28
-"""Keys below this are their own slot (offset by the sentinels); others go through
-a dict (``SlotTable.index``) to slots from ``DIRECT + lists`` up -- unless the first
-key a table sees is such a key (hashes, in the simulators): then every key goes
-through the dict, to slots from ``lists`` up."""
-LEGACY_DIRECT = 1 << 26
-"""The limit of releases before narrow chunks (2^26: 6.7x10^7 inode numbers); a
-table recovered from their image keeps it."""
+"""Owner of a slot that holds a key but is in no list (between two list moves; never
+in an image)."""
 
 
 def runs(keys: array[int]) -> list[tuple[int, int]]:
@@ -97,17 +107,13 @@ def _pieces(
             i += k
 
 
-_LADDERS = {"i": "bhiq", "I": "BHIq", "q": "bhiq"}
-"""Item codes a narrowing column's chunks take, narrowest first (int64 on top)."""
-
-
 class SlotColumn:
     """An integer column indexed by slot: chunks allocated on first write (filled
     with ``fill``), shared after :meth:`freeze` until written, widened to int64 on
     the first value that does not fit.
 
     A *narrowing* column (``narrow=True``: the policies' own fields) keeps each
-    chunk in the narrowest code of its ladder (``_LADDERS``) that holds its values
+    chunk in the narrowest code of its ladder (``LADDERS``) that holds its values
     and widens only that chunk when a store does not fit; ``code`` stays the
     nominal code the policy names (the image's head)."""
 
@@ -116,7 +122,7 @@ class SlotColumn:
     def __init__(self, code: str, fill: int = 0, narrow: bool = False) -> None:
         self.code = code
         self.fill = fill
-        self.ladder = _LADDERS[code] if narrow else ""
+        self.ladder = LADDERS[code] if narrow else ""
         self.chunks: list[array[int] | None] = []
         self.shared = bytearray()
 
@@ -254,6 +260,16 @@ def share_equal_chunks(a: SlotColumn, b: SlotColumn, first: int, count: int) -> 
     return shared
 
 
+def share_chunk(a: SlotColumn, b: SlotColumn, c: int) -> None:
+    """Chunk ``c`` of ``b`` (just loaded) shared with ``a``'s where they hold the same
+    rows: already the same array (the decoder found them equal), or equal ones."""
+    x = a.chunks[c] if c < len(a.chunks) else None
+    if x is not None and x is b.chunks[c]:
+        a.shared[c] = b.shared[c] = 1
+    else:
+        share_equal_chunks(a, b, c, 1)
+
+
 class SlotTable:
     """Per-key state as chunked columns indexed by slot, plus intrusive circular lists.
 
@@ -283,6 +299,52 @@ class SlotTable:
             column.ensure_row(0)
         for lst in range(lists):
             self.prev[lst] = self.next[lst] = self.owner[lst] = lst
+
+    def image(self, persisted: int, scalars: list[int]) -> TableImage:
+        """Freeze the table now (O(chunks): later writes copy a chunk first) and
+        return what its image holds: the first ``persisted`` lists are the resident
+        ones, ``scalars`` the policy's."""
+        columns = self.all_columns()
+        return TableImage(
+            lists=self.lists,
+            persisted=persisted,
+            codes="".join(column.code for column in columns),
+            columns=[column.freeze() for column in columns],
+            counts=list(self.count),
+            scalars=scalars,
+            sparse_keys=self.sparse_keys,
+            sparse_free=self.sparse_free,
+            direct=self.direct,
+            decided=self.decided,
+        )
+
+    @classmethod
+    def from_image(cls, image: TableImage, twin: SlotTable | None = None) -> SlotTable:
+        """A table holding a decoded (validated) image; a version 2 image's chunks
+        are made as narrow as their values allow. With ``twin`` (a table of the same
+        geometry, whose chunks were given to the decoder), a link, owner or size
+        chunk equal to the twin's is the twin's array, copy-on-write for both."""
+        table = cls(image.lists, tuple(image.codes[3:]))
+        table.direct, table.decided = image.direct, image.decided
+        table.sparse_base = image.direct + image.lists
+        columns = table.all_columns()
+        twins = [] if twin is None or twin.lists != image.lists else twin.all_columns()[:4]
+        for col, (column, chunks) in enumerate(zip(columns, image.columns, strict=True)):
+            for c, chunk in enumerate(chunks):
+                if chunk is not None:
+                    column.load(c, chunk, narrow=not image.own_codes)
+                    if col < len(twins):
+                        share_chunk(twins[col], column, c)
+        table.sparse_keys = image.sparse_keys
+        table.sparse_free = image.sparse_free
+        base = table.sparse_base
+        table.index = {key: base + i for i, key in enumerate(image.sparse_keys) if key != NO_KEY}
+        table.count[:] = image.counts
+        return table
+
+    def twin_chunks(self) -> list[list[array[int] | None]]:
+        """The link, owner and size columns' chunks: what a decoder may share with."""
+        return [column.chunks for column in self.all_columns()[:4]]
 
     def all_columns(self) -> list[SlotColumn]:
         """Every column in persisted order: prev, next, owner, then the policy's."""

@@ -31,7 +31,7 @@ narrow chunks make it ~45), its name in the arena (up to ~100 bytes, 4-byte
 granules: SGLang's ``<64 hex>_<model>_0_1.bin`` is ~100, LMCache's
 ``model@world@worker@hash@dtype.pt`` ~70, vLLM's ``<hash>.bin`` ~20), its name-index
 slot (4 B at 37.5-75% load: up to 11) and listing entry (4), the eviction state
-(``space.EVICTION_STATE_BYTES``: 64). Measured by ``tests/unit/store/test_meta_sizing.py``
+(``evict.driver.EVICTION_STATE_BYTES``: 64). Measured by ``tests/unit/store/test_meta_sizing.py``
 (which asserts it): 111 (vLLM names), 168 (LMCache), 188 (SGLang) per one-unit file
 with a ghost key per file; 164 / 220 / 240 before narrow chunks (it was 320)."""
 CHECKPOINT_UNIT_BYTES = 16

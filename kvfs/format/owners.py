@@ -12,8 +12,9 @@ import struct
 import zlib
 from array import array
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
-from kvfs.evict.slots import ROWS, SlotColumn
+from kvfs.format.policy_image import MASK, ROWS, SHIFT
 
 POLICY_BLOB = "eviction-policy"
 """Blob of the version 1 policy image (pools written before the evictor's own
@@ -33,6 +34,16 @@ BATCH = 64
 
 Process = tuple[int, int]
 """(pid, process start time)."""
+
+
+@dataclass(frozen=True)
+class Owners:
+    """Decoded owners: the process table (``procs[n]`` is process number ``n``; 0 and
+    freed numbers: None) and the owner column, a uint16 process number per inode
+    (0: none) in chunks of ``ROWS`` rows by chunk number (None: no chunk)."""
+
+    procs: list[Process | None]
+    chunks: list[array[int] | None]
 
 
 def _piece(part: int, index: int, count: int, raw: bytes) -> bytes:
@@ -68,10 +79,11 @@ def encode(procs: Sequence[Process | None], owners: Sequence[array[int] | None])
     yield _piece(1, first, len(batch), b"".join(batch))
 
 
-def decode(pieces: list[bytes], column: SlotColumn) -> list[Process | None]:
-    """Load owners pieces into ``column``; return the process table. ValueError if
-    a piece is damaged or an owner is not in the table."""
+def decode(pieces: list[bytes]) -> Owners:
+    """Decode owners pieces. ValueError if a piece is damaged or an owner is not in
+    the process table."""
     procs_: list[Process | None] | None = None
+    chunks: list[array[int] | None] = []
     for piece in pieces:
         if len(piece) < OWNERS_PIECE.size + 4:
             raise ValueError("owners piece too short")
@@ -89,30 +101,32 @@ def decode(pieces: list[bytes], column: SlotColumn) -> list[Process | None]:
                 None if pairs[2 * i] < 0 else (pairs[2 * i], pairs[2 * i + 1]) for i in range(count)
             ]
         elif part == 1 and -(-len(raw) // (ROWS * 2)) == count and not len(raw) & 1:
+            if index + count > len(chunks):
+                chunks.extend([None] * (index + count - len(chunks)))
             for k in range(count):  # the last chunk may end early (zeros after)
                 chunk = array("H")
                 chunk.frombytes(raw[k * ROWS * 2 : (k + 1) * ROWS * 2])
                 chunk.extend(array("H", [0]) * (ROWS - len(chunk)))
-                column.load(index + k, chunk)
+                chunks[index + k] = chunk
         else:
             raise ValueError("bad owners piece")
     if procs_ is None:
         raise ValueError("owners without their process table")
-    for owners in column.chunks:
+    for owners in chunks:
         if owners is not None and max(owners) >= len(procs_):
             raise ValueError("owner beyond the process table")
-    return procs_
+    return Owners(procs_, chunks)
 
 
-def decode_blob(raw: bytes, column: SlotColumn) -> list[Process | None]:
-    """Load an ``OWNERS_BLOB`` (older pools) into ``column``; return the process
-    table. ValueError if it is malformed."""
+def decode_blob(raw: bytes) -> Owners:
+    """Decode an ``OWNERS_BLOB`` (older pools). ValueError if it is malformed."""
     if len(raw) % 24:
         raise ValueError("bad owners blob")
     cols = array("q")
     cols.frombytes(raw)
     procs_: list[Process | None] = [None]
     numbers: dict[Process, int] = {}
+    chunks: list[array[int] | None] = []
     for i in range(0, len(cols), 3):
         ino, proc = cols[i], (cols[i + 1], cols[i + 2])
         if not 0 <= ino < 1 << 40 or len(numbers) >= MAX_PROCESSES:
@@ -121,6 +135,11 @@ def decode_blob(raw: bytes, column: SlotColumn) -> list[Process | None]:
         if number is None:
             number = numbers[proc] = len(procs_)
             procs_.append(proc)
-        column.ensure_row(ino)
-        column[ino] = number
-    return procs_
+        c = ino >> SHIFT
+        if c >= len(chunks):
+            chunks.extend([None] * (c + 1 - len(chunks)))
+        chunk = chunks[c]
+        if chunk is None:
+            chunk = chunks[c] = array("H", [0]) * ROWS
+        chunk[ino & MASK] = number
+    return Owners(procs_, chunks)

@@ -29,16 +29,29 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvfs.evict.slots import (
-    DIRECT,
-    FREE,
-    LEGACY_DIRECT,
-    NO_KEY,
-    ROWS,
-    SHIFT,
-    SlotTable,
-    share_equal_chunks,
-)
+# -- the slot tables' geometry: what a version 2 image's rows and values mean ------------
+
+SHIFT = 10
+ROWS = 1 << SHIFT
+"""Rows per column chunk: the unit of a column piece (and of the evictor's owner
+column, :mod:`kvfs.format.owners`)."""
+MASK = ROWS - 1
+NO_KEY = -1
+"""'No key' in key-valued columns (a predecessor, a successor, a free sparse slot)."""
+FREE = -1
+"""Owner of a slot that holds no key (the owner column's byte 0xFF)."""
+LINK = "i"
+"""Typecode of the link columns: int32, so a table holds at most 2**31 - 1 slots."""
+DIRECT = 1 << 28
+"""Keys below this are their own slot, ``key + lists`` (slots ``0 .. lists - 1``
+are the lists' sentinels); other keys are listed in the head, their slots from
+``direct + lists`` up. An image's ``direct`` is this, :data:`LEGACY_DIRECT`, or 0
+(every key mapped: hashes, in the simulators)."""
+LEGACY_DIRECT = 1 << 26
+"""The direct key limit of releases before narrow chunks (2^26)."""
+LADDERS = {"i": "bhiq", "I": "BHIq", "q": "bhiq"}
+"""A policy column's nominal code -> the codes its chunks may take in a version 3
+image, narrowest first (int64 on top)."""
 
 FORMAT_VERSION = 1
 MAGIC = b"KVEP"
@@ -240,6 +253,9 @@ the free sparse slots (int64)."""
 COLUMN = struct.Struct("<Bc")  # column number, typecode; then whole chunks' raw rows
 BATCH_CHUNKS = 128
 """Chunks per column piece at most (512 KiB of an int32 column)."""
+OWNER_COLUMN = 2
+"""Columns 0 and 1 are the links (prev, next), 2 the owner (a list, or FREE), then
+the policy's own."""
 
 
 def version_of(data: bytes) -> int | None:
@@ -251,7 +267,40 @@ def version_of(data: bytes) -> int | None:
 
 VERSION3 = 3
 """Pieces as version 2, except that a column piece's chunks may be in any code of
-their column's ladder (``slots._LADDERS``: the chunk's own, narrowest code)."""
+their column's ladder (:data:`LADDERS`: the chunk's own, narrowest code)."""
+
+Chunks = list["array[int] | None"]
+"""A column as chunks of ROWS rows by chunk number (None: no chunk)."""
+
+
+@dataclass
+class TableImage:
+    """One slot table of a version 2 image, as plain values: what ``encode_pieces``
+    encodes and ``decode_pieces`` returns (validated). The evictor's slot table
+    (``kvfs.evict.slots.SlotTable``) is built from one and gives one to encode."""
+
+    lists: int
+    """Slot lists (their sentinels are slots ``0 .. lists - 1``)."""
+    persisted: int
+    """Of them the resident ones (the first ``persisted``)."""
+    codes: str
+    """Every column's nominal typecode: ``"iib"`` (links, owner), then the policy's."""
+    columns: list[Chunks]
+    """Per column its chunks; a chunk's code is the column's, or with ``own_codes``
+    one of its ladder's (:data:`LADDERS`)."""
+    counts: list[int]
+    """Keys per slot list."""
+    scalars: list[int]
+    sparse_keys: array[int]
+    """Key of slot ``direct + lists + i`` (NO_KEY: a free slot), int64."""
+    sparse_free: array[int]
+    """The free sparse slots, int64."""
+    direct: int
+    decided: bool
+    """Whether ``direct`` is settled (by the first key the table saw)."""
+    own_codes: bool = True
+    """The chunks are in their own codes (version 3); False: in their column's
+    (version 2: the reader may narrow them)."""
 
 
 def _piece(kind: int, part: int, index: int, body: bytes, number: int = 0) -> bytes:
@@ -259,22 +308,19 @@ def _piece(kind: int, part: int, index: int, body: bytes, number: int = 0) -> by
     return head + body + CRC.pack(zlib.crc32(body, zlib.crc32(head)))
 
 
-def encode_pieces(
-    kind: int, table: SlotTable, persisted: int, scalars: list[int], number: int = 0
-) -> Iterator[bytes]:
-    """Freeze ``table`` now and return an iterator over the pieces of its image:
-    the head (geometry, list counts, ``scalars``, sparse keys), then per column its
-    chunks in batches. Chunks that hold no key (owner all free) are left out.
+def encode_pieces(kind: int, table: TableImage, number: int = 0) -> Iterator[bytes]:
+    """Encode the head of ``table`` now and return an iterator over the pieces of
+    its image: the head (geometry, list counts, scalars, sparse keys), then per
+    column its chunks in batches. Chunks that hold no key (owner all free) are left
+    out. The chunks must not change meanwhile (frozen: copy-on-write).
     ``number``: the table's number in a policy that keeps several (pieces' header)."""
-    columns = table.all_columns()
-    frozen = [column.freeze() for column in columns]
-    codes = "".join(column.code for column in columns)
-    owner = frozen[2]
+    frozen = table.columns
+    owner = frozen[OWNER_COLUMN]
     head = HEAD.pack(
         table.lists,
-        persisted,
-        len(columns),
-        len(scalars),
+        table.persisted,
+        len(frozen),
+        len(table.scalars),
         len(table.sparse_keys),
         len(table.sparse_free),
         len(owner),
@@ -284,9 +330,9 @@ def encode_pieces(
     body = b"".join(
         (
             head,
-            codes.encode(),
-            array("q", table.count).tobytes(),
-            array("q", scalars).tobytes(),
+            table.codes.encode(),
+            array("q", table.counts).tobytes(),
+            array("q", table.scalars).tobytes(),
             table.sparse_keys.tobytes(),
             table.sparse_free.tobytes(),
         )
@@ -347,6 +393,13 @@ def split_pieces(data: bytes) -> list[bytes]:
     return pieces
 
 
+def _get(chunks: Chunks, i: int, default: int) -> int:
+    """Row ``i`` of a column, ``default`` where no chunk holds it."""
+    c = i >> SHIFT
+    chunk = chunks[c] if c < len(chunks) else None
+    return default if chunk is None else chunk[i & MASK]
+
+
 def decode_pieces(
     pieces: Sequence[bytes],
     kind: int,
@@ -354,19 +407,19 @@ def decode_pieces(
     persisted: int | None = None,
     codes: Sequence[str] | None = None,
     number: int = 0,
-    twin: SlotTable | None = None,
-) -> tuple[SlotTable, list[int]]:
+    twin: Sequence[Chunks] = (),
+) -> TableImage:
     """Validate version 2 pieces of policy ``kind`` (``lists`` slot lists of which
     ``persisted`` are resident ones, ``codes`` the policy's own column typecodes)
-    and return (a new slot table holding them, the scalars; None: whatever the
-    image says, for an image of another policy); ValueError on any defect. Only
-    the pieces of table ``number`` are read (the others are checked for their
-    framing and checksum only). With ``twin`` (a table of the same geometry), a
-    decoded link, owner or size chunk equal to the twin's is the twin's array,
-    copy-on-write for both, as soon as it is read (``slots.share_equal_chunks``:
-    the adaptive policy's second expert). The checks are C-level per chunk: checksums,
-    geometry, every column's rows of every chunk with keys, owners, link ranges,
-    list counts and sparse keys."""
+    and return table ``number`` of them (None: whatever the image says, for an
+    image of another policy); ValueError on any defect. Only the pieces of table
+    ``number`` are read (the others are checked for their framing and checksum
+    only). ``twin``: the first columns' chunks of a table of the same geometry (the
+    adaptive policy's first expert): a decoded chunk equal to its chunk there (same
+    code, same rows) is returned as that very array, as soon as it is read, so the
+    two tables can share it. The checks are C-level per chunk: checksums, geometry,
+    every column's rows of every chunk with keys, owners, link ranges, list counts
+    and sparse keys."""
     head_body: bytes | None = None
     columns: list[tuple[int, int, str, bytes]] = []
     versions = set()
@@ -419,7 +472,7 @@ def decode_pieces(
         raise ValueError("policy image head of the wrong length")
     got_codes = head_body[pos : pos + ncols].decode(errors="replace")
     pos += ncols
-    if got_codes[:3] != "iib" or any(
+    if got_codes[:3] != LINK * 2 + "b" or any(
         got not in (want, "q") for want, got in zip(codes, got_codes[3:], strict=True)
     ):
         raise ValueError("policy image columns of the wrong types")
@@ -437,52 +490,55 @@ def decode_pieces(
         take(nsparse),
         take(nfree),
     )
-    table = SlotTable(lists, tuple(codes))
+    ladders = ["", "", "", *(LADDERS[code] for code in codes)]  # (the links' and owner's: none)
     if direct not in (0, LEGACY_DIRECT, DIRECT) or decided > 1 or (direct == 0 and not decided):
         raise ValueError("bad key geometry in policy image")
-    table.direct, table.decided = direct, bool(decided)
-    table.sparse_base = direct + lists
-    all_columns = table.all_columns()
+    sparse_base = direct + lists
     coded = versions == {VERSION3}
+    chunks: list[Chunks] = [[] for _ in range(ncols)]
     loaded: set[tuple[int, int]] = set()
-    twins = [] if twin is None or twin.lists != lists else twin.all_columns()[:4]
     for col, first, code, raw in columns:
         if col >= ncols or code not in "bBhHiIq":
             raise ValueError("bad column in policy image")
-        column = all_columns[col]
-        if code != got_codes[col] and not (coded and code in column.ladder):
+        if code != got_codes[col] and not (coded and code in ladders[col]):
             raise ValueError("bad column in policy image")
-        if col == 2 and code != "b":
+        if col == OWNER_COLUMN and code != "b":
             raise ValueError("bad owner column in policy image")
         size = array(code).itemsize
         step = ROWS * size
         if not raw or len(raw) % size or first + -(-len(raw) // step) > nchunks:
             raise ValueError("bad column chunk in policy image")
+        fill = FREE if col == OWNER_COLUMN else 0
+        column, same = chunks[col], twin[col] if col < len(twin) else []
         for i in range(0, len(raw), step):  # the last chunk may end early (no keys after)
             chunk = array(code)
             chunk.frombytes(raw[i : i + step])
             if len(chunk) < ROWS:
-                chunk.extend(array(code, [column.fill]) * (ROWS - len(chunk)))
-            column.load(first + i // step, chunk, narrow=not coded)
-            loaded.add((col, first + i // step))
-            if col < len(twins):
-                share_equal_chunks(twins[col], column, first + i // step, 1)
-    owner = table.owner
+                chunk.extend(array(code, [fill]) * (ROWS - len(chunk)))
+            c = first + i // step
+            if c < len(same):
+                other = same[c]
+                if other is not None and other.typecode == code and other == chunk:
+                    chunk = other
+            if c >= len(column):
+                column.extend([None] * (c + 1 - len(column)))
+            column[c] = chunk
+            loaded.add((col, c))
+    owner, prev, nxt = chunks[OWNER_COLUMN], chunks[0], chunks[1]
     rows = nchunks * ROWS
     if rows > 1 << 31:  # links are int32 slots
         raise ValueError("bad geometry in policy image")
-    sparse_base = table.sparse_base
-    if nchunks == 0 or len(owner.chunks) > nchunks or (nsparse and sparse_base + nsparse > rows):
+    if nchunks == 0 or len(owner) > nchunks or (nsparse and sparse_base + nsparse > rows):
         raise ValueError("bad geometry in policy image")
     allowed = bytes(range(lists)) + bytes([FREE & 0xFF])
     found = [0] * lists
-    for c, owners in enumerate(owner.chunks):
-        if owners is None:
+    for c in range(max(len(owner), 1)):
+        owners = owner[c] if c < len(owner) else None
+        if owners is None and c:
             continue
         if any((col, c) not in loaded for col in range(ncols)):  # every column's rows
             raise ValueError("policy image: a column misses a chunk")
-        for column in all_columns:
-            column.ensure_row(c << SHIFT)
+        assert owners is not None
         raw = owners.tobytes()
         tail = sparse_base + nsparse - (c << SHIFT)  # rows from here on hold no key
         if tail < ROWS and raw[max(tail, 0) :].translate(None, bytes([FREE & 0xFF])):
@@ -491,13 +547,12 @@ def decode_pieces(
             raise ValueError("bad list owner in policy image")
         for lst in range(lists):
             found[lst] += raw.count(lst)
-        for column in (table.prev, table.next):
-            links = column.chunks[c]
+        for links in (prev[c], nxt[c]):
             assert links is not None
             if not _links_below(links, rows):
                 raise ValueError("bad link in policy image")
     for lst in range(lists):
-        if owner.get(lst, FREE) != lst:
+        if _get(owner, lst, FREE) != lst:
             raise ValueError("bad list head in policy image")
         found[lst] -= 1  # the sentinel
     if found != list(counts):
@@ -505,19 +560,24 @@ def decode_pieces(
     live = [key for key in sparse_keys if key != NO_KEY]
     if len(set(live)) != len(live) or any(key < direct for key in live):
         raise ValueError("bad sparse key in policy image")
-    table.sparse_keys = sparse_keys
-    table.sparse_free = sparse_free
-    table.index = {key: sparse_base + i for i, key in enumerate(sparse_keys) if key != NO_KEY}
     for i, key in enumerate(sparse_keys):
-        if (key == NO_KEY) != (owner.get(sparse_base + i, FREE) == FREE):
+        if (key == NO_KEY) != (_get(owner, sparse_base + i, FREE) == FREE):
             raise ValueError("policy image: a sparse slot's key and owner disagree")
     if not set(sparse_free) <= {sparse_base + i for i, k in enumerate(sparse_keys) if k == NO_KEY}:
         raise ValueError("bad free sparse slot in policy image")
-    for column in all_columns:
-        column.ensure_row(0)
-    for i in range(len(table.count)):
-        table.count[i] = counts[i]
-    return table, list(scalars)
+    return TableImage(
+        lists,
+        persisted,
+        LINK * 2 + "b" + "".join(codes),
+        chunks,
+        list(counts),
+        list(scalars),
+        sparse_keys,
+        sparse_free,
+        direct,
+        bool(decided),
+        coded,
+    )
 
 
 @functools.cache
@@ -536,19 +596,36 @@ def _links_below(links: array[int], rows: int) -> bool:
     return not value & signs and not (value + _lanes(len(links), (1 << 31) - rows)) & signs
 
 
+def _list_slots(table: TableImage, lst: int) -> list[int]:
+    """The slots of one list of a decoded table, oldest first."""
+    nxt = table.columns[1]
+    out: list[int] = []
+    slot = nxt[lst >> SHIFT][lst & MASK]  # type: ignore[index]
+    while slot != lst:
+        out.append(slot)
+        slot = nxt[slot >> SHIFT][slot & MASK]  # type: ignore[index]
+    return out
+
+
 def _decode_any_v2(data: bytes, kind: int) -> tuple[int, Image] | None:
     try:
-        table, scalars = decode_pieces(split_pieces(data), kind)
+        table = decode_pieces(split_pieces(data), kind)
     except ValueError:
         return None
-    persisted = HEAD.unpack_from(data, PIECE.size)[1]
     lists: list[Columns] = []
-    size = table.columns[0]
-    for lst in range(persisted):
-        slots = table.slot_list(lst)
+    sparse_base = table.direct + table.lists
+    size = table.columns[3]
+    for lst in range(table.persisted):
+        slots = _list_slots(table, lst)
         n = len(slots)
         zeros = array("q", [0]) * n
-        keys = array("q", map(table.key_of, slots))
-        sizes = array("q", map(size.__getitem__, slots))
+        keys = array(
+            "q",
+            (
+                s - table.lists if s < sparse_base else table.sparse_keys[s - sparse_base]
+                for s in slots
+            ),
+        )
+        sizes = array("q", (size[s >> SHIFT][s & MASK] for s in slots))  # type: ignore[index]
         lists.append((keys, sizes, array("q", [NO_KEY]) * n, zeros, zeros))
-    return kind, Image(scalars[0], scalars[1], lists, array("q"), array("q"))
+    return kind, Image(table.scalars[0], table.scalars[1], lists, array("q"), array("q"))

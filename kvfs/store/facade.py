@@ -48,6 +48,7 @@ from kvfs.common.errors import (
 )
 from kvfs.devices.alloc import Allocator
 from kvfs.devices.pool import Pool
+from kvfs.evict.driver import EvictionDriver
 from kvfs.evict.evictor import Evictor
 from kvfs.evict.space import Space
 from kvfs.format.records import (
@@ -154,19 +155,26 @@ class Store:
             self.alloc,
             self.journal,
             self.ns,
-            self.evictor,
             io=self._io,
+            claimed=lambda: self.writer.claimed,
+            reserve_units=int(self.alloc.total_units * self.cfg.reserve),
+            discard=self.cfg.discard,
+        )
+        """Deferred frees, TRIM and usage counters (:mod:`kvfs.evict.space`)."""
+        self.eviction = EvictionDriver(
+            self.space,
+            self.journal,
+            self.ns,
+            self.evictor,
             evictable=self._evictable,
             evict=self._evict,
-            claimed=lambda: self.writer.claimed,
             pinned=self._pinned,
             privileged=lambda uid: uid in (0, os.getuid()),
-            reserve_units=int(self.alloc.total_units * self.cfg.reserve),
             checkpointed_inodes=lambda: self._ckpt_inodes,
             high_watermark=self.cfg.high_watermark,
             low_watermark=self.cfg.low_watermark,
-            discard=self.cfg.discard,
         )
+        """Room for writes, watermarks and metadata pressure (:mod:`kvfs.evict.driver`)."""
         self.cluster: Cluster | None = None
         """The cluster tier (``--cluster``), set before :meth:`run`."""
         self.direct = DirectPath(self)
@@ -225,7 +233,7 @@ class Store:
             self._nursery = self.writer.nursery = nursery
             await nursery.start(self.journal.run)
             await self.journal.start()
-            nursery.start_soon(self.space.evict_loop)
+            nursery.start_soon(self.eviction.evict_loop)
             nursery.start_soon(self.space.trim_loop)
             if self.cluster is not None:
                 await nursery.start(self.cluster.run)
@@ -238,7 +246,7 @@ class Store:
         A file still open for writing (the daemon told to stop under a live writer)
         was never closed: it is left uncommitted, so the next mount drops it, exactly
         as after a crash -- a writer's bytes count only once it closes the file."""
-        self.space.stopping = True
+        self.eviction.stopping = True
         if self.cluster is not None:
             self.cluster.stop()  # at once: local durability never waits on the cluster
         for ino, st in list(self._files.items()):
@@ -397,7 +405,7 @@ class Store:
         """Room in the metadata area for an operation that grows the index. Metadata
         pressure is eviction pressure: once the last checkpoint is over the area's
         limit, files are evicted by data eviction's rules and a smaller checkpoint
-        is taken (``Space.make_metadata_room``; removals since the last checkpoint
+        is taken (``EvictionDriver.make_metadata_room``; removals since the last checkpoint
         count too: a dropped row leaves the image at once, see
         ``Namespace._strip_row``). NoSpace only when nothing could go. Then
         ``Journal.admit`` for the ``log_bytes`` the operation will log: it waits
@@ -405,9 +413,9 @@ class Store:
         even after a fresh checkpoint; DeviceError once the log failed), so nothing
         is acknowledged that the log could not hold."""
         if self.journal.metadata_full:
-            await self.space.make_metadata_room()
+            await self.eviction.make_metadata_room()
         if self.journal.metadata_full:
-            self.space.log_metadata_full()
+            self.eviction.log_metadata_full()
             raise NoSpace("metadata area full: nothing may be evicted")
         # last: the caller appends with no await after this returns
         await self.journal.admit(log_bytes)
@@ -697,7 +705,7 @@ class Store:
         """Room for ``units`` new units: metadata first, then data (may evict);
         NoSpace/QuotaExceeded only when nothing may be evicted."""
         await self.check_metadata_room()
-        await self.space.ensure(inode, units)
+        await self.eviction.ensure(inode, units)
 
     # ------------------------------------------------------------------ names, attributes
     def lookup(self, parent: int, name: bytes) -> Inode | None:
@@ -877,7 +885,7 @@ class Store:
             "allocator": asdict(self.alloc.statistics()),
             "cache": asdict(self.cache.statistics()),
             "journal": asdict(self.journal.statistics()),
-            "metadata": asdict(self.space.metadata_statistics()),
+            "metadata": asdict(self.eviction.metadata_statistics()),
             "eviction": asdict(self.evictor.statistics()),
             "devices": [asdict(d.statistics()) for d in self.pool.devices],
             "space": [asdict(d) for d in self.device_space()],
@@ -905,7 +913,7 @@ class Store:
         """Files evicted since the mount, by reason and top-level directory (``/``: the
         root's own files; ``(removed)``: a directory gone since), most first."""
         merged: dict[tuple[str, str], int] = {}
-        for (reason, group), n in self.space.evicted_by.items():
+        for (reason, group), n in self.eviction.evicted_by.items():
             key = (reason, self._group_name(group))
             merged[key] = merged.get(key, 0) + n
         order = sorted(merged.items(), key=lambda kv: (-kv[1], kv[0]))

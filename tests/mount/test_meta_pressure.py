@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from kvfs.evict.space import META_HIGH
+from kvfs.evict.driver import META_HIGH
 from kvfs.testing.harness import make_image, mounted
 
 pytestmark = pytest.mark.skipif(

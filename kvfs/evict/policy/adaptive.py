@@ -49,12 +49,12 @@ from __future__ import annotations
 import math
 from array import array
 from collections import OrderedDict
-from collections.abc import Collection, Hashable, Iterator
+from collections.abc import Hashable, Iterator
 from itertools import chain
 
-from kvfs.evict.policy import PolicyStatistics
 from kvfs.evict.policy.prefix import _GHOST, _PROBATION, _STREAM_MEMORY, KvfsPolicy
 from kvfs.evict.policy.prefix_lru import PrefixLRUPolicy
+from kvfs.evict.policy.protocol import Policy, PolicyStatistics
 from kvfs.evict.slots import FREE, LOOSE, SHIFT, SlotTable, share_equal_chunks
 from kvfs.format import policy_image as img
 from kvfs.format.policy_image import Image
@@ -152,7 +152,7 @@ class _Recency(PrefixLRUPolicy):
         return True
 
 
-class AdaptivePolicy:
+class AdaptivePolicy(Policy):
     """Follow the better of a recency and a loop-resistant expert (module docstring)."""
 
     name = "adaptive"
@@ -243,12 +243,6 @@ class AdaptivePolicy:
             yield key
         self._yielded = -1
 
-    def remove_many(self, keys: Collection[int]) -> None:
-        """``remove()`` each of ``keys`` in the order a fresh ``victims()`` lists them
-        (one walk of the chosen expert's order, O(resident keys))."""
-        for key in [k for k in self.victims() if k in keys]:
-            self.remove(key)
-
     def __contains__(self, key: object) -> bool:
         return key in self.recency
 
@@ -305,10 +299,6 @@ class AdaptivePolicy:
         self._share(0, len(self.loop._slots.owner.chunks))
 
     # -- persistence -------------------------------------------------------------------
-
-    def persist(self) -> bytes:
-        """The image :meth:`persist_pieces` yields, joined."""
-        return b"".join(self.persist_pieces())
 
     def persist_pieces(self) -> Iterator[bytes]:
         """Freeze both experts now (O(chunks)) and return an iterator over the

@@ -1,12 +1,13 @@
-"""What the slot-table policies share: residency, sizes, counters and persistence."""
+"""What the slot-table policies share: residency, sizes, counters and persistence
+(:class:`LinkedPolicy`, over one :class:`~kvfs.evict.slots.SlotTable`)."""
 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Collection, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, ClassVar
 
-from kvfs.evict.policy import PolicyStatistics
+from kvfs.evict.policy.protocol import Policy, PolicyStatistics
 from kvfs.evict.slots import DIRECT, MASK, NO_KEY, ROWS, SHIFT, SlotTable
 from kvfs.format import policy_image as img
 
@@ -17,7 +18,7 @@ ORDER = 0
 """The single list of LRU and FIFO (list ids double as sentinel slots)."""
 
 
-class LinkedPolicy:
+class LinkedPolicy(Policy):
     """Shared state and persistence of the policies: slots, sizes, lists and counters."""
 
     name: str = ""
@@ -56,13 +57,6 @@ class LinkedPolicy:
         """Return the tracked keys (a new set, in no particular order)."""
         return set(self._slots.keys_where(self._lists))
 
-    def take_ghost(self, key: int) -> int | None:
-        """No ghosts here (``KvfsPolicy`` keeps them): None."""
-        return None
-
-    def put_ghost(self, key: int, ghost: int) -> None:
-        """No ghosts here: nothing to restore."""
-
     def size_of(self, key: int) -> int:
         """Return the size of resident ``key`` (0 if it is not resident)."""
         slot = self._slot(key)
@@ -72,11 +66,6 @@ class LinkedPolicy:
         """Return the resident keys list by list, oldest first (as ``persist`` does)."""
         table = self._slots
         return [table.key_of(slot) for lst in self._lists for slot in table.slot_list(lst)]
-
-    def remove_many(self, keys: Collection[int]) -> None:
-        """``remove()`` each of ``keys`` in the order a fresh ``victims()`` lists them."""
-        for key in [k for k in self.victims() if k in keys]:  # type: ignore[attr-defined]
-            self.remove(key)  # type: ignore[attr-defined]
 
     def reset(self) -> None:
         """Forget every key and counter."""
@@ -179,13 +168,8 @@ class LinkedPolicy:
     def _pieces(self, kind: int, number: int) -> Iterator[bytes]:
         """``persist_pieces`` as table ``number`` of an image of policy ``kind``."""
         clock, horizon = self._scalars()
-        table = self._slots
         scalars = [clock, horizon, self._resident, self._bytes, *self._extra_scalars()]
-        return img.encode_pieces(kind, table, len(self._lists), scalars, number)
-
-    def persist(self) -> bytes:
-        """Encode the state as an image (``kvfs.format.policy_image``, ``docs/format.md``)."""
-        return b"".join(self.persist_pieces())
+        return img.encode_pieces(kind, self._slots.image(len(self._lists), scalars), number)
 
     def recover(self, data: bytes) -> None:
         """Replace the state by the one ``data`` encodes (a version 2 image, or a
@@ -208,19 +192,20 @@ class LinkedPolicy:
         """``recover_pieces`` of table ``number`` of an image of policy ``kind``
         (chunks equal to ``twin``'s shared with it: ``decode_pieces``)."""
         table = self._slots
-        got = img.decode_pieces(
+        shared = () if twin is None or twin.lists != table.lists else twin.twin_chunks()
+        image = img.decode_pieces(
             pieces,
             kind,
             len(table.count),
             len(self._lists),
             [c.code for c in table.columns],
             number,
-            twin,
+            shared,
         )
         self.reset()
-        self._slots, scalars = got
+        self._slots = SlotTable.from_image(image, twin)
         self._bind_columns()
-        clock, horizon, self._resident, self._bytes, *extra = scalars
+        clock, horizon, self._resident, self._bytes, *extra = image.scalars
         self._set_scalars(clock, horizon)
         self._set_extra(extra)
 
@@ -256,7 +241,7 @@ class LinkedPolicy:
         fresh = not self._slots.decided and (not keys or 0 <= min(keys) <= max(keys) < DIRECT)
         if not fresh or min(sizes, default=0) < 0 or len(keys) != len(sizes):
             for key, size in zip(keys, sizes, strict=True):
-                self.track(key, size, None)  # type: ignore[attr-defined]
+                self.track(key, size, None)
             return
         self._adopt_fresh(keys, sizes, spans)
         total = sum(sizes)
@@ -295,5 +280,5 @@ class LinkedPolicy:
         self.reset()
         for keys, sizes, *_ in found[1].lists:
             for key, size in zip(keys, sizes, strict=True):
-                self.track(key, size, None)  # type: ignore[attr-defined]
+                self.track(key, size, None)
         return True

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterator
 
-from kvfs.evict.policy import PolicyStatistics
 from kvfs.evict.policy.base import LinkedPolicy
+from kvfs.evict.policy.protocol import PolicyStatistics
 from kvfs.format import policy_image as img
 
 

@@ -10,8 +10,8 @@ from collections import OrderedDict
 from collections.abc import Collection, Hashable, Iterator
 from typing import TYPE_CHECKING
 
-from kvfs.evict.policy import PolicyStatistics
 from kvfs.evict.policy.base import LinkedPolicy
+from kvfs.evict.policy.protocol import PolicyStatistics
 from kvfs.evict.slots import NO_KEY
 from kvfs.format import policy_image as img
 

@@ -17,7 +17,7 @@ import trio.lowlevel
 
 import kvfs.log.journal as journal_mod
 from kvfs.common.errors import NoSpace, NotFound
-from kvfs.evict.space import META_HIGH
+from kvfs.evict.driver import META_HIGH
 from kvfs.format.geometry import META_FULL
 from kvfs.index.columns import ARENA_CHUNK, ROWS
 from kvfs.index.namespace import ROOT_INO, Inode
@@ -78,7 +78,7 @@ async def test_creates_go_on_while_files_are_evictable() -> None:
         store.evictor.grace = 0  # the policy's order, not the last resort
         for i in range(written):
             await put(store, i)
-        assert store.space.metadata_evictions > written // 2
+        assert store.eviction.metadata_evictions > written // 2
         assert not store.journal.metadata_full
         alive = await check_survivors(store, written)
         # (which files survive is the policy's choice: it may take a fresh chain tail)
@@ -115,7 +115,7 @@ async def test_nospace_when_nothing_may_be_evicted() -> None:
                 await put(store, i)
                 accepted += 1
         assert 500 < accepted < 6000
-        assert store.space.metadata_evictions == 0
+        assert store.eviction.metadata_evictions == 0
 
         def walk(*args: object, **kwargs: object) -> Iterator[tuple[Inode, bool]]:
             raise AssertionError("walked the policy order with nothing evictable")
@@ -160,8 +160,8 @@ async def test_open_files_are_never_evicted_for_metadata() -> None:
         assert set(range(held // 2, held)) <= set(alive), "an open file was evicted"
         # the area was full at `held` files, so 200 more fit only by evicting; how
         # many go depends on where the area stood and on the batch down to META_LOW
-        assert store.space.metadata_evictions > 0
-        assert len(alive) == held + 200 - store.space.metadata_evictions
+        assert store.eviction.metadata_evictions > 0
+        assert len(alive) == held + 200 - store.eviction.metadata_evictions
 
 
 async def test_background_eviction_acts_before_the_limit() -> None:
@@ -173,14 +173,14 @@ async def test_background_eviction_acts_before_the_limit() -> None:
         store.evictor.grace = 0
         i = 0
         with trio.fail_after(60):
-            while store.space.metadata_estimate() <= META_HIGH * half(store):
+            while store.eviction.metadata_estimate() <= META_HIGH * half(store):
                 await put(store, i)
                 i += 1
         assert store.journal.checkpoint_bytes <= META_FULL * half(store)
-        await wait_until(lambda: store.space.metadata_evictions > 0, limit=10)
+        await wait_until(lambda: store.eviction.metadata_evictions > 0, limit=10)
         # (the estimate after eviction is rough: the policy keeps ghost keys of the
         # evicted files, so the checkpoint shrinks a little less than the index)
-        assert store.space.metadata_estimate() < META_HIGH * half(store)
+        assert store.eviction.metadata_estimate() < META_HIGH * half(store)
         assert await check_survivors(store, i)
 
 
@@ -193,13 +193,13 @@ async def test_the_estimate_tracks_the_next_checkpoint() -> None:
         for rounds in range(2):
             for i in range(rounds * 400, rounds * 400 + 400):
                 await put(store, i)
-            estimate = store.space.metadata_estimate()
+            estimate = store.eviction.metadata_estimate()
             await store.journal.checkpoint()
             actual = store.journal.checkpoint_bytes
             assert abs(estimate - actual) <= 0.1 * actual + GRAIN, (rounds, estimate, actual)
         for i in range(300):
             store.maybe_drop(store.ns.remove(ROOT_INO, name_of(i), want_dir=False))
-        estimate = store.space.metadata_estimate()
+        estimate = store.eviction.metadata_estimate()
         await store.journal.checkpoint()
         actual = store.journal.checkpoint_bytes
         assert abs(estimate - actual) <= 0.1 * actual + GRAIN, (estimate, actual)
@@ -228,7 +228,7 @@ async def test_a_flood_of_large_xattrs_waits_for_checkpoint_windows_never_stops_
     async with serving(pool, MANAGED) as store:
         store.evictor.grace = 3600.0  # no eviction: every target must keep its xattr
         inodes = [await store.make(ROOT_INO, name_of(i), 0o100644) for i in range(700)]
-        assert store.space.metadata_estimate() < half(store) * META_HIGH
+        assert store.eviction.metadata_estimate() < half(store) * META_HIGH
 
         async def setter(task: int) -> None:
             for r in range(rounds):

@@ -935,7 +935,7 @@ async def test_directory_usage_is_kept_by_running_counters_never_a_walk(
                     await store.write(held, found.size, b"z" * UNIT)
                     await store.release(held)
             elif op == "e":
-                store.space.evict_units(rng.randrange(1, 4), include_fresh=True)
+                store.eviction.evict_units(rng.randrange(1, 4), include_fresh=True)
             elif op == "d":  # a subdirectory (and its subtree) to another top-level one
                 sub = rng.choice([x for x in dirs if x != ROOT_INO and x not in tops])
                 node = store.ns.inodes[sub]
