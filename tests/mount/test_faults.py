@@ -509,8 +509,8 @@ async def test_journal_hang_fails_waiters_within_the_deadline() -> None:
     import trio
 
     from kvfs.common.errors import DeviceError
-    from kvfs.devices.device import FaultyDevice, MemoryDevice
     from kvfs.format.records import Blob
+    from kvfs.testing.devices import FaultyDevice, MemoryDevice
 
     dev = FaultyDevice(MemoryDevice(4096 + 256 * 1024 + 4096))
     journal = _journal(dev, timeout=0.5)
@@ -535,9 +535,9 @@ async def test_journal_is_fail_stop_after_a_failed_write() -> None:
     import trio
 
     from kvfs.common.errors import DeviceError
-    from kvfs.devices.device import FaultyDevice, MemoryDevice
     from kvfs.format.records import Blob, Op
     from kvfs.log.journal import ApplySink, recover
+    from kvfs.testing.devices import FaultyDevice, MemoryDevice
 
     dev = FaultyDevice(MemoryDevice(4096 + 256 * 1024 + 4096))
     journal = _journal(dev)

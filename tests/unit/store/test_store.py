@@ -28,7 +28,7 @@ from kvfs.common.errors import (
     StaleSize,
 )
 from kvfs.devices import pool as pool_mod
-from kvfs.devices.device import Device, FaultyDevice, MemoryDevice
+from kvfs.devices.device import Device
 from kvfs.devices.pool import Pool, format_pool, open_pool
 from kvfs.format import geometry, nsimage
 from kvfs.format.records import (
@@ -46,6 +46,7 @@ from kvfs.index.namespace import EVICTOR_TAG, ROOT_INO
 from kvfs.log.journal import recover
 from kvfs.store.facade import Store, StoreConfig
 from kvfs.store.posix import Caller
+from kvfs.testing.devices import FaultyDevice, MemoryDevice
 from tests.unit.log.test_journal import v1_device, v1_maker
 
 UNIT = 64 * 1024
