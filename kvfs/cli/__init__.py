@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any, NoReturn
 
 from kvfs.common import sizes
@@ -46,14 +47,11 @@ def parse_image_size(text: str) -> int:
 
 
 def parse_seconds(text: str) -> float:
-    """A duration in seconds: a finite number >= 0 (``30``, ``0.5``)."""
+    """A duration in seconds (:func:`kvfs.common.sizes.parse_seconds`), for argparse."""
     try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds (e.g. 30, 0.5)")
-    return value
+        return sizes.parse_seconds(text)
+    except sizes.DurationError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def parse_fraction(text: str) -> float:
@@ -603,7 +601,7 @@ def _run_mount(args: argparse.Namespace, ready: Callable[[], None]) -> int:
 
     from kvfs.cli import daemon, progress
     from kvfs.devices.pool import open_pool
-    from kvfs.fuse.ops import serve
+    from kvfs.fuse.session import serve
     from kvfs.store.facade import Store, StoreConfig
 
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # never unmounts; reopens logs once serving
@@ -668,7 +666,18 @@ def _run_mount(args: argparse.Namespace, ready: Callable[[], None]) -> int:
             ready()
             daemon.notify(f"READY=1\nMAINPID={os.getpid()}")
 
-        trio.run(serve, store, args.mountpoint, options, up, exporter)
+        trio.run(
+            partial(
+                serve,
+                reopen_logs=daemon.reopen_logs,
+                stopping=lambda: daemon.notify("STOPPING=1"),
+            ),
+            store,
+            args.mountpoint,
+            options,
+            up,
+            exporter,
+        )
     finally:
         if exporter is not None:
             exporter.close()

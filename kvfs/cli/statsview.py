@@ -18,7 +18,8 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 from kvfs.common.errors import UserError
-from kvfs.common.sizes import format_size
+from kvfs.common.sizes import DurationError, format_size, parse_seconds
+from kvfs.store.control import STATS_XATTR
 
 EXIT_OK = 0
 CLEAR = "\x1b[H\x1b[2J"
@@ -53,9 +54,10 @@ def add_arguments(s: argparse.ArgumentParser) -> None:
 
 
 def _interval(text: str) -> float:
-    from kvfs.cli import parse_seconds
-
-    value = parse_seconds(text)
+    try:
+        value = parse_seconds(text)
+    except DurationError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     if value < 0.1:
         raise argparse.ArgumentTypeError(f"{text}: at least 0.1 seconds")
     return value
@@ -70,7 +72,6 @@ def _count(text: str) -> int:
 def read_stats(mountpoint: str) -> dict[str, Any]:
     """The mount's statistics; a one-line :class:`UserError` if it is not a kvfs mount."""
     from kvfs.cli import daemon
-    from kvfs.fuse.ops import STATS_XATTR
 
     root = _mount_root(mountpoint)
     try:
