@@ -193,7 +193,7 @@ def faultfs(tmp_path: Path, sizes: dict[str, int]) -> Iterator[FaultFS]:
 
 def device_of(devices: list[Path]) -> dict[str, set[int]]:
     """name -> devices holding its units (offline, from the index)."""
-    from kvfs.cli.fsck import offline_index
+    from kvfs.cli.offline import offline_index
     from kvfs.format.records import DEV_SHIFT, NO_UNIT
     from kvfs.index.namespace import ROOT_INO
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from kvfs.cli.fsck import EXIT_CLEAN, EXIT_CORRECTED, EXIT_UNCORRECTED, fsck, upgrade
+from kvfs.cli.offline import EXIT_CLEAN, EXIT_CORRECTED, EXIT_UNCORRECTED, fsck, upgrade
 from kvfs.common.errors import Corruption, UserError
 from kvfs.devices.pool import (
     Pool,

@@ -12,7 +12,7 @@ import pytest
 import trio
 import trio.lowlevel
 
-from kvfs.cli.fsck import _check_data
+from kvfs.cli.offline import _check_data
 from kvfs.common.errors import Corruption, NotFound
 from kvfs.devices.pool import Pool
 from kvfs.format.records import (

@@ -724,7 +724,7 @@ async def test_a_pool_checkpointed_by_the_previous_release_mounts_with_every_byt
 ) -> None:
     """Upgrade: a checkpoint of operations (INODE, XATTR, DENTRY, BLOB records, what
     releases before the columnar index wrote) loads into the columns."""
-    from kvfs.cli.fsck import offline_index
+    from kvfs.cli.offline import offline_index
     from kvfs.format.halves import encode_checkpoint, half_bounds
     from kvfs.format.nsimage import TAG
 
