@@ -254,7 +254,7 @@ def cpu_steps(image: Path) -> dict[str, Any]:
         load = timed(store.load)
         ops = Operations(store)
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(StoreCollector(store, ops))
+        registry.register(StoreCollector(store, ops.requests))
         stats = [timed(ops.stats_json) for _ in range(5)]
         scrape = [timed(lambda: generate_latest(registry)) for _ in range(5)]
         pieces = iter(store._snapshot())  # a checkpoint's steps on the trio thread

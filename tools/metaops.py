@@ -451,12 +451,13 @@ def in_process(counts: list[int]) -> None:
 
     from kvfs.devices import pool as pool_mod
     from kvfs.devices.alloc import Allocator
-    from kvfs.devices.device import Device, MemoryDevice
+    from kvfs.devices.device import Device
     from kvfs.devices.pool import Pool
     from kvfs.format import geometry
     from kvfs.fuse.ops import Operations
     from kvfs.index.namespace import ROOT_INO
     from kvfs.store.facade import Store, StoreConfig
+    from kvfs.testing.devices import MemoryDevice
 
     for n in counts:
         devs: list[Device] = [MemoryDevice(64 << 20, "mem0")]
@@ -519,12 +520,13 @@ def handlers(counts: list[int], rounds: int = 3) -> None:
     import trio
 
     from kvfs.devices import pool as pool_mod
-    from kvfs.devices.device import Device, MemoryDevice
+    from kvfs.devices.device import Device
     from kvfs.devices.pool import Pool
     from kvfs.format import geometry
     from kvfs.fuse.ops import Operations
     from kvfs.index.namespace import ROOT_INO
     from kvfs.store.facade import Store, StoreConfig
+    from kvfs.testing.devices import MemoryDevice
 
     class Ctx:
         uid = gid = pid = 0

@@ -26,6 +26,7 @@ from typing import Any
 from kvfs.common.errors import UserError
 from kvfs.common.sizes import format_size, parse_size
 
+HELP = "what a pool holds for a model: chunk size, tokens, unit size"
 EXIT_OK = 0
 FRAGMENT = 4096
 """A chunk's tail past its last whole unit is stored in 4 KiB fragments."""
@@ -294,4 +295,4 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-__all__ = ["MODELS", "Plan", "Shape", "add_arguments", "load_shape", "make_plan", "run"]
+__all__ = ["HELP", "MODELS", "Plan", "Shape", "add_arguments", "load_shape", "make_plan", "run"]

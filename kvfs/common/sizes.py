@@ -13,13 +13,17 @@ so ``4096``, ``1M`` = ``1MiB`` = 1048576, ``1MB`` = 1000000, ``1.5G`` = 16106127
 A single letter is binary, as in ``truncate -s``, ``dd`` and ``fallocate -l``; the SI
 spelling ``MB`` means powers of ten, as in those tools. A value must come out as a
 whole number of bytes (``1.3K`` is refused) below 2^63.
+
+Durations (``--io-timeout``, ``kvfs umount --timeout``, ``kvfs stats --interval``)
+are plain seconds: a finite decimal number >= 0 (``30``, ``0.5``), no unit.
 """
 
 from __future__ import annotations
 
+import math
 import re
 
-__all__ = ["MAX_BYTES", "SizeError", "format_size", "parse_size"]
+__all__ = ["MAX_BYTES", "DurationError", "SizeError", "format_size", "parse_seconds", "parse_size"]
 
 MAX_BYTES = (1 << 63) - 1
 
@@ -56,6 +60,22 @@ def parse_size(text: str) -> int:
         raise SizeError(f"{text!r} is not a whole number of bytes")
     if value > MAX_BYTES:
         raise SizeError(f"{text!r} is too large (the most is 8 EiB)")
+    return value
+
+
+class DurationError(ValueError):
+    """Not a number of seconds; the message says why, on one line."""
+
+
+def parse_seconds(text: str) -> float:
+    """A duration in seconds: a finite number >= 0 (``30``, ``0.5``);
+    :class:`DurationError` otherwise."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise DurationError(f"{text!r} is not a number of seconds (e.g. 30, 0.5)")
     return value
 
 

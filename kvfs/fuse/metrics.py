@@ -8,7 +8,8 @@ devices, FUSE operations and top-level directories, never with files; the first
 scrape sums each top-level directory once, as ``kvfs stats`` does).
 
 ``prometheus_client`` formats the page from a private registry whose one collector
-reads :meth:`Store.all_statistics` and the FUSE adapter's request counters at scrape
+reads :meth:`Store.all_statistics` and the FUSE adapter's request counters
+(:class:`~kvfs.fuse.counters.RequestCounters`, handed in by the caller) at scrape
 time; kvfs's own counters stay plain integers on the data path. Names follow the
 Prometheus conventions (``kvfs_`` prefix, base units, ``_total`` counters); each is
 listed in docs/operations.md.
@@ -28,7 +29,7 @@ from kvfs.common.errors import UserError
 from kvfs.common.timing import Histogram
 
 if TYPE_CHECKING:
-    from kvfs.fuse.ops import Operations
+    from kvfs.fuse.counters import RequestCounters
     from kvfs.store.facade import Store
 
 log = logging.getLogger(__name__)
@@ -82,11 +83,11 @@ class Exporter:
     def port(self) -> int:
         return int(self.sock.getsockname()[1])
 
-    async def serve(self, store: Store, ops: Operations) -> None:
+    async def serve(self, store: Store, requests: RequestCounters) -> None:
         from prometheus_client import CollectorRegistry
 
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(StoreCollector(store, ops))
+        registry.register(StoreCollector(store, requests))
         listener = trio.SocketListener(trio.socket.from_stdlib_socket(self.sock))
 
         async def handle(stream: trio.SocketStream) -> None:
@@ -146,10 +147,11 @@ async def _send(
 
 
 class StoreCollector:
-    """Builds every family from one :meth:`Store.all_statistics` per scrape."""
+    """Builds every family from one :meth:`Store.all_statistics` per scrape, and the
+    FUSE adapter's ``requests``."""
 
-    def __init__(self, store: Store, ops: Operations) -> None:
-        self.store, self.ops = store, ops
+    def __init__(self, store: Store, requests: RequestCounters) -> None:
+        self.store, self.requests = store, requests
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import (
@@ -214,7 +216,7 @@ class StoreCollector:
                 "Name lookups that reached the daemon, by outcome (a miss is ENOENT)",
                 labels=["result"],
             ),
-            [([k], v) for k, v in self.ops.requests.lookups.items()],
+            [([k], v) for k, v in self.requests.lookups.items()],
         )
         yield labelled(
             CounterMetricFamily(
@@ -322,7 +324,7 @@ class StoreCollector:
             "kvfs_metadata_limit_bytes", "Largest checkpoint the area allows", m["limit_bytes"]
         )
 
-        req = self.ops.requests
+        req = self.requests
         yield histograms(
             HistogramMetricFamily(
                 "kvfs_fuse_request_duration_seconds",

@@ -1,8 +1,10 @@
 """The pyfuse3 adapter: translates FUSE requests to Store calls, errors to errno.
 
-This is the only module that imports pyfuse3 handler types. Only ``FUSEError``
-leaves a handler: domain errors are mapped by :func:`_errors`; anything else is a
-bug and is allowed to stop the loop loudly.
+This is the only module that imports pyfuse3 handler types; it talks to the store
+alone (its files are :class:`~kvfs.store.types.InodeView` to it), and
+:mod:`kvfs.fuse.session` runs it in a mount. Only ``FUSEError`` leaves a handler:
+domain errors are mapped by :func:`_errors`; anything else is a bug and is allowed to
+stop the loop loudly.
 """
 
 from __future__ import annotations
@@ -15,32 +17,22 @@ import os
 import stat
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import pyfuse3
-import trio
 
 from kvfs.common.errors import KvfsError, NoAttribute, NotPermitted, NotSupported
-from kvfs.common.timing import Histogram
-from kvfs.evict.evictor import GROUP_XATTRS, check_group_target, check_group_xattr
-from kvfs.index.namespace import Inode
+from kvfs.fuse.counters import RequestCounters
 from kvfs.store import leases as directpath
 from kvfs.store import posix
+from kvfs.store.control import CHECKPOINT_XATTR, STATS_XATTR
 from kvfs.store.facade import Store
 from kvfs.store.posix import Caller
-
-if TYPE_CHECKING:
-    from kvfs.fuse.metrics import Exporter
+from kvfs.store.types import InodeView
 
 log = logging.getLogger(__name__)
 P = ParamSpec("P")
 R = TypeVar("R")
-
-STATS_XATTR = b"user.kvfs.stats"
-"""Read-only xattr on the root: the mount's statistics as JSON (``kvfs stats``)."""
-CHECKPOINT_XATTR = b"user.kvfs.checkpoint"
-"""Write-only xattr on the root, for root or the daemon's user: setting it (any value)
-starts a metadata checkpoint and returns at once (tests, ``tools/ckptlatency.py``)."""
 
 SECURITY = b"security."
 ATTR_TIMEOUT = 300.0
@@ -64,28 +56,6 @@ def has_labels(names: Iterable[bytes]) -> bool:
     interned xattr names (O(distinct names), not a pass over every file at mount;
     a name stays interned after its last use, which only errs toward ENODATA)."""
     return any(n.startswith(SECURITY) for n in names)
-
-
-class RequestCounters:
-    """Per FUSE operation: a latency histogram and the errors answered, by errno name
-    (the trio thread is the only writer)."""
-
-    def __init__(self) -> None:
-        self.latency: dict[str, Histogram] = {}
-        self.errors: dict[tuple[str, str], int] = {}
-        self.lookups = {"hit": 0, "miss": 0}
-        """LOOKUPs that reached the daemon (the kernel caches both answers for the
-        entry timeout), by outcome."""
-
-    def observe(self, op: str, seconds: float) -> None:
-        h = self.latency.get(op)
-        if h is None:
-            h = self.latency[op] = Histogram()
-        h.observe(seconds)
-
-    def error(self, op: str, code: int) -> None:
-        key = (op, errno.errorcode.get(code, str(code)))
-        self.errors[key] = self.errors.get(key, 0) + 1
 
 
 def _errors(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
@@ -140,7 +110,7 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
         except Exception as e:  # no session (tests calling handlers directly)
             log.debug("invalidate %d/%r: %s", parent, name, e)
 
-    def _attr(self, inode: Inode) -> pyfuse3.EntryAttributes:
+    def _attr(self, inode: InodeView) -> pyfuse3.EntryAttributes:
         a = pyfuse3.EntryAttributes()
         a.st_ino = inode.ino
         a.generation = 0
@@ -156,7 +126,7 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
         a.st_atime_ns, a.st_mtime_ns, a.st_ctime_ns = inode.times()
         return a
 
-    def _entry(self, inode: Inode) -> pyfuse3.EntryAttributes:
+    def _entry(self, inode: InodeView) -> pyfuse3.EntryAttributes:
         inode.lookups += 1
         return self._attr(inode)
 
@@ -379,9 +349,7 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
             await self.store.direct_set(inode, name, value, _caller(ctx))
             self._invalidate_attr(inode)  # its size and times changed behind the kernel
             return
-        if name in GROUP_XATTRS:
-            check_group_xattr(name, value)
-            check_group_target(self.store.get_inode(inode), name)
+        self.store.check_group_setting(inode, name, value)
         await self.store.set_xattr(inode, name, value)
         self.labels = self.labels or name.startswith(SECURITY)
 
@@ -423,72 +391,3 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
         stats = self.store.all_statistics()
         stats["lookups"] = dict(self.requests.lookups)
         return json.dumps(stats)
-
-
-async def tune_readahead(mountpoint: str, kib: int) -> None:
-    """Raise the mount's readahead once FUSE INIT is done (earlier writes are clamped
-    back): 1 MiB read requests instead of 128 KiB (docs: fuse-performance)."""
-    for _ in range(100):
-        try:
-            st = await trio.to_thread.run_sync(os.stat, mountpoint)
-        except OSError:
-            st = None
-        if st is not None and os.major(st.st_dev) == 0:
-            path = f"/sys/class/bdi/0:{os.minor(st.st_dev)}/read_ahead_kb"
-            try:
-                with open(path, "w") as f:  # noqa: ASYNC230 - sysfs write, instantaneous
-                    f.write(str(kib))
-                log.debug("set %s to %d", path, kib)
-            except OSError as e:
-                log.info("could not raise readahead (%s): %s", path, e)
-            return
-        await trio.sleep(0.05)
-
-
-async def serve(
-    store: Store,
-    mountpoint: str,
-    options: set[str],
-    ready: Callable[[], None] = lambda: None,
-    exporter: Exporter | None = None,
-    readahead_kib: int = 4096,
-) -> None:
-    """Mount, serve until unmounted or signalled, then commit and checkpoint."""
-    import signal
-
-    ops = Operations(store)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(store.run)
-        pyfuse3.init(ops, mountpoint, options)
-        try:
-            nursery.start_soon(_on_signals, signal)
-            nursery.start_soon(tune_readahead, mountpoint, readahead_kib)
-            if exporter is not None:
-                nursery.start_soon(exporter.serve, store, ops)
-            ready()
-            await pyfuse3.main()
-        finally:
-            try:
-                await store.close()
-            finally:
-                pyfuse3.close(unmount=True)
-                nursery.cancel_scope.cancel()
-
-
-async def _on_signals(signal: Any) -> None:
-    """SIGTERM and SIGINT unmount (cleanly: final commit and checkpoint); SIGHUP only
-    reopens the log file (logrotate). Still listening while the unmount runs, so a
-    late SIGHUP cannot kill the final checkpoint."""
-    from kvfs.cli import daemon
-
-    stopping = False
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
-        async for signum in signals:
-            if signum == signal.SIGHUP:
-                daemon.reopen_logs()
-                log.info("SIGHUP: log file reopened")
-            elif not stopping:
-                stopping = True
-                log.info("signal %d received: unmounting", signum)
-                daemon.notify("STOPPING=1")
-                pyfuse3.terminate()

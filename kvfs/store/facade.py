@@ -49,7 +49,7 @@ from kvfs.common.errors import (
 from kvfs.devices.alloc import Allocator
 from kvfs.devices.pool import Pool
 from kvfs.evict.driver import EvictionDriver
-from kvfs.evict.evictor import Evictor
+from kvfs.evict.evictor import GROUP_XATTRS, Evictor, check_group_target, check_group_xattr
 from kvfs.evict.space import Space
 from kvfs.format.records import (
     DEV_SHIFT,
@@ -76,6 +76,7 @@ from kvfs.store.types import (
     DirectoryUsage,
     FileState,
     Handle,
+    InodeView,
     StoreConfig,
     StoreStatistics,
     check_failed,
@@ -551,7 +552,7 @@ class Store:
         self.evictor.forget(inode.ino)
         self.ns.drop(inode)
 
-    def allocated_bytes(self, inode: Inode) -> int:
+    def allocated_bytes(self, inode: InodeView) -> int:
         """Bytes of device space the file has (``st_blocks``)."""
         return self.writer.allocated_bytes(inode)
 
@@ -824,6 +825,15 @@ class Store:
         check_xattr_room(inode.xattrs or {}, name, value)
         await self.check_metadata_room(OP_LOG_BYTES + len(name) + len(value))
         self.ns.set_xattr(ino, name, value)
+
+    def check_group_setting(self, ino: int, name: bytes, value: bytes) -> None:
+        """Before a caller's :meth:`set_xattr`: InvalidArgument if ``name`` is a setting
+        of an eviction group (``user.kvfs.policy``, ``.quota``, ``.max_file_size``)
+        with a malformed value, or set where it takes no effect (groups are top-level
+        directories; the root takes its policy alone). Any other name passes."""
+        if name in GROUP_XATTRS:
+            check_group_xattr(name, value)
+            check_group_target(self.get_inode(ino), name)
 
     def remove_xattr(self, ino: int, name: bytes) -> None:
         self.journal.check_usable()

@@ -1,12 +1,13 @@
 """The data types the store, its write path (:mod:`kvfs.store.writer`) and its read path
 (:mod:`kvfs.store.reader`) share: the store's settings, a file's runtime data state, an
-open handle, and what the store reports. A module of its own so that all of them can
-import these without importing each other."""
+open handle, what the store reports, and what its callers read of an inode. A module of
+its own so that all of them can import these without importing each other."""
 
 from __future__ import annotations
 
 import mmap
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import trio
 
@@ -16,6 +17,44 @@ from kvfs.evict.policy import DEFAULT_POLICY
 
 FILE_SIZE_LIMIT = 1 << 40
 """No file is larger than this (1 TiB), whatever the settings."""
+
+
+class InodeView(Protocol):
+    """What the store's callers read of a file or directory it returns, and hand back
+    to it (:meth:`Store.allocated_bytes`): the FUSE adapter builds a request's
+    attributes from it. The index's inode is one (a view over the index's columns: each
+    read is a column lookup, nothing is copied), so the layers above the store name no
+    type of the index."""
+
+    @property
+    def ino(self) -> int: ...
+    @property
+    def mode(self) -> int: ...
+    @property
+    def nlink(self) -> int: ...
+    @property
+    def uid(self) -> int: ...
+    @property
+    def gid(self) -> int: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def parent(self) -> int:
+        """The directory of the inode's last name."""
+
+    def times(self) -> tuple[int, int, int]:
+        """(atime, mtime, ctime) in ns."""
+
+    @property
+    def units(self) -> tuple[int, ...]:
+        """The unit map (``st_blocks`` is counted from it)."""
+
+    @property
+    def mapped_units(self) -> int: ...
+
+    lookups: int
+    """Kernel references (the FUSE lookup count): the adapter counts the entries it
+    replies, :meth:`Store.forget` the kernel's forgets."""
 
 
 @dataclass(frozen=True)

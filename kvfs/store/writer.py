@@ -46,7 +46,14 @@ from kvfs.store import posix
 from kvfs.store.cache import UnitCache
 from kvfs.store.posix import Caller
 from kvfs.store.reader import Reader, domain_nursery
-from kvfs.store.types import FILE_SIZE_LIMIT, FileState, Handle, StoreConfig, check_failed
+from kvfs.store.types import (
+    FILE_SIZE_LIMIT,
+    FileState,
+    Handle,
+    InodeView,
+    StoreConfig,
+    check_failed,
+)
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +128,7 @@ class Writer:
                 f"{self.max_file_size(inode)} bytes"
             )
 
-    def allocated_bytes(self, inode: Inode) -> int:
+    def allocated_bytes(self, inode: InodeView) -> int:
         """Bytes of device space the file has (``st_blocks``): its mapped units and
         fragment tails, plus the dirty or in-flight units not mapped yet (a whole
         unit each: their space is already claimed, as ext4 counts delayed

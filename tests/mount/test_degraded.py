@@ -244,7 +244,7 @@ def one_line(r: subprocess.CompletedProcess[str]) -> str:
 def test_refusals_name_the_missing_member_and_never_suggest_format(
     tmp_path: Path, degraded: bool
 ) -> None:
-    from kvfs.cli.fsck import offline_index
+    from kvfs.cli.offline import offline_index
 
     require_fuse()
     devs, _ = three_member_pool(tmp_path, [MiB])

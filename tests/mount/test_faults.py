@@ -193,7 +193,7 @@ def faultfs(tmp_path: Path, sizes: dict[str, int]) -> Iterator[FaultFS]:
 
 def device_of(devices: list[Path]) -> dict[str, set[int]]:
     """name -> devices holding its units (offline, from the index)."""
-    from kvfs.cli.fsck import offline_index
+    from kvfs.cli.offline import offline_index
     from kvfs.format.records import DEV_SHIFT, NO_UNIT
     from kvfs.index.namespace import ROOT_INO
 
@@ -509,8 +509,8 @@ async def test_journal_hang_fails_waiters_within_the_deadline() -> None:
     import trio
 
     from kvfs.common.errors import DeviceError
-    from kvfs.devices.device import FaultyDevice, MemoryDevice
     from kvfs.format.records import Blob
+    from kvfs.testing.devices import FaultyDevice, MemoryDevice
 
     dev = FaultyDevice(MemoryDevice(4096 + 256 * 1024 + 4096))
     journal = _journal(dev, timeout=0.5)
@@ -535,9 +535,9 @@ async def test_journal_is_fail_stop_after_a_failed_write() -> None:
     import trio
 
     from kvfs.common.errors import DeviceError
-    from kvfs.devices.device import FaultyDevice, MemoryDevice
     from kvfs.format.records import Blob, Op
     from kvfs.log.journal import ApplySink, recover
+    from kvfs.testing.devices import FaultyDevice, MemoryDevice
 
     dev = FaultyDevice(MemoryDevice(4096 + 256 * 1024 + 4096))
     journal = _journal(dev)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from kvfs.cli.fsck import offline_index
+from kvfs.cli.offline import offline_index
 from kvfs.devices.pool import open_pool
 from kvfs.format.halves import half_bounds
 from kvfs.format.records import (

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from kvfs.cli import _alive, _parser, daemon, mounthelper
+from kvfs.cli import _parser, daemon, mounthelper
+from kvfs.cli.umount import alive
 from kvfs.common.errors import UserError
 from kvfs.testing import harness
 from tests.conftest import META_SIZE, loop_unavailable, require_fuse, wait_for
@@ -61,7 +62,7 @@ def umount_and_wait_gone(mnt: Path) -> None:
     assert pid is not None, "no pidfile for the mount"
     r = kvfs("umount", mnt, cwd="/")
     assert r.returncode == 0, r.stderr
-    assert not _alive(pid), f"daemon {pid} still running after kvfs umount returned"
+    assert not alive(pid), f"daemon {pid} still running after kvfs umount returned"
     assert not harness.is_mounted(mnt)
 
 
@@ -376,7 +377,7 @@ def test_a_stale_mount_says_to_umount_it(tmp_path: Path) -> None:
         pid = daemon.daemon_pid(entry(mnt))
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
-        wait_for(lambda: not _alive(pid), timeout=60, what="the killed daemon to exit")
+        wait_for(lambda: not alive(pid), timeout=60, what="the killed daemon to exit")
         want = f"{mnt}: stale kvfs mount (its daemon is gone): run `kvfs umount {mnt}`"
         for argv in (("stats", mnt), ("stats", mnt / "sub"), ("mount", mnt, tmp_path / "pool.img")):
             r = kvfs(*argv)
@@ -423,10 +424,10 @@ def test_umount_of_a_busy_mount_names_its_users_and_lazy_detaches(tmp_path: Path
         r = kvfs("umount", "--lazy", mnt)
         assert r.returncode == 0, r.stderr
         assert f"pid {holder.pid}" in r.stdout and "detached" in r.stdout, r.stdout
-        assert not harness.is_mounted(mnt) and _alive(pid)
+        assert not harness.is_mounted(mnt) and alive(pid)
         out, _ = holder.communicate("\n", timeout=60)  # it still reads its open file
         assert holder.returncode == 0 and bytes.fromhex(out) == data
-        wait_for(lambda: not _alive(pid), timeout=60, what="the daemon to end")
+        wait_for(lambda: not alive(pid), timeout=60, what="the daemon to end")
     finally:
         if holder is not None and holder.poll() is None:
             holder.kill()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvfs.cli.fsck import offline_index
+from kvfs.cli.offline import offline_index
 from kvfs.devices.pool import open_pool
 from kvfs.format.records import DEV_SHIFT, allocated_size, extent, is_fragment
 from kvfs.index.namespace import ROOT_INO

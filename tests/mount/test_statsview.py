@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvfs.cli import statsview
+from kvfs.cli import stats
 from kvfs.testing import harness
 from tests.conftest import KvfsMount, pattern, require_fuse
 
@@ -173,12 +173,12 @@ def test_identical_members_are_not_called_different(tmp_path: Path) -> None:
 
 def test_fit_cuts_a_page_to_the_terminal() -> None:
     page = "".join(f"line {i} " + "x" * (i * 10) + "\n" for i in range(40))
-    text = statsview.fit(page, os.terminal_size((80, 24)))
+    text = stats.fit(page, os.terminal_size((80, 24)))
     lines = text.splitlines()
     assert len(lines) == 23 and all(len(x) <= 80 for x in lines), lines
     assert lines[0] == "line 0 " and lines[-2].startswith("line 21 ") and lines[-2].endswith("~")
     assert lines[-1].startswith("... 18 more lines"), lines[-1]
-    assert statsview.fit("a\nb\n", os.terminal_size((80, 24))) == "a\nb\n"
+    assert stats.fit("a\nb\n", os.terminal_size((80, 24))) == "a\nb\n"
 
 
 def test_watch_fits_an_80x24_terminal(kvfs_mount: KvfsMount, tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from kvfs.cli.fsck import offline_index
+from kvfs.cli.offline import offline_index
 from kvfs.format.records import DEV_SHIFT, NO_UNIT, UNIT_MASK
 from kvfs.format.superblock import SB_BLOCK, Superblock
 from kvfs.testing import harness

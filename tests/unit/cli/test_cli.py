@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvfs import cli
+from kvfs.cli import outcome
 from kvfs.common import sizes
 from kvfs.common.errors import InvalidArgument, UserError
 from kvfs.evict.evictor import parse_quota
@@ -157,8 +158,8 @@ def test_debug_after_the_command() -> None:
 def test_root_cause_unwraps_nursery_errors() -> None:
     inner = UserError("the pool is busy")
     group = BaseExceptionGroup("nursery", [ExceptionGroup("inner", [ValueError("x"), inner])])
-    assert cli.root_cause(group) is inner
-    assert cli.describe(ExceptionGroup("g", [FileNotFoundError(2, "No such file", "/x")])) == (
+    assert outcome.root_cause(group) is inner
+    assert outcome.describe(ExceptionGroup("g", [FileNotFoundError(2, "No such file", "/x")])) == (
         "/x: No such file"
     )
 

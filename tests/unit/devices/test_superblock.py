@@ -22,9 +22,8 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from kvfs.cli.fsck import EXIT_CLEAN, EXIT_CORRECTED, EXIT_UNCORRECTED, fsck, upgrade
+from kvfs.cli.offline import EXIT_CLEAN, EXIT_CORRECTED, EXIT_UNCORRECTED, fsck, upgrade
 from kvfs.common.errors import Corruption, UserError
-from kvfs.devices.device import MemoryDevice
 from kvfs.devices.pool import (
     Pool,
     format_pool,
@@ -35,6 +34,7 @@ from kvfs.devices.pool import (
 )
 from kvfs.format.geometry import new_pool
 from kvfs.format.superblock import FORMAT_VERSION, MAX_MEMBERS, SB_BLOCK, Member, Superblock
+from kvfs.testing.devices import MemoryDevice
 
 MiB = 1 << 20
 UNIT = 64 * 1024

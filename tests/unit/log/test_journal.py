@@ -21,7 +21,7 @@ import trio
 
 import kvfs.log.journal as journal_mod
 from kvfs.common.errors import Corruption, DeviceError
-from kvfs.devices.device import ALIGN, Device, FaultyDevice, MemoryDevice
+from kvfs.devices.device import ALIGN, Device
 from kvfs.devices.pool import Pool
 from kvfs.format.halves import checkpoint_pieces, encode_checkpoint, half_bounds
 from kvfs.format.records import (
@@ -39,6 +39,7 @@ from kvfs.format.records import (
 from kvfs.format.superblock import Superblock
 from kvfs.index.namespace import ROOT_INO, Namespace
 from kvfs.log.journal import ApplySink, Journal, Recovered, recover, scan
+from kvfs.testing.devices import FaultyDevice, MemoryDevice
 
 SEED = 0xC0FFEE_1234
 META_START = 2 * ALIGN

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 import pytest
 
 from kvfs.common.errors import UserError
-from kvfs.devices.device import Device, MemoryDevice
+from kvfs.devices.device import Device
 from kvfs.evict.evictor import Evictor
 from kvfs.format import geometry
 from kvfs.format.geometry import (
@@ -26,6 +26,7 @@ from kvfs.format.geometry import (
 from kvfs.format.halves import encode_checkpoint, half_bounds
 from kvfs.format.records import Image, phys
 from kvfs.index.namespace import ROOT_INO, Namespace
+from kvfs.testing.devices import MemoryDevice
 
 MiB = 1 << 20
 FILES = 6000

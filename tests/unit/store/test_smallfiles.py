@@ -12,9 +12,8 @@ import pytest
 import trio
 import trio.lowlevel
 
-from kvfs.cli.fsck import _check_data
+from kvfs.cli.offline import _check_data
 from kvfs.common.errors import Corruption, NotFound
-from kvfs.devices.device import MemoryDevice
 from kvfs.devices.pool import Pool
 from kvfs.format.records import (
     DEV_SHIFT,
@@ -28,6 +27,7 @@ from kvfs.format.records import (
 from kvfs.index.check import Report, check_index
 from kvfs.index.namespace import ROOT_INO
 from kvfs.store.facade import Store
+from kvfs.testing.devices import MemoryDevice
 from tests.unit.store.test_store import (
     crash_image,
     create,

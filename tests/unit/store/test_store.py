@@ -28,7 +28,7 @@ from kvfs.common.errors import (
     StaleSize,
 )
 from kvfs.devices import pool as pool_mod
-from kvfs.devices.device import Device, FaultyDevice, MemoryDevice
+from kvfs.devices.device import Device
 from kvfs.devices.pool import Pool, format_pool, open_pool
 from kvfs.format import geometry, nsimage
 from kvfs.format.records import (
@@ -46,6 +46,7 @@ from kvfs.index.namespace import EVICTOR_TAG, ROOT_INO
 from kvfs.log.journal import recover
 from kvfs.store.facade import Store, StoreConfig
 from kvfs.store.posix import Caller
+from kvfs.testing.devices import FaultyDevice, MemoryDevice
 from tests.unit.log.test_journal import v1_device, v1_maker
 
 UNIT = 64 * 1024
@@ -723,7 +724,7 @@ async def test_a_pool_checkpointed_by_the_previous_release_mounts_with_every_byt
 ) -> None:
     """Upgrade: a checkpoint of operations (INODE, XATTR, DENTRY, BLOB records, what
     releases before the columnar index wrote) loads into the columns."""
-    from kvfs.cli.fsck import offline_index
+    from kvfs.cli.offline import offline_index
     from kvfs.format.halves import encode_checkpoint, half_bounds
     from kvfs.format.nsimage import TAG
 

@@ -17,10 +17,14 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
+from kvfs.cli import daemon
+from kvfs.cli.args import parse_seconds
+from kvfs.cli.outcome import EXIT_OK
 from kvfs.common.errors import UserError
 from kvfs.common.sizes import format_size
+from kvfs.store.control import STATS_XATTR
 
-EXIT_OK = 0
+HELP = "statistics of a mounted pool"
 CLEAR = "\x1b[H\x1b[2J"
 """Cursor home, clear the screen (a terminal's refresh)."""
 DIRECTORY_ROWS = 20
@@ -53,8 +57,6 @@ def add_arguments(s: argparse.ArgumentParser) -> None:
 
 
 def _interval(text: str) -> float:
-    from kvfs.cli import parse_seconds
-
     value = parse_seconds(text)
     if value < 0.1:
         raise argparse.ArgumentTypeError(f"{text}: at least 0.1 seconds")
@@ -69,9 +71,6 @@ def _count(text: str) -> int:
 
 def read_stats(mountpoint: str) -> dict[str, Any]:
     """The mount's statistics; a one-line :class:`UserError` if it is not a kvfs mount."""
-    from kvfs.cli import daemon
-    from kvfs.fuse.ops import STATS_XATTR
-
     root = _mount_root(mountpoint)
     try:
         raw = os.getxattr(root, STATS_XATTR.decode())
@@ -86,8 +85,6 @@ def read_stats(mountpoint: str) -> dict[str, Any]:
 
 def _mount_root(path: str) -> str:
     """The mount point above ``path`` (``kvfs stats /mnt/kv/lmcache`` works too)."""
-    from kvfs.cli import daemon
-
     path = os.path.realpath(path)
     stale = daemon.stale_kvfs_mount(path)
     if stale is not None:
@@ -327,6 +324,7 @@ def _table(head: list[str], rows: list[list[str]]) -> str:
 
 
 __all__ = [
+    "HELP",
     "add_arguments",
     "fit",
     "rates",
