@@ -336,7 +336,7 @@ def _run_command(command: Callable[[argparse.Namespace], int], args: argparse.Na
 def _exit_past_the_cluster_client(code: int) -> None:
     """End a mount that set up a Mooncake client with ``os._exit``, once its logs and
     output are flushed: the interpreter's own exit would close that client, which can
-    hold the process for many seconds when the master is gone (kvfs.cluster._KEPT).
+    hold the process for many seconds when the master is gone (kvfs.cluster.client._KEPT).
     Returns when no client was made."""
     from kvfs import cluster
 
@@ -634,7 +634,7 @@ def _run_mount(args: argparse.Namespace, ready: Callable[[], None]) -> int:
         if args.cluster:
             from kvfs.cluster import Cluster, parse_url
 
-            store.cluster = Cluster(store, parse_url(args.cluster))
+            store.subscribe(Cluster(store, parse_url(args.cluster)))
 
         def loading() -> str:  # on the progress thread: plain counters only
             read = sum(d.statistics().bytes_read for d in pool.devices)

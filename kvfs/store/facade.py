@@ -32,7 +32,6 @@ from typing import Any, TypeVar
 
 import trio
 
-from kvfs.cluster import Cluster
 from kvfs.common import procs
 from kvfs.common.errors import (
     Corruption,
@@ -46,6 +45,7 @@ from kvfs.common.errors import (
     Rewritten,
     StaleSize,
 )
+from kvfs.common.timing import Histogram
 from kvfs.devices.alloc import Allocator
 from kvfs.devices.pool import Pool
 from kvfs.evict.evictor import Evictor
@@ -63,9 +63,10 @@ from kvfs.index.inodes import DirView
 from kvfs.index.namespace import ROOT_INO, Inode, Namespace, check_times, check_xattr_room
 from kvfs.log.journal import Journal
 from kvfs.store import leases as directpath
-from kvfs.store import posix
+from kvfs.store import paths, posix
 from kvfs.store.cache import UnitCache
 from kvfs.store.handles import Handles
+from kvfs.store.hooks import FileView, Hooks, StoreHooks
 from kvfs.store.leases import DirectPath
 from kvfs.store.loading import Loader, RecoveryReport
 from kvfs.store.posix import ROOT, Caller
@@ -167,10 +168,8 @@ class Store:
             low_watermark=self.cfg.low_watermark,
             discard=self.cfg.discard,
         )
-        self.cluster: Cluster | None = None
-        """The cluster tier (``--cluster``), set before :meth:`run`."""
-        self.direct = DirectPath(self)
-        """Leases and reservations of the zero-copy path (:mod:`kvfs.store.leases`)."""
+        self.hooks = Hooks()
+        """The tiers subscribed to its events (:meth:`subscribe`)."""
         self.writer = Writer(
             pool,
             self.cfg,
@@ -187,9 +186,24 @@ class Store:
             io=self._io,
             begin_change=self._begin_data_change,
             ensure_space=self._ensure_space,
-            free_later=self.direct.free_later,
+            free_later=lambda ino, p: self.direct.free_later(ino, p),
         )
         """Writes and write-back (:mod:`kvfs.store.writer`); it owns the I/O buffers."""
+        self.direct = DirectPath(
+            pool,
+            self.ns,
+            self.alloc,
+            self.journal,
+            self.space,
+            self.handles,
+            self.writer,
+            self._files,
+            check_readable=self._check_readable,
+            begin_change=self._begin_data_change,
+            ensure_space=self._ensure_space,
+            commit=self.commit,
+        )
+        """Leases and reservations of the zero-copy path (:mod:`kvfs.store.leases`)."""
 
     # ------------------------------------------------------------------ lifecycle
     def _log(self, ops: list[Op]) -> None:
@@ -227,8 +241,7 @@ class Store:
             await self.journal.start()
             nursery.start_soon(self.space.evict_loop)
             nursery.start_soon(self.space.trim_loop)
-            if self.cluster is not None:
-                await nursery.start(self.cluster.run)
+            await self.hooks.start(nursery)
             task_status.started()
             await trio.sleep_forever()
 
@@ -239,8 +252,7 @@ class Store:
         was never closed: it is left uncommitted, so the next mount drops it, exactly
         as after a crash -- a writer's bytes count only once it closes the file."""
         self.space.stopping = True
-        if self.cluster is not None:
-            self.cluster.stop()  # at once: local durability never waits on the cluster
+        self.hooks.stop()  # at once: local durability never waits on a tier
         for ino, st in list(self._files.items()):
             inode = self.ns.inodes.get(ino)
             if inode is None or st.error is not None:
@@ -443,16 +455,16 @@ class Store:
         placed = [
             (i, self.space.placement(i)) for i in self._movers(old_parent, old, new_parent, new)
         ]
-        cluster = self.cluster
-        src = self.ns.find(old_parent, old) if cluster is not None else None
-        old_dir = cluster.path_of(old_parent) if cluster is not None else None
+        hooks = self.hooks
+        src = self.ns.find(old_parent, old) if hooks else None
+        old_dir = self.path_of(old_parent) if hooks else None
         victim = self.ns.rename(old_parent, old, new_parent, new, flags)
         if victim is not None:
             self.maybe_drop(victim)
         for inode, before in placed:
             self.space.placed(inode, before)
-        if cluster is not None and src is not None:
-            cluster.renamed(src, old_parent, old, old_dir)
+        if hooks and src is not None:
+            hooks.renamed(src, old_parent, old, old_dir)
 
     def _movers(self, old_parent: int, old: bytes, new_parent: int, new: bytes) -> list[Inode]:
         """The inodes a rename may move or unname: the source, and the target (moved
@@ -485,13 +497,13 @@ class Store:
                 log.warning("release of inode %d: %s", h.ino, e)
         if inode.opens == 0 and inode.flags & FLAG_WRITING and h.writable:
             self._abandon(inode)
-        elif h.writable and self.cluster is not None and self.sendable(inode):
-            self.cluster.closed(inode)
+        elif h.writable and self.hooks and self.sendable(inode):
+            self.hooks.closed(inode)
         self._maybe_forget_state(inode)
         self.maybe_drop(inode)
 
-    def sendable(self, inode: Inode) -> bool:
-        """A closed file the cluster tier may send: committed, named, no writer left."""
+    def sendable(self, inode: FileView) -> bool:
+        """A closed file a tier may send: committed, named, no writer left."""
         if inode.flags & (FLAG_WRITING | FLAG_GONE | FLAG_QUARANTINED) or not inode.nlink:
             return False
         st = self._files.get(inode.ino)
@@ -549,8 +561,7 @@ class Store:
 
     # ------------------------------------------------------------------ write path
     def _begin_data_change(self, inode: Inode) -> None:
-        if inode.ino in self.unreadable:  # its old bytes cannot be read to be changed
-            raise self._unreadable_error(inode)
+        self._check_readable(inode)  # its old bytes cannot be read to be changed
         if not inode.flags & FLAG_WRITING:
             inode.flags |= FLAG_WRITING
             self.ns.commit(inode)
@@ -642,8 +653,7 @@ class Store:
         if inode is None or inode.flags & FLAG_QUARANTINED:
             raise Corruption(f"inode {h.ino} is quarantined or gone")
         self._check_not_rewritten(fh, h)
-        if h.ino in self.unreadable:
-            raise self._unreadable_error(inode)
+        self._check_readable(inode)
         st = self._files.get(h.ino)
         if st is not None:
             check_failed(st)
@@ -652,10 +662,12 @@ class Store:
             return b""
         return await self.reader.read(inode, off, end)
 
-    def _unreadable_error(self, inode: Inode) -> DeviceError:
+    def _check_readable(self, inode: Inode) -> None:
         """EIO for a file with data on a missing member (degraded mount)."""
+        if inode.ino not in self.unreadable:
+            return
         members = sorted({p >> DEV_SHIFT for p in inode.units if p != NO_UNIT} & self._missing)
-        return DeviceError(
+        raise DeviceError(
             f"inode {inode.ino}: data on missing member {', '.join(str(d + 1) for d in members)} "
             "(degraded mount)"
         )
@@ -699,6 +711,64 @@ class Store:
         await self.check_metadata_room()
         await self.space.ensure(inode, units)
 
+    # ------------------------------------------------------------------ tiers (hooks)
+    def subscribe(self, hooks: StoreHooks) -> None:
+        """Subscribe a tier to this store's events (:mod:`kvfs.store.hooks`), before
+        :meth:`run`."""
+        self.hooks.add(hooks)
+
+    async def missed(self, parent: int, name: bytes) -> Inode | None:
+        """A lookup of ``name`` in ``parent`` found nothing: the subscribed tiers may
+        make it local (the cluster tier fetches it); what it names then, if anything."""
+        if not self.hooks:
+            return None
+        return await self.hooks.missed(parent, name, self.ns.find)
+
+    def negative_timeout(self, default: float) -> float:
+        """How long "no such name" may be cached: ``default`` unless a tier may make
+        names appear."""
+        return self.hooks.negative_timeout(default)
+
+    def histograms(self) -> dict[str, dict[str, Histogram]]:
+        """The subscribed tiers' latency histograms, by tier."""
+        return self.hooks.histograms()
+
+    def path_of(self, ino: int) -> bytes | None:
+        """The path of ``ino`` inside the mount (no leading ``/``), or None."""
+        return paths.path_of(self.ns, ino)
+
+    def directories_on(self, path: bytes) -> list[tuple[bytes, Inode]]:
+        """The directories above ``path`` that exist here, top down: each one's path
+        and inode (up to the first that is missing or not a directory)."""
+        return paths.directories_on(self.ns, path)
+
+    def managed(self, parent: int) -> bool:
+        """Whether files in directory ``parent`` are kvfs-managed (its top-level
+        directory's policy; the default for the root's own files)."""
+        return paths.managed(self.ns, self.evictor, parent)
+
+    def hold(self, ino: int) -> None:
+        """Keep a live file from eviction and its units from reuse, as an open handle
+        does, until :meth:`let_go` (a tier reading or sending it)."""
+        self.ns.inodes[ino].opens += 1
+
+    def let_go(self, ino: int) -> None:
+        """End a :meth:`hold`; a file removed meanwhile goes now."""
+        inode = self.ns.inodes.get(ino)
+        if inode is not None:
+            inode.opens -= 1
+            self.maybe_drop(inode)
+
+    async def read_file(self, ino: int) -> bytes:
+        """Every byte of a held file (:meth:`hold`), read without a handle; KvfsError
+        as a read's."""
+        inode = self.ns.get(ino)
+        return bytes(await self.reader.read(inode, 0, inode.size)) if inode.size else b""
+
+    def has_missing_data(self, ino: int) -> bool:
+        """Whether the file has data on a missing member (degraded mount)."""
+        return ino in self.unreadable
+
     # ------------------------------------------------------------------ names, attributes
     def lookup(self, parent: int, name: bytes) -> Inode | None:
         """What ``name`` in directory ``parent`` names (``.`` and ``..`` too), if any."""
@@ -721,16 +791,15 @@ class Store:
 
     def unlink(self, parent: int, name: bytes) -> None:
         self.journal.check_usable()
-        cluster = self.cluster
-        where = cluster.path_of(parent) if cluster is not None else None
+        hooks = self.hooks
+        where = self.path_of(parent) if hooks else None
         self._unname(parent, name, want_dir=False)
-        if cluster is not None:
-            cluster.unlinked(where, name, parent)
+        if hooks:
+            hooks.unlinked(where, name, parent)
 
     def _evict(self, inode: Inode) -> None:
-        """Eviction takes ``inode`` (the cluster tier may send it first: on-evict)."""
-        if self.cluster is not None:
-            self.cluster.evicted(inode)
+        """Eviction takes ``inode`` (a tier may send it first: the cluster's on-evict)."""
+        self.hooks.evicted(inode)
         self._unlink_everywhere(inode)
 
     def rmdir(self, parent: int, name: bytes) -> None:
@@ -885,7 +954,7 @@ class Store:
             # flat rows: dict(vars()) is ~5x cheaper than asdict's deep copy (256 rows)
             "directories": [dict(vars(d)) for d in self.directory_usage()],
             "evictions": self.eviction_counts(),
-            **({"cluster": asdict(self.cluster.statistics())} if self.cluster is not None else {}),
+            **self.hooks.reports(),
         }
 
     def describe(self) -> dict[str, str | int]:
