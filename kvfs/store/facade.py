@@ -17,17 +17,14 @@ FUSE-free and async. Concurrency contract (see ``docs/design.md``):
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import logging
 import os
 import stat
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
-from dataclasses import asdict, replace
-from operator import itemgetter
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import trio
@@ -40,6 +37,7 @@ from kvfs.common.errors import (
     IsADirectory,
     KvfsError,
     NoSpace,
+    NotFound,
     NotPermitted,
     QuotaExceeded,
     Rewritten,
@@ -60,7 +58,7 @@ from kvfs.format.records import (
     fragment_size,
 )
 from kvfs.index.inodes import DirView
-from kvfs.index.namespace import ROOT_INO, Inode, Namespace, check_times, check_xattr_room
+from kvfs.index.namespace import Inode, Namespace, check_times, check_xattr_room
 from kvfs.log.journal import Journal
 from kvfs.store import leases as directpath
 from kvfs.store import paths, posix
@@ -71,6 +69,7 @@ from kvfs.store.leases import DirectPath
 from kvfs.store.loading import Loader, RecoveryReport
 from kvfs.store.posix import ROOT, Caller
 from kvfs.store.reader import Reader
+from kvfs.store.reporting import Reports
 from kvfs.store.types import (
     DeviceSpace,
     DirectoryUsage,
@@ -78,6 +77,7 @@ from kvfs.store.types import (
     Handle,
     StoreConfig,
     StoreStatistics,
+    Traffic,
     check_failed,
 )
 from kvfs.store.writer import Writer
@@ -126,8 +126,7 @@ class Store:
         self.handles = Handles()
         self._limiters = [trio.CapacityLimiter(self.cfg.queue_depth) for _ in pool.devices]
         self._nursery: trio.Nursery | None = None
-        self._reads = self._writes = self._bytes_read = self._bytes_written = 0
-        self._stale_size_reads = 0
+        self.traffic = Traffic()
         self.on_vanish: Callable[[int, bytes, int], None] = lambda parent, name, ino: None
         self.evictor = Evictor(
             self.ns, self.cfg.eviction_policy, self.cfg.default_policy, grace=self.cfg.fresh_grace
@@ -204,6 +203,23 @@ class Store:
             commit=self.commit,
         )
         """Leases and reservations of the zero-copy path (:mod:`kvfs.store.leases`)."""
+        self.reports = Reports(
+            pool,
+            self.ns,
+            self.alloc,
+            self.journal,
+            self.cache,
+            self.space,
+            self.evictor,
+            self.handles,
+            self.reader,
+            self.writer,
+            self.direct,
+            self.hooks,
+            self.traffic,
+            self.unreadable,
+        )
+        """What it reports (:mod:`kvfs.store.reporting`)."""
 
     # ------------------------------------------------------------------ lifecycle
     def _log(self, ops: list[Op]) -> None:
@@ -594,8 +610,8 @@ class Store:
             raise
         finally:
             st.active -= 1
-        self._writes += 1
-        self._bytes_written += len(data)
+        self.traffic.writes += 1
+        self.traffic.bytes_written += len(data)
         self.handles.wrote.add(fh)
         await self.writer.maybe_writeback(self.ns.get(h.ino), st)
         return len(data)
@@ -631,8 +647,8 @@ class Store:
             if st is None or not st.resizing:
                 break
         self._check_not_rewritten(fh, h)  # a truncate may have come while it waited
-        self._reads += 1
-        self._bytes_read += len(data)
+        self.traffic.reads += 1
+        self.traffic.bytes_read += len(data)
         return data
 
     def check_kernel_read(self, fh: int, off: int, size: int, got: int) -> None:
@@ -645,7 +661,7 @@ class Store:
         as the file's bytes (``docs/design.md``, "Reads beside a truncate", rule 5):
         EIO instead (``StaleSize``)."""
         if got < size and off + size > _page_up(off + got) and not self.handles[fh].direct:
-            self._stale_size_reads += 1
+            self.traffic.stale_size_reads += 1
             raise StaleSize(f"inode {self.handles[fh].ino}: read past a size not yet shrunk")
 
     async def _read_once(self, fh: int, h: Handle, off: int, size: int) -> bytes | memoryview:
@@ -760,9 +776,12 @@ class Store:
             self.maybe_drop(inode)
 
     async def read_file(self, ino: int) -> bytes:
-        """Every byte of a held file (:meth:`hold`), read without a handle; KvfsError
-        as a read's."""
-        inode = self.ns.get(ino)
+        """Every byte of a held file (:meth:`hold`), read without a handle, also of one
+        that eviction took since (GONE, held by a tier sending it); KvfsError as a
+        read's, NotFound once it was dropped."""
+        inode = self.ns.inodes.get(ino)
+        if inode is None:
+            raise NotFound(f"inode {ino} is gone")
         return bytes(await self.reader.read(inode, 0, inode.size)) if inode.size else b""
 
     def has_missing_data(self, ino: int) -> bool:
@@ -900,127 +919,27 @@ class Store:
 
     # ------------------------------------------------------------------ reporting
     def device_space(self) -> list[DeviceSpace]:
-        """Data capacity and free space of each member: kvfs uses all of every
-        member, whatever their sizes (stripes rotate; a full member is skipped)."""
-        return [
-            DeviceSpace(
-                dev.path,
-                sb.data_units * self.unit,
-                self.alloc.device_free(i) * self.unit,
-                i not in self.alloc.offline,
-            )
-            for i, (dev, sb) in enumerate(
-                zip(self.pool.devices, self.pool.superblocks, strict=True)
-            )
-        ]
-
-    DIRECTORY_LIMIT = 256
-    """Top-level directories ``directory_usage`` reports at most (the largest)."""
+        """Data capacity and free space of each member (:mod:`kvfs.store.reporting`)."""
+        return self.reports.device_space()
 
     def directory_usage(self) -> list[DirectoryUsage]:
-        """Usage, quota and policy of each top-level directory, largest first (at most
-        :attr:`DIRECTORY_LIMIT`), then the root's own files as ``/`` if it has any.
-        O(top-level directories): the usage comes from running counters
-        (:meth:`Space.placed`, :meth:`Space.charge`), never from a walk."""
-        largest = heapq.nlargest(self.DIRECTORY_LIMIT, self.space.top_level(), key=itemgetter(1))
-        rows = [
-            DirectoryUsage(
-                self.ns.inodes[ino].name.decode(errors="replace"),
-                used,
-                self.evictor.group_quota(ino),
-                self.evictor.group_policy(ino),
-            )
-            for ino, used in largest
-        ]
-        rows.sort(key=lambda r: (-r.used_bytes, r.name))
-        own = self.space.group_usage(ROOT_INO)
-        if own:
-            rows.append(DirectoryUsage("/", own, 0, self.evictor.group_policy(ROOT_INO)))
-        return rows
+        """Usage, quota and policy of each top-level directory, largest first."""
+        return self.reports.directory_usage()
 
     def all_statistics(self) -> dict[str, Any]:
         """Every part's statistics, as ``kvfs stats`` shows them."""
-        return {
-            "pool": self.describe(),
-            "store": asdict(self.statistics()),
-            "allocator": asdict(self.alloc.statistics()),
-            "cache": asdict(self.cache.statistics()),
-            "journal": asdict(self.journal.statistics()),
-            "metadata": asdict(self.space.metadata_statistics()),
-            "eviction": asdict(self.evictor.statistics()),
-            "devices": [asdict(d.statistics()) for d in self.pool.devices],
-            "space": [asdict(d) for d in self.device_space()],
-            "direct": asdict(self.direct.statistics()),
-            # flat rows: dict(vars()) is ~5x cheaper than asdict's deep copy (256 rows)
-            "directories": [dict(vars(d)) for d in self.directory_usage()],
-            "evictions": self.eviction_counts(),
-            **self.hooks.reports(),
-        }
+        return self.reports.all_statistics()
 
     def describe(self) -> dict[str, str | int]:
-        """What identifies the mounted pool (``kvfs stats``' ``pool``, the metrics'
-        ``kvfs_pool_info``): words as strings, counts and sizes as numbers."""
-        sb = self.pool.superblocks[0]
-        return {
-            "label": sb.label,
-            "uuid": str(uuid.UUID(bytes=sb.pool_uuid)),
-            "format": sb.version,
-            "devices": len(self.pool.devices),
-            "unit_size": self.unit,
-            "eviction": self.evictor.policy.name,
-        }
+        """What identifies the mounted pool."""
+        return self.reports.describe()
 
     def eviction_counts(self) -> list[dict[str, Any]]:
-        """Files evicted since the mount, by reason and top-level directory (``/``: the
-        root's own files; ``(removed)``: a directory gone since), most first."""
-        merged: dict[tuple[str, str], int] = {}
-        for (reason, group), n in self.space.evicted_by.items():
-            key = (reason, self._group_name(group))
-            merged[key] = merged.get(key, 0) + n
-        order = sorted(merged.items(), key=lambda kv: (-kv[1], kv[0]))
-        return [{"reason": r, "directory": d, "files": n} for (r, d), n in order]
-
-    def _group_name(self, group: int) -> str:
-        """A top-level directory's name; ``/`` for the root, ``(removed)`` if gone."""
-        if group == ROOT_INO:
-            return "/"
-        inode = self.ns.inodes.get(group)
-        names = self.ns.names_of(inode) if inode is not None else []
-        top = [n for parent, n in names if parent == ROOT_INO]
-        return top[0].decode(errors="replace") if top else "(removed)"
+        """Files evicted since the mount, by reason and top-level directory."""
+        return self.reports.eviction_counts()
 
     def statistics(self) -> StoreStatistics:
-        # claimed units are spoken for; free fragments in host units are free bytes
-        free = max(self.space.available(), 0) * self.unit
-        free += self.alloc.free_fragments * self._fragment
-        cap = self.alloc.total_units * self.unit
-        devs = [d.statistics() for d in self.pool.devices]
-        return StoreStatistics(
-            files=self.ns.file_count,
-            directories=self.ns.dir_count,
-            unit_size=self.unit,
-            capacity_bytes=cap,
-            used_bytes=cap - free,
-            free_bytes=free,
-            dirty_bytes=self.writer.dirty_bytes,
-            pending_free_bytes=self.space.pending_free() * self.unit,
-            reads=self._reads,
-            stale_size_reads=self._stale_size_reads,
-            writes=self._writes,
-            bytes_read=self._bytes_read,
-            bytes_written=self._bytes_written,
-            device_bytes_read=sum(d.bytes_read for d in devs),
-            device_bytes_written=sum(d.bytes_written for d in devs),
-            corruptions=len(self.reader.bad_units),
-            incomplete=self.writer.incomplete,
-            evictions=self.evictor.evictions,
-            orphan_evictions=self.evictor.orphan_evictions,
-            quarantined=self.reader.quarantined,
-            unreadable_files=len(self.unreadable),
-            open_handles=len(self.handles),
-            bytes_read_memory=self.reader.bytes_from_memory,
-            bytes_read_device=self.reader.bytes_from_device,
-        )
+        return self.reports.statistics()
 
 
 __all__ = [
