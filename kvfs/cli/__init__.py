@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
 def _exit_past_the_cluster_client(code: int) -> None:
     """End a mount that set up a Mooncake client with ``os._exit``, once its logs and
     output are flushed: the interpreter's own exit would close that client, which can
-    hold the process for many seconds when the master is gone (kvfs.cluster._KEPT).
+    hold the process for many seconds when the master is gone (kvfs.cluster.client._KEPT).
     Returns when no client was made."""
     from kvfs import cluster
 

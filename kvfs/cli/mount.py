@@ -302,7 +302,7 @@ def _run_mount(args: argparse.Namespace, ready: Callable[[], None]) -> int:
         if args.cluster:
             from kvfs.cluster import Cluster, parse_url
 
-            store.cluster = Cluster(store, parse_url(args.cluster))
+            store.subscribe(Cluster(store, parse_url(args.cluster)))
 
         def loading() -> str:  # on the progress thread: plain counters only
             read = sum(d.statistics().bytes_read for d in pool.devices)

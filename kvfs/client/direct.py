@@ -38,13 +38,13 @@ from typing import Any, TypeVar
 
 import xxhash
 
+# the protocol's xattrs, public here as before (kvfs.direct.MAP ...)
+from kvfs.common.aware import COMMIT as COMMIT
+from kvfs.common.aware import MAP as MAP
+from kvfs.common.aware import PREFIX as PREFIX
+from kvfs.common.aware import RESERVE as RESERVE
 from kvfs.devices.device import ALIGN, aligned_buffer, member_id
 
-PREFIX = "user.kvfs.direct."
-"""The protocol's xattrs (the mount's side: :mod:`kvfs.store.leases`)."""
-MAP = PREFIX + "map"
-RESERVE = PREFIX + "reserve."
-COMMIT = PREFIX + "commit"
 PIECE = 8 << 20
 """Bytes per device request: a run is read or written in pieces this big, in
 parallel, so checksums of one piece overlap the I/O of the next."""

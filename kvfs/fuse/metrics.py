@@ -347,13 +347,13 @@ class StoreCollector:
             "kvfs_direct_committed_bytes", "Bytes committed by writers", d["bytes_committed"]
         )
         yield gauge("kvfs_direct_leased_files", "Files held by read leases", d["leased_files"])
-        tier = self.store.cluster
+        tier = self.store.histograms().get("cluster")
         if tier is not None:
             yield from self._cluster(stats["cluster"], tier, gauge, counter, histograms)
 
     @staticmethod
     def _cluster(
-        cl: dict[str, Any], tier: Any, gauge: Any, counter: Any, histograms: Any
+        cl: dict[str, Any], tier: dict[str, Histogram], gauge: Any, counter: Any, histograms: Any
     ) -> Iterator[Any]:
         from prometheus_client.core import HistogramMetricFamily
 
@@ -383,12 +383,12 @@ class StoreCollector:
             (
                 "fetch",
                 "A lookup's fetch of a file from the cluster, verified and made local",
-                tier.fetch_latency,
+                tier["fetch"],
             ),
             (
                 "publish",
                 "Publishing one file: read locally, sent, header last",
-                tier.publish_latency,
+                tier["publish"],
             ),
         ):
             family = HistogramMetricFamily(f"kvfs_cluster_{name}_duration_seconds", doc, labels=[])

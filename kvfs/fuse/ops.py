@@ -136,14 +136,13 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
     ) -> pyfuse3.EntryAttributes:
         inode = self.store.lookup(parent_inode, name)
         self.requests.lookups["miss" if inode is None else "hit"] += 1
-        cluster = self.store.cluster
-        if inode is None and cluster is not None:
-            inode = await cluster.lookup(parent_inode, name)  # a remote hit made local
+        if inode is None:
+            inode = await self.store.missed(parent_inode, name)  # a remote hit made local
         if inode is None:
             miss = pyfuse3.EntryAttributes()
             miss.st_ino = 0  # a cached negative entry: lookup storms of misses stay cheap
             # (briefly with a cluster tier: another node may publish the name)
-            miss.entry_timeout = self.timeout if cluster is None else cluster.negative_timeout
+            miss.entry_timeout = self.store.negative_timeout(self.timeout)
             return miss
         if name in (b".", b".."):
             return self._attr(inode)

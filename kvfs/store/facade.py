@@ -17,22 +17,18 @@ FUSE-free and async. Concurrency contract (see ``docs/design.md``):
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import logging
 import os
 import stat
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
-from dataclasses import asdict, replace
-from operator import itemgetter
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import trio
 
-from kvfs.cluster import Cluster
 from kvfs.common import procs
 from kvfs.common.errors import (
     Corruption,
@@ -41,11 +37,13 @@ from kvfs.common.errors import (
     IsADirectory,
     KvfsError,
     NoSpace,
+    NotFound,
     NotPermitted,
     QuotaExceeded,
     Rewritten,
     StaleSize,
 )
+from kvfs.common.timing import Histogram
 from kvfs.devices.alloc import Allocator
 from kvfs.devices.pool import Pool
 from kvfs.evict.driver import EvictionDriver
@@ -61,16 +59,18 @@ from kvfs.format.records import (
     fragment_size,
 )
 from kvfs.index.inodes import DirView
-from kvfs.index.namespace import ROOT_INO, Inode, Namespace, check_times, check_xattr_room
+from kvfs.index.namespace import Inode, Namespace, check_times, check_xattr_room
 from kvfs.log.journal import Journal
 from kvfs.store import leases as directpath
-from kvfs.store import posix
+from kvfs.store import paths, posix
 from kvfs.store.cache import UnitCache
 from kvfs.store.handles import Handles
+from kvfs.store.hooks import FileView, Hooks, StoreHooks
 from kvfs.store.leases import DirectPath
 from kvfs.store.loading import Loader, RecoveryReport
 from kvfs.store.posix import ROOT, Caller
 from kvfs.store.reader import Reader
+from kvfs.store.reporting import Reports
 from kvfs.store.types import (
     DeviceSpace,
     DirectoryUsage,
@@ -79,6 +79,7 @@ from kvfs.store.types import (
     InodeView,
     StoreConfig,
     StoreStatistics,
+    Traffic,
     check_failed,
 )
 from kvfs.store.writer import Writer
@@ -127,8 +128,7 @@ class Store:
         self.handles = Handles()
         self._limiters = [trio.CapacityLimiter(self.cfg.queue_depth) for _ in pool.devices]
         self._nursery: trio.Nursery | None = None
-        self._reads = self._writes = self._bytes_read = self._bytes_written = 0
-        self._stale_size_reads = 0
+        self.traffic = Traffic()
         self.on_vanish: Callable[[int, bytes, int], None] = lambda parent, name, ino: None
         self.evictor = Evictor(
             self.ns, self.cfg.eviction_policy, self.cfg.default_policy, grace=self.cfg.fresh_grace
@@ -176,10 +176,8 @@ class Store:
             low_watermark=self.cfg.low_watermark,
         )
         """Room for writes, watermarks and metadata pressure (:mod:`kvfs.evict.driver`)."""
-        self.cluster: Cluster | None = None
-        """The cluster tier (``--cluster``), set before :meth:`run`."""
-        self.direct = DirectPath(self)
-        """Leases and reservations of the zero-copy path (:mod:`kvfs.store.leases`)."""
+        self.hooks = Hooks()
+        """The tiers subscribed to its events (:meth:`subscribe`)."""
         self.writer = Writer(
             pool,
             self.cfg,
@@ -196,9 +194,42 @@ class Store:
             io=self._io,
             begin_change=self._begin_data_change,
             ensure_space=self._ensure_space,
-            free_later=self.direct.free_later,
+            free_later=lambda ino, p: self.direct.free_later(ino, p),
         )
         """Writes and write-back (:mod:`kvfs.store.writer`); it owns the I/O buffers."""
+        self.direct = DirectPath(
+            pool,
+            self.ns,
+            self.alloc,
+            self.journal,
+            self.space,
+            self.handles,
+            self.writer,
+            self._files,
+            check_readable=self._check_readable,
+            begin_change=self._begin_data_change,
+            ensure_space=self._ensure_space,
+            commit=self.commit,
+        )
+        """Leases and reservations of the zero-copy path (:mod:`kvfs.store.leases`)."""
+        self.reports = Reports(
+            pool,
+            self.ns,
+            self.alloc,
+            self.journal,
+            self.cache,
+            self.space,
+            self.eviction,
+            self.evictor,
+            self.handles,
+            self.reader,
+            self.writer,
+            self.direct,
+            self.hooks,
+            self.traffic,
+            self.unreadable,
+        )
+        """What it reports (:mod:`kvfs.store.reporting`)."""
 
     # ------------------------------------------------------------------ lifecycle
     def _log(self, ops: list[Op]) -> None:
@@ -236,8 +267,7 @@ class Store:
             await self.journal.start()
             nursery.start_soon(self.eviction.evict_loop)
             nursery.start_soon(self.space.trim_loop)
-            if self.cluster is not None:
-                await nursery.start(self.cluster.run)
+            await self.hooks.start(nursery)
             task_status.started()
             await trio.sleep_forever()
 
@@ -248,8 +278,7 @@ class Store:
         was never closed: it is left uncommitted, so the next mount drops it, exactly
         as after a crash -- a writer's bytes count only once it closes the file."""
         self.eviction.stopping = True
-        if self.cluster is not None:
-            self.cluster.stop()  # at once: local durability never waits on the cluster
+        self.hooks.stop()  # at once: local durability never waits on a tier
         for ino, st in list(self._files.items()):
             inode = self.ns.inodes.get(ino)
             if inode is None or st.error is not None:
@@ -452,16 +481,16 @@ class Store:
         placed = [
             (i, self.space.placement(i)) for i in self._movers(old_parent, old, new_parent, new)
         ]
-        cluster = self.cluster
-        src = self.ns.find(old_parent, old) if cluster is not None else None
-        old_dir = cluster.path_of(old_parent) if cluster is not None else None
+        hooks = self.hooks
+        src = self.ns.find(old_parent, old) if hooks else None
+        old_dir = self.path_of(old_parent) if hooks else None
         victim = self.ns.rename(old_parent, old, new_parent, new, flags)
         if victim is not None:
             self.maybe_drop(victim)
         for inode, before in placed:
             self.space.placed(inode, before)
-        if cluster is not None and src is not None:
-            cluster.renamed(src, old_parent, old, old_dir)
+        if hooks and src is not None:
+            hooks.renamed(src, old_parent, old, old_dir)
 
     def _movers(self, old_parent: int, old: bytes, new_parent: int, new: bytes) -> list[Inode]:
         """The inodes a rename may move or unname: the source, and the target (moved
@@ -494,13 +523,13 @@ class Store:
                 log.warning("release of inode %d: %s", h.ino, e)
         if inode.opens == 0 and inode.flags & FLAG_WRITING and h.writable:
             self._abandon(inode)
-        elif h.writable and self.cluster is not None and self.sendable(inode):
-            self.cluster.closed(inode)
+        elif h.writable and self.hooks and self.sendable(inode):
+            self.hooks.closed(inode)
         self._maybe_forget_state(inode)
         self.maybe_drop(inode)
 
-    def sendable(self, inode: Inode) -> bool:
-        """A closed file the cluster tier may send: committed, named, no writer left."""
+    def sendable(self, inode: FileView) -> bool:
+        """A closed file a tier may send: committed, named, no writer left."""
         if inode.flags & (FLAG_WRITING | FLAG_GONE | FLAG_QUARANTINED) or not inode.nlink:
             return False
         st = self._files.get(inode.ino)
@@ -558,8 +587,7 @@ class Store:
 
     # ------------------------------------------------------------------ write path
     def _begin_data_change(self, inode: Inode) -> None:
-        if inode.ino in self.unreadable:  # its old bytes cannot be read to be changed
-            raise self._unreadable_error(inode)
+        self._check_readable(inode)  # its old bytes cannot be read to be changed
         if not inode.flags & FLAG_WRITING:
             inode.flags |= FLAG_WRITING
             self.ns.commit(inode)
@@ -592,8 +620,8 @@ class Store:
             raise
         finally:
             st.active -= 1
-        self._writes += 1
-        self._bytes_written += len(data)
+        self.traffic.writes += 1
+        self.traffic.bytes_written += len(data)
         self.handles.wrote.add(fh)
         await self.writer.maybe_writeback(self.ns.get(h.ino), st)
         return len(data)
@@ -629,8 +657,8 @@ class Store:
             if st is None or not st.resizing:
                 break
         self._check_not_rewritten(fh, h)  # a truncate may have come while it waited
-        self._reads += 1
-        self._bytes_read += len(data)
+        self.traffic.reads += 1
+        self.traffic.bytes_read += len(data)
         return data
 
     def check_kernel_read(self, fh: int, off: int, size: int, got: int) -> None:
@@ -643,7 +671,7 @@ class Store:
         as the file's bytes (``docs/design.md``, "Reads beside a truncate", rule 5):
         EIO instead (``StaleSize``)."""
         if got < size and off + size > _page_up(off + got) and not self.handles[fh].direct:
-            self._stale_size_reads += 1
+            self.traffic.stale_size_reads += 1
             raise StaleSize(f"inode {self.handles[fh].ino}: read past a size not yet shrunk")
 
     async def _read_once(self, fh: int, h: Handle, off: int, size: int) -> bytes | memoryview:
@@ -651,8 +679,7 @@ class Store:
         if inode is None or inode.flags & FLAG_QUARANTINED:
             raise Corruption(f"inode {h.ino} is quarantined or gone")
         self._check_not_rewritten(fh, h)
-        if h.ino in self.unreadable:
-            raise self._unreadable_error(inode)
+        self._check_readable(inode)
         st = self._files.get(h.ino)
         if st is not None:
             check_failed(st)
@@ -661,10 +688,12 @@ class Store:
             return b""
         return await self.reader.read(inode, off, end)
 
-    def _unreadable_error(self, inode: Inode) -> DeviceError:
+    def _check_readable(self, inode: Inode) -> None:
         """EIO for a file with data on a missing member (degraded mount)."""
+        if inode.ino not in self.unreadable:
+            return
         members = sorted({p >> DEV_SHIFT for p in inode.units if p != NO_UNIT} & self._missing)
-        return DeviceError(
+        raise DeviceError(
             f"inode {inode.ino}: data on missing member {', '.join(str(d + 1) for d in members)} "
             "(degraded mount)"
         )
@@ -708,6 +737,67 @@ class Store:
         await self.check_metadata_room()
         await self.eviction.ensure(inode, units)
 
+    # ------------------------------------------------------------------ tiers (hooks)
+    def subscribe(self, hooks: StoreHooks) -> None:
+        """Subscribe a tier to this store's events (:mod:`kvfs.store.hooks`), before
+        :meth:`run`."""
+        self.hooks.add(hooks)
+
+    async def missed(self, parent: int, name: bytes) -> Inode | None:
+        """A lookup of ``name`` in ``parent`` found nothing: the subscribed tiers may
+        make it local (the cluster tier fetches it); what it names then, if anything."""
+        if not self.hooks:
+            return None
+        return await self.hooks.missed(parent, name, self.ns.find)
+
+    def negative_timeout(self, default: float) -> float:
+        """How long "no such name" may be cached: ``default`` unless a tier may make
+        names appear."""
+        return self.hooks.negative_timeout(default)
+
+    def histograms(self) -> dict[str, dict[str, Histogram]]:
+        """The subscribed tiers' latency histograms, by tier."""
+        return self.hooks.histograms()
+
+    def path_of(self, ino: int) -> bytes | None:
+        """The path of ``ino`` inside the mount (no leading ``/``), or None."""
+        return paths.path_of(self.ns, ino)
+
+    def directories_on(self, path: bytes) -> list[tuple[bytes, Inode]]:
+        """The directories above ``path`` that exist here, top down: each one's path
+        and inode (up to the first that is missing or not a directory)."""
+        return paths.directories_on(self.ns, path)
+
+    def managed(self, parent: int) -> bool:
+        """Whether files in directory ``parent`` are kvfs-managed (its top-level
+        directory's policy; the default for the root's own files)."""
+        return paths.managed(self.ns, self.evictor, parent)
+
+    def hold(self, ino: int) -> None:
+        """Keep a live file from eviction and its units from reuse, as an open handle
+        does, until :meth:`let_go` (a tier reading or sending it)."""
+        self.ns.inodes[ino].opens += 1
+
+    def let_go(self, ino: int) -> None:
+        """End a :meth:`hold`; a file removed meanwhile goes now."""
+        inode = self.ns.inodes.get(ino)
+        if inode is not None:
+            inode.opens -= 1
+            self.maybe_drop(inode)
+
+    async def read_file(self, ino: int) -> bytes:
+        """Every byte of a held file (:meth:`hold`), read without a handle, also of one
+        that eviction took since (GONE, held by a tier sending it); KvfsError as a
+        read's, NotFound once it was dropped."""
+        inode = self.ns.inodes.get(ino)
+        if inode is None:
+            raise NotFound(f"inode {ino} is gone")
+        return bytes(await self.reader.read(inode, 0, inode.size)) if inode.size else b""
+
+    def has_missing_data(self, ino: int) -> bool:
+        """Whether the file has data on a missing member (degraded mount)."""
+        return ino in self.unreadable
+
     # ------------------------------------------------------------------ names, attributes
     def lookup(self, parent: int, name: bytes) -> Inode | None:
         """What ``name`` in directory ``parent`` names (``.`` and ``..`` too), if any."""
@@ -730,16 +820,15 @@ class Store:
 
     def unlink(self, parent: int, name: bytes) -> None:
         self.journal.check_usable()
-        cluster = self.cluster
-        where = cluster.path_of(parent) if cluster is not None else None
+        hooks = self.hooks
+        where = self.path_of(parent) if hooks else None
         self._unname(parent, name, want_dir=False)
-        if cluster is not None:
-            cluster.unlinked(where, name, parent)
+        if hooks:
+            hooks.unlinked(where, name, parent)
 
     def _evict(self, inode: Inode) -> None:
-        """Eviction takes ``inode`` (the cluster tier may send it first: on-evict)."""
-        if self.cluster is not None:
-            self.cluster.evicted(inode)
+        """Eviction takes ``inode`` (a tier may send it first: the cluster's on-evict)."""
+        self.hooks.evicted(inode)
         self._unlink_everywhere(inode)
 
     def rmdir(self, parent: int, name: bytes) -> None:
@@ -849,127 +938,27 @@ class Store:
 
     # ------------------------------------------------------------------ reporting
     def device_space(self) -> list[DeviceSpace]:
-        """Data capacity and free space of each member: kvfs uses all of every
-        member, whatever their sizes (stripes rotate; a full member is skipped)."""
-        return [
-            DeviceSpace(
-                dev.path,
-                sb.data_units * self.unit,
-                self.alloc.device_free(i) * self.unit,
-                i not in self.alloc.offline,
-            )
-            for i, (dev, sb) in enumerate(
-                zip(self.pool.devices, self.pool.superblocks, strict=True)
-            )
-        ]
-
-    DIRECTORY_LIMIT = 256
-    """Top-level directories ``directory_usage`` reports at most (the largest)."""
+        """Data capacity and free space of each member (:mod:`kvfs.store.reporting`)."""
+        return self.reports.device_space()
 
     def directory_usage(self) -> list[DirectoryUsage]:
-        """Usage, quota and policy of each top-level directory, largest first (at most
-        :attr:`DIRECTORY_LIMIT`), then the root's own files as ``/`` if it has any.
-        O(top-level directories): the usage comes from running counters
-        (:meth:`Space.placed`, :meth:`Space.charge`), never from a walk."""
-        largest = heapq.nlargest(self.DIRECTORY_LIMIT, self.space.top_level(), key=itemgetter(1))
-        rows = [
-            DirectoryUsage(
-                self.ns.inodes[ino].name.decode(errors="replace"),
-                used,
-                self.evictor.group_quota(ino),
-                self.evictor.group_policy(ino),
-            )
-            for ino, used in largest
-        ]
-        rows.sort(key=lambda r: (-r.used_bytes, r.name))
-        own = self.space.group_usage(ROOT_INO)
-        if own:
-            rows.append(DirectoryUsage("/", own, 0, self.evictor.group_policy(ROOT_INO)))
-        return rows
+        """Usage, quota and policy of each top-level directory, largest first."""
+        return self.reports.directory_usage()
 
     def all_statistics(self) -> dict[str, Any]:
         """Every part's statistics, as ``kvfs stats`` shows them."""
-        return {
-            "pool": self.describe(),
-            "store": asdict(self.statistics()),
-            "allocator": asdict(self.alloc.statistics()),
-            "cache": asdict(self.cache.statistics()),
-            "journal": asdict(self.journal.statistics()),
-            "metadata": asdict(self.eviction.metadata_statistics()),
-            "eviction": asdict(self.evictor.statistics()),
-            "devices": [asdict(d.statistics()) for d in self.pool.devices],
-            "space": [asdict(d) for d in self.device_space()],
-            "direct": asdict(self.direct.statistics()),
-            # flat rows: dict(vars()) is ~5x cheaper than asdict's deep copy (256 rows)
-            "directories": [dict(vars(d)) for d in self.directory_usage()],
-            "evictions": self.eviction_counts(),
-            **({"cluster": asdict(self.cluster.statistics())} if self.cluster is not None else {}),
-        }
+        return self.reports.all_statistics()
 
     def describe(self) -> dict[str, str | int]:
-        """What identifies the mounted pool (``kvfs stats``' ``pool``, the metrics'
-        ``kvfs_pool_info``): words as strings, counts and sizes as numbers."""
-        sb = self.pool.superblocks[0]
-        return {
-            "label": sb.label,
-            "uuid": str(uuid.UUID(bytes=sb.pool_uuid)),
-            "format": sb.version,
-            "devices": len(self.pool.devices),
-            "unit_size": self.unit,
-            "eviction": self.evictor.policy.name,
-        }
+        """What identifies the mounted pool."""
+        return self.reports.describe()
 
     def eviction_counts(self) -> list[dict[str, Any]]:
-        """Files evicted since the mount, by reason and top-level directory (``/``: the
-        root's own files; ``(removed)``: a directory gone since), most first."""
-        merged: dict[tuple[str, str], int] = {}
-        for (reason, group), n in self.eviction.evicted_by.items():
-            key = (reason, self._group_name(group))
-            merged[key] = merged.get(key, 0) + n
-        order = sorted(merged.items(), key=lambda kv: (-kv[1], kv[0]))
-        return [{"reason": r, "directory": d, "files": n} for (r, d), n in order]
-
-    def _group_name(self, group: int) -> str:
-        """A top-level directory's name; ``/`` for the root, ``(removed)`` if gone."""
-        if group == ROOT_INO:
-            return "/"
-        inode = self.ns.inodes.get(group)
-        names = self.ns.names_of(inode) if inode is not None else []
-        top = [n for parent, n in names if parent == ROOT_INO]
-        return top[0].decode(errors="replace") if top else "(removed)"
+        """Files evicted since the mount, by reason and top-level directory."""
+        return self.reports.eviction_counts()
 
     def statistics(self) -> StoreStatistics:
-        # claimed units are spoken for; free fragments in host units are free bytes
-        free = max(self.space.available(), 0) * self.unit
-        free += self.alloc.free_fragments * self._fragment
-        cap = self.alloc.total_units * self.unit
-        devs = [d.statistics() for d in self.pool.devices]
-        return StoreStatistics(
-            files=self.ns.file_count,
-            directories=self.ns.dir_count,
-            unit_size=self.unit,
-            capacity_bytes=cap,
-            used_bytes=cap - free,
-            free_bytes=free,
-            dirty_bytes=self.writer.dirty_bytes,
-            pending_free_bytes=self.space.pending_free() * self.unit,
-            reads=self._reads,
-            stale_size_reads=self._stale_size_reads,
-            writes=self._writes,
-            bytes_read=self._bytes_read,
-            bytes_written=self._bytes_written,
-            device_bytes_read=sum(d.bytes_read for d in devs),
-            device_bytes_written=sum(d.bytes_written for d in devs),
-            corruptions=len(self.reader.bad_units),
-            incomplete=self.writer.incomplete,
-            evictions=self.evictor.evictions,
-            orphan_evictions=self.evictor.orphan_evictions,
-            quarantined=self.reader.quarantined,
-            unreadable_files=len(self.unreadable),
-            open_handles=len(self.handles),
-            bytes_read_memory=self.reader.bytes_from_memory,
-            bytes_read_device=self.reader.bytes_from_device,
-        )
+        return self.reports.statistics()
 
 
 __all__ = [

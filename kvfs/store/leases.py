@@ -33,10 +33,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from kvfs.client import direct as client
+from kvfs.common import aware
 from kvfs.common.errors import (
     Busy,
     Corruption,
@@ -46,7 +47,10 @@ from kvfs.common.errors import (
     NotPermitted,
     TooBig,
 )
+from kvfs.devices.alloc import Allocator
 from kvfs.devices.device import member_id
+from kvfs.devices.pool import Pool
+from kvfs.evict.space import Space
 from kvfs.format.records import (
     DEV_SHIFT,
     FLAG_QUARANTINED,
@@ -56,20 +60,20 @@ from kvfs.format.records import (
     is_fragment,
     phys,
 )
-from kvfs.index.namespace import Inode
+from kvfs.index.namespace import Inode, Namespace
+from kvfs.log.journal import Journal
+from kvfs.store.handles import Handles
 from kvfs.store.posix import Caller
-from kvfs.store.types import check_failed
-
-if TYPE_CHECKING:
-    from kvfs.store.facade import Store
+from kvfs.store.types import FileState, check_failed
+from kvfs.store.writer import Writer
 
 log = logging.getLogger(__name__)
 
-PREFIX = client.PREFIX.encode()
-MAP = client.MAP.encode()
-RESERVE = client.RESERVE.encode()
-COMMIT = client.COMMIT.encode()
-VERSION = 1
+PREFIX = aware.PREFIX.encode()
+MAP = aware.MAP.encode()
+RESERVE = aware.RESERVE.encode()
+COMMIT = aware.COMMIT.encode()
+VERSION = aware.VERSION
 MAX_REPLY = 65536
 """The kernel's largest xattr value (XATTR_SIZE_MAX): a map that does not fit is
 E2BIG, and the client reads that file through the mount."""
@@ -113,15 +117,41 @@ class DirectStatistics:
 
 
 class DirectPath:
-    """Leases and reservations of one store (runs on the trio thread)."""
+    """Leases and reservations of one store (runs on the trio thread).
 
-    def __init__(self, store: Store) -> None:
-        self.s = store
-        self.unit = store.unit
+    It is given the store's parts it works on and the store's rules it follows as
+    callbacks: ``check_readable`` raises for a file with data on a missing member,
+    ``begin_change`` marks a file WRITING before its data changes, ``ensure_space``
+    makes room for new units (may evict), ``commit`` makes a file durable (a close's
+    guarantee)."""
+
+    def __init__(
+        self,
+        pool: Pool,
+        ns: Namespace,
+        alloc: Allocator,
+        journal: Journal,
+        space: Space,
+        handles: Handles,
+        writer: Writer,
+        files: dict[int, FileState],
+        *,
+        check_readable: Callable[[Inode], None],
+        begin_change: Callable[[Inode], None],
+        ensure_space: Callable[[Inode, int], Awaitable[None]],
+        commit: Callable[[Inode, int], Awaitable[None]],
+    ) -> None:
+        self.pool, self.ns, self.alloc, self.journal = pool, ns, alloc, journal
+        self.space, self.handles, self.writer, self._files = space, handles, writer, files
+        self._check_readable = check_readable
+        self._begin_change = begin_change
+        self._ensure_space = ensure_space
+        self._commit = commit
+        self.unit = pool.unit_size
         self._leases: dict[int, Lease] = {}
         """Files mapped since their last close (by inode)."""
         self._reservations: dict[int, Reservation] = {}  # by handle
-        self._devices = [self._describe(d) for d in store.pool.devices]
+        self._devices = [self._describe(d) for d in pool.devices]
         self._maps = self._commits = self._aborts = self._reserved = 0
         self._bytes_mapped = self._bytes_committed = 0
 
@@ -147,7 +177,7 @@ class DirectPath:
         """Byte offset and length on member ``dev`` of ``units`` units from ``field``
         (a whole unit, or one fragment tail)."""
         unit, skip, length = extent(field, self.unit)
-        return self.s.pool.unit_offset(dev, unit) + skip, length * units
+        return self.pool.unit_offset(dev, unit) + skip, length * units
 
     # ------------------------------------------------------------------ unit frees
     def free_later(self, ino: int, p: int) -> None:
@@ -155,7 +185,7 @@ class DirectPath:
         map of it is open."""
         lease = self._leases.get(ino)
         if lease is None:
-            self.s.space.defer_free(p)
+            self.space.defer_free(p)
         elif lease.held and lease.held[-1][0] == lease.upto:
             lease.held[-1][1].append(p)
         else:
@@ -175,10 +205,10 @@ class DirectPath:
             return
         # per close, and only while a rewritten file is leased: a scan of the handles
         ino = inode.ino
-        oldest = min((n for n, h in self.s.handles.items() if h.ino == ino), default=None)
+        oldest = min((n for n, h in self.handles.items() if h.ino == ino), default=None)
         while lease.held and (oldest is None or lease.held[0][0] < oldest):
             for p in lease.held.pop(0)[1]:
-                self.s.space.defer_free(p)
+                self.space.defer_free(p)
 
     def abandon(self, fh: int) -> None:
         """The handle closed before its direct write's commit: the room is freed and
@@ -193,15 +223,15 @@ class DirectPath:
     def _abort(self, r: Reservation, why: str) -> None:
         self._aborts += 1
         for dev, start, lus in r.plan:
-            self.s.alloc.free(dev, start, len(lus))
-        inode = self.s.ns.inodes.get(r.ino)
+            self.alloc.free(dev, start, len(lus))
+        inode = self.ns.inodes.get(r.ino)
         log.warning("direct write of inode %d abandoned: %s", r.ino, why)
         if inode is not None:
-            st = self.s.writer.state(r.ino)
-            self.s.writer.fail(st, Incomplete(f"inode {r.ino}: direct write {why}"))
+            st = self.writer.state(r.ino)
+            self.writer.fail(st, Incomplete(f"inode {r.ino}: direct write {why}"))
             if not inode.flags & FLAG_WRITING:  # another handle's close committed it
                 inode.flags |= FLAG_WRITING  # empty: uncommitted again, its last close
-                self.s.ns.commit(inode)  # removes it and recovery drops it
+                self.ns.commit(inode)  # removes it and recovery drops it
 
     # ------------------------------------------------------------------ requests
     async def getxattr(self, ino: int, name: bytes, caller: Caller) -> bytes:
@@ -212,22 +242,21 @@ class DirectPath:
         raise NotPermitted(f"{name!r} is not a direct-path request")
 
     def _live(self, ino: int) -> Inode:
-        inode = self.s.ns.get(ino)
+        inode = self.ns.get(ino)
         if inode.is_dir:
             raise InvalidArgument(f"inode {ino} is a directory")
         if inode.flags & FLAG_QUARANTINED:
             raise Corruption(f"inode {ino} is quarantined")
-        if ino in self.s.unreadable:
-            raise self.s._unreadable_error(inode)
+        self._check_readable(inode)
         return inode
 
     def _map(self, ino: int) -> bytes:
-        if self.s.ns.get(ino).is_dir:  # where a client may write: the members only
+        if self.ns.get(ino).is_dir:  # where a client may write: the members only
             return self._reply(ino)
         inode = self._live(ino)
         if not inode.opens:
             raise NotPermitted(f"inode {ino}: a map is leased to an open file only")
-        st = self.s._files.get(ino)
+        st = self._files.get(ino)
         if st is not None:
             check_failed(st)
             if st.dirty or st.inflight or st.busy:
@@ -258,7 +287,7 @@ class DirectPath:
             extendable = not frag
         reply = self._reply(ino, size=inode.size, runs=runs, csums=csums)
         # leased from now: to the handles open now, until the file's last close
-        self._leases.setdefault(ino, Lease()).upto = self.s.handles.newest
+        self._leases.setdefault(ino, Lease()).upto = self.handles.newest
         self._maps += 1
         self._bytes_mapped += inode.size
         return reply
@@ -267,7 +296,7 @@ class DirectPath:
         """The caller's newest writable handle of ``ino``."""
         found = [
             fh
-            for fh, h in self.s.handles.items()
+            for fh, h in self.handles.items()
             if h.ino == ino and h.writable and h.pid == caller.pid
         ]
         if not found:
@@ -289,25 +318,25 @@ class DirectPath:
                 return r.reply  # the kernel's second ask (the first was for the length)
             raise Busy(f"inode {ino}: this handle has a direct write in progress")
         inode = self._live(ino)
-        st = self.s.writer.state(ino)
+        st = self.writer.state(ino)
         check_failed(st)
         if inode.size or inode.nunits or st.dirty or st.inflight or st.busy:
             raise Busy(f"inode {ino} is not empty: open it with O_TRUNC")
         # from here the file is this write's: if it fails, so does the file (dropped
         # at its last close, as a write that found no room), never left empty
-        self.s._begin_data_change(inode)
+        self._begin_change(inode)
         units = list(range(-(-size // self.unit)))
         try:
-            self.s.writer.check_size(inode, size)
-            await self.s._ensure_space(inode, len(units))
+            self.writer.check_size(inode, size)
+            await self._ensure_space(inode, len(units))
             # no await since the room was checked
             inode = self._live(ino)
             fh = self._writer(ino, caller)  # still open, still empty
             if fh in self._reservations or inode.size or inode.nunits or st.dirty or st.busy:
                 raise Busy(f"inode {ino} changed while room was made")
-            plan = self.s.writer.allocate(inode, units, size)
+            plan = self.writer.allocate(inode, units, size)
         except KvfsError as e:
-            self.s.writer.fail(st, e)
+            self.writer.fail(st, e)
             raise
         runs = []
         for dev, start, lus in plan:
@@ -331,27 +360,27 @@ class DirectPath:
             raise InvalidArgument(f"inode {ino}: no such direct write in progress")
         del self._reservations[fh]
         nunits = -(-r.size // self.unit)
-        inode = self.s.ns.inodes.get(ino)
+        inode = self.ns.inodes.get(ino)
         why = self._refusal(inode, len(csums) == nunits)
         if why:
             self._abort(r, why)
             raise InvalidArgument(f"inode {ino}: direct write refused: {why}")
         assert inode is not None
-        self.s._begin_data_change(inode)
+        self._begin_change(inode)
         inode.size = r.size
-        self.s.writer.grow_map(inode, r.size)
-        units, sums = self.s.ns.edit_map(inode)
+        self.writer.grow_map(inode, r.size)
+        units, sums = self.ns.edit_map(inode)
         for dev, start, lus in r.plan:
             for i, u in enumerate(lus):
                 units[u] = phys(dev, start + i)
                 sums[u] = csums[u]
-            self.s.journal.note_data_write(dev)  # flushed before the commit record
-        self.s.space.charge(inode, nunits)
+            self.journal.note_data_write(dev)  # flushed before the commit record
+        self.space.charge(inode, nunits)
         inode.touch()
-        self.s.ns.commit(inode)
+        self.ns.commit(inode)
         self._commits += 1
         self._bytes_committed += r.size
-        await self.s.commit(inode, caller.pid)
+        await self._commit(inode, caller.pid)
 
     def _refusal(self, inode: Inode | None, covered: bool) -> str:
         """Why a reservation cannot be committed ("" when it can)."""
@@ -359,7 +388,7 @@ class DirectPath:
             return "its checksums do not cover its units"
         if inode is None:
             return "the file is gone"
-        st = self.s._files.get(inode.ino)
+        st = self._files.get(inode.ino)
         if inode.size or inode.nunits or (st is not None and (st.dirty or st.busy)):
             return "the file changed meanwhile"
         if st is not None and st.error is not None:

@@ -212,3 +212,14 @@ class StoreStatistics:
     writes, holes) without waiting for a device."""
     bytes_read_device: int = 0
     """Of ``bytes_read``: waited for a device read."""
+
+
+@dataclass
+class Traffic:
+    """The store's request counters (what :class:`StoreStatistics` reports of them)."""
+
+    reads: int = 0
+    writes: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    stale_size_reads: int = 0

@@ -43,10 +43,10 @@ def times(name: bytes, again: bool = False) -> tuple[int, int, int]:
 
 
 async def build(kind: str, out: Path) -> None:
-    from test_store import CFG, memory_pool
-
     from kvfs.device import MemoryDevice
     from kvfs.namespace import ROOT_INO
+    from test_store import CFG, memory_pool
+
     from kvfs.store import Store
 
     pool = memory_pool(size=16 << 20)

@@ -32,10 +32,10 @@ def content(name: bytes, size: int) -> bytes:
 
 
 async def build(kind: str, out: Path) -> None:
-    from test_store import CFG, memory_pool, put
-
     from kvfs.device import MemoryDevice
     from kvfs.namespace import ROOT_INO
+    from test_store import CFG, memory_pool, put
+
     from kvfs.store import Store
 
     pool = memory_pool(size=16 << 20)

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from kvfs.cluster import TCP_ANNOUNCE_ENV
+from kvfs.cluster.client import TCP_ANNOUNCE_ENV
 from kvfs.testing import harness
 from tests.conftest import META_SIZE, KvfsMount, _expected, _finish, pattern, require_fuse
 from tests.mooncake_master import Master, require_mooncake

@@ -8,13 +8,17 @@ from __future__ import annotations
 import os
 import stat
 import threading
+import weakref
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 import pytest
 import trio
 
-from kvfs import cluster as cl
+from kvfs.cluster import client as mc
+from kvfs.cluster.config import ClusterConfig, parse_url
+from kvfs.cluster.fetch import FETCH_PREFIX
+from kvfs.cluster.tier import Cluster
 from kvfs.common.errors import UserError
 from kvfs.format import clustervalue as cv
 from kvfs.index.namespace import ROOT_INO
@@ -38,7 +42,7 @@ class FakeMooncake:
         self.release = threading.Event()
         self.down = False
 
-    def client(self, cfg: cl.ClusterConfig) -> FakeClient:
+    def client(self, cfg: ClusterConfig) -> FakeClient:
         return FakeClient(self)
 
 
@@ -77,7 +81,7 @@ class FakeClient:
         if not self._enter("remove"):
             return -900
         with self.m.lock:
-            return 0 if self.m.objects.pop(key, None) is not None else cl.OBJECT_NOT_FOUND
+            return 0 if self.m.objects.pop(key, None) is not None else mc.OBJECT_NOT_FOUND
 
     def health(self) -> int:
         return -900 if not self._enter("health") or self.m.hang.is_set() else 0
@@ -86,6 +90,8 @@ class FakeClient:
         pass
 
 
+TIERS: weakref.WeakKeyDictionary[Store, Cluster] = weakref.WeakKeyDictionary()
+"""Each node's tier (subscribed to its store)."""
 URL = "mooncake://127.0.0.1:1?metadata=http://127.0.0.1:2/metadata&timeout=0.3&retry=0.05"
 
 
@@ -93,10 +99,11 @@ URL = "mooncake://127.0.0.1:1?metadata=http://127.0.0.1:2/metadata&timeout=0.3&r
 async def node(m: FakeMooncake, url: str = URL) -> AsyncIterator[Store]:
     store = Store(memory_pool(size=64 << 20), CFG)
     store.load()
-    store.cluster = cl.Cluster(store, cl.parse_url(url), connect=m.client)
+    cluster = TIERS[store] = Cluster(store, parse_url(url), connect=m.client)
+    store.subscribe(cluster)
     async with trio.open_nursery() as nursery:
         await nursery.start(store.run)
-        await wait_until(lambda: store.cluster is not None and store.cluster.up)
+        await wait_until(lambda: cluster.up)
         yield store
         nursery.cancel_scope.cancel()
 
@@ -113,8 +120,7 @@ async def write_file(store: Store, parent: int, name: bytes, data: bytes) -> int
 async def read_file(store: Store, parent: int, name: bytes) -> bytes | None:
     inode = store.lookup(parent, name)
     if inode is None:
-        assert store.cluster is not None
-        inode = await store.cluster.lookup(parent, name)
+        inode = await store.missed(parent, name)  # as the FUSE adapter's lookup
     if inode is None:
         return None
     fh = await store.open(inode.ino, os.O_RDONLY, ME)
@@ -124,9 +130,8 @@ async def read_file(store: Store, parent: int, name: bytes) -> bytes | None:
         await store.release(fh)
 
 
-def tier(store: Store) -> cl.Cluster:
-    assert store.cluster is not None
-    return store.cluster
+def tier(store: Store) -> Cluster:
+    return TIERS[store]
 
 
 async def drained(store: Store) -> None:
@@ -134,7 +139,7 @@ async def drained(store: Store) -> None:
 
 
 def test_url_knobs_and_defaults() -> None:
-    c = cl.parse_url("mooncake://m:50051?metadata=http://m:8080/metadata&buffer=64M&queue=9")
+    c = parse_url("mooncake://m:50051?metadata=http://m:8080/metadata&buffer=64M&queue=9")
     assert (c.master, c.metadata, c.buffer, c.part, c.queue) == (
         "m:50051",
         "http://m:8080/metadata",
@@ -145,7 +150,7 @@ def test_url_knobs_and_defaults() -> None:
     assert c.publish == "on-close"
     for bad in ("mooncake://m:1?metadata=x&part=1G", "mooncake://m:1?metadata=x&timeout=0"):
         with pytest.raises(UserError):
-            cl.parse_url(bad)
+            parse_url(bad)
 
 
 def test_header_covers_every_byte_and_its_own_fields() -> None:
@@ -171,12 +176,12 @@ async def test_a_file_closed_on_a_is_fetched_whole_by_b() -> None:
         await write_file(a, d.ino, b"empty.bin", b"")
         await drained(a)
         assert tier(a).stats.published == 2
-        kv = await tier(b).lookup(ROOT_INO, b"kv")  # the directory, from its marker
+        kv = await b.missed(ROOT_INO, b"kv")  # the directory, from its marker
         assert kv is not None and kv.is_dir
         assert await read_file(b, kv.ino, b"c.bin") == data
         assert await read_file(b, kv.ino, b"empty.bin") == b""
         assert tier(b).stats.hits == 3 and tier(b).stats.bytes_fetched == len(data)
-        assert not [n for n in b.directory(kv.ino) if n.startswith(cl.FETCH_PREFIX)]
+        assert not [n for n in b.directory(kv.ino) if n.startswith(FETCH_PREFIX)]
 
 
 async def test_a_lookup_storm_is_a_few_batched_round_trips() -> None:
@@ -187,7 +192,7 @@ async def test_a_lookup_storm_is_a_few_batched_round_trips() -> None:
         results: list[object] = []
 
         async def look(i: int) -> None:
-            results.append(await tier(b).lookup(d.ino, b"%d.bin" % i))
+            results.append(await b.missed(d.ino, b"%d.bin" % i))
 
         async with trio.open_nursery() as n:
             for i in range(200):
@@ -196,7 +201,7 @@ async def test_a_lookup_storm_is_a_few_batched_round_trips() -> None:
         assert results == [None] * 200
         assert sum(exists) == 400 and len(exists) <= 4, exists  # file + dir key each
         m.calls.clear()
-        assert await tier(b).lookup(d.ino, b"7.bin") is None
+        assert await b.missed(d.ino, b"7.bin") is None
         assert m.calls == [] and tier(b).stats.negative_hits == 1  # a remembered miss
 
 
@@ -224,10 +229,10 @@ async def test_a_hung_cluster_costs_one_deadline_then_nothing() -> None:
     async with node(m) as b:
         m.hang.set()
         with trio.fail_after(2):
-            assert await tier(b).lookup(ROOT_INO, b"x") is None  # waits out 0.3 s
+            assert await b.missed(ROOT_INO, b"x") is None  # waits out 0.3 s
         assert not tier(b).up and tier(b).stats.failures == 1
         with trio.fail_after(0.05):
-            assert await tier(b).lookup(ROOT_INO, b"y") is None  # known down: not asked
+            assert await b.missed(ROOT_INO, b"y") is None  # known down: not asked
         assert tier(b).stats.skipped_down == 1
         await write_file(b, ROOT_INO, b"local.bin", b"z" * 5000)  # writes never wait
         assert tier(b).stats.publish_dropped == 1

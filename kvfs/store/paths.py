@@ -1,0 +1,52 @@
+"""Paths inside the mount, for the tiers that name files by them (the cluster tier's
+keys): the path of an inode, the directories on a path, and whether a directory's
+files are kvfs-managed. Walks of the namespace, O(depth)."""
+
+from __future__ import annotations
+
+from kvfs.evict.evictor import KVFS_MANAGED, Evictor
+from kvfs.index.namespace import ROOT_INO, Inode, Namespace
+
+MAX_DEPTH = 4096
+"""Deeper than this is no path (a walk never loops, whatever the index holds)."""
+
+
+def path_of(ns: Namespace, ino: int) -> bytes | None:
+    """The path of ``ino`` inside the mount (no leading ``/``; the root's is empty),
+    or None for an inode with no name."""
+    inodes, parts = ns.inodes, list[bytes]()
+    node = inodes.get(ino)
+    for _ in range(MAX_DEPTH):
+        if node is None:
+            return None
+        if node.ino == ROOT_INO:
+            return b"/".join(reversed(parts))
+        parts.append(node.name)
+        node = inodes.get(node.parent)
+    return None
+
+
+def directories_on(ns: Namespace, path: bytes) -> list[tuple[bytes, Inode]]:
+    """The directories above ``path``, top down, as far as they exist: each one's path
+    and inode."""
+    parts = path.split(b"/")[:-1]
+    found: list[tuple[bytes, Inode]] = []
+    node: Inode | None = ns.inodes.get(ROOT_INO)
+    for depth, name in enumerate(parts, 1):
+        node = ns.find(node.ino, name) if node is not None else None
+        if node is None or not node.is_dir:
+            break
+        found.append((b"/".join(parts[:depth]), node))
+    return found
+
+
+def managed(ns: Namespace, evictor: Evictor, parent: int) -> bool:
+    """Whether files in directory ``parent`` are kvfs-managed: its top-level
+    directory's policy (the default policy for the root's own files). An engine that
+    manages its own files keeps its own index: such files stay local."""
+    node = ns.inodes.get(parent)
+    if node is None:
+        return False
+    if parent == ROOT_INO:
+        return evictor.default_policy == KVFS_MANAGED
+    return evictor.group_policy(evictor.group_of(node)) == KVFS_MANAGED
