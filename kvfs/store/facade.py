@@ -20,11 +20,8 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import stat
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import asynccontextmanager
-from dataclasses import replace
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import trio
@@ -40,14 +37,12 @@ from kvfs.common.errors import (
     NotFound,
     NotPermitted,
     QuotaExceeded,
-    Rewritten,
-    StaleSize,
 )
 from kvfs.common.timing import Histogram
 from kvfs.devices.alloc import Allocator
 from kvfs.devices.pool import Pool
 from kvfs.evict.driver import EvictionDriver
-from kvfs.evict.evictor import GROUP_XATTRS, Evictor, check_group_target, check_group_xattr
+from kvfs.evict.evictor import Evictor
 from kvfs.evict.space import Space
 from kvfs.format.records import (
     DEV_SHIFT,
@@ -59,18 +54,20 @@ from kvfs.format.records import (
     fragment_size,
 )
 from kvfs.index.inodes import DirView
-from kvfs.index.namespace import Inode, Namespace, check_times, check_xattr_room
+from kvfs.index.namespace import Inode, Namespace
 from kvfs.log.journal import Journal
 from kvfs.store import leases as directpath
-from kvfs.store import paths, posix
+from kvfs.store import paths
 from kvfs.store.cache import UnitCache
 from kvfs.store.handles import Handles
 from kvfs.store.hooks import FileView, Hooks, StoreHooks
 from kvfs.store.leases import DirectPath
 from kvfs.store.loading import Loader, RecoveryReport
+from kvfs.store.names import OP_LOG_BYTES, Names
 from kvfs.store.posix import ROOT, Caller
 from kvfs.store.reader import Reader
 from kvfs.store.reporting import Reports
+from kvfs.store.truncation import Truncations
 from kvfs.store.types import (
     DeviceSpace,
     DirectoryUsage,
@@ -85,18 +82,7 @@ from kvfs.store.types import (
 from kvfs.store.writer import Writer
 
 log = logging.getLogger(__name__)
-PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def _page_up(n: int) -> int:
-    return -(-n // PAGE) * PAGE
-
-
 T = TypeVar("T")
-OP_LOG_BYTES = 512
-"""Log bytes admitted for one index operation beyond its xattr (a create: its
-inode record, dentry and name; a commit: a map of a few extents). A larger one is
-not lost: the window is retried (``Journal.admit``)."""
 
 
 class Store:
@@ -212,6 +198,20 @@ class Store:
             commit=self.commit,
         )
         """Leases and reservations of the zero-copy path (:mod:`kvfs.store.leases`)."""
+        self.truncations = Truncations(self._files, self.handles, self.traffic, self.writer.state)
+        """Reads beside a truncate (:mod:`kvfs.store.truncation`)."""
+        self.names = Names(
+            self.ns,
+            self.journal,
+            self.space,
+            self.evictor,
+            self.hooks,
+            self.writer,
+            self.truncations,
+            room=self.check_metadata_room,
+            drop=self.maybe_drop,
+        )
+        """Namespace operations (:mod:`kvfs.store.names`)."""
         self.reports = Reports(
             pool,
             self.ns,
@@ -321,62 +321,18 @@ class Store:
             raise Corruption(f"inode {ino} is quarantined")
         writable = flags & os.O_ACCMODE != os.O_RDONLY
         if writable and flags & os.O_TRUNC:
-            async with self._shrinking(ino, inode.size > 0):
+            async with self.truncations.shrinking(ino, inode.size > 0):
                 await self.writer.truncate_at_open(inode, caller)
             inode = self.ns.get(ino)  # the await may have let an eviction in
         inode.opens += 1
         owner = self.evictor.opened(inode, caller.pid)
         if writable:
             self.writer.state(ino).writers += 1
-        shrinks = self._shrinks(ino)
+        shrinks = self.truncations.shrinks(ino)
         direct = bool(flags & os.O_DIRECT)
         return self.handles.add(
             Handle(ino, writable, caller.pid, owner, caller.uid, direct, shrinks)
         )
-
-    @asynccontextmanager
-    async def _shrinking(self, ino: int, shrinks: bool) -> AsyncIterator[None]:
-        """A truncate that may shrink the file runs inside: reads wait (``_settle``)."""
-        if not shrinks:
-            yield
-            return
-        st = self.writer.state(ino)
-        st.resizing += 1
-        try:
-            yield
-        finally:
-            st.resizing -= 1
-            if not st.resizing:
-                st.settled.set()
-                st.settled = trio.Event()
-
-    async def _settle(self, ino: int) -> None:
-        """Wait until no shrinking truncate of ``ino`` is in progress."""
-        st = self._files.get(ino)
-        while st is not None and st.resizing:
-            await st.settled.wait()
-            st = self._files.get(ino)
-
-    def _shrinks(self, ino: int) -> int:
-        """How often the file shrank while some handle held it open (FileState lives
-        as long as one does)."""
-        st = self._files.get(ino)
-        return st.shrinks if st is not None else 0
-
-    def _keep_readable(self, ino: int, tid: int | None, fh: int | None) -> None:
-        """After a truncate by thread ``tid`` (through ``fh``, an ftruncate): the
-        handle it came through, and the handles that thread opened, go on reading
-        (one thread's calls are sequential: none of its reads was in flight).
-        ``tid`` None: every handle does."""
-        shrinks = self._shrinks(ino)
-        for n, h in list(self.handles.items()):
-            mine = tid is None or n == fh or h.pid == tid
-            if h.ino == ino and h.shrinks != shrinks and mine:
-                self.handles.replace(n, replace(h, shrinks=shrinks))
-
-    def _check_not_rewritten(self, fh: int, h: Handle) -> None:
-        if self._shrinks(h.ino) != h.shrinks:
-            raise Rewritten(f"inode {h.ino}: truncated through another descriptor; reopen it")
 
     def _pinned(self, uid: int) -> int:
         """Bytes of the files user ``uid`` holds open (they cannot be evicted), the
@@ -449,60 +405,6 @@ class Store:
             raise NoSpace("metadata area full: nothing may be evicted")
         # last: the caller appends with no await after this returns
         await self.journal.admit(log_bytes)
-
-    async def make(
-        self, parent: int, name: bytes, mode: int, caller: Caller = ROOT, flags: int = 0
-    ) -> Inode:
-        """mkdir / mknod: a new committed directory or empty file, owned by ``caller``
-        (or, in a setgid directory, by the directory's group: ``posix.new_owner``)."""
-        await self.check_metadata_room()
-        d = self.ns.get(parent)
-        mode, gid = posix.new_owner(d.mode, d.gid, mode, caller)
-        inode = self.ns.make(parent, name, mode, caller.uid, gid, flags=flags)
-        self.space.placed(inode, None)  # a top-level directory is listed from now on
-        if not inode.is_dir and not flags & FLAG_WRITING:
-            # mknod: a committed empty file, evictable like a closed one (it costs
-            # the index what any file does)
-            self.evictor.created(inode, caller.pid)
-            self.evictor.committed(inode, caller.pid)
-        return inode
-
-    async def create(self, parent: int, name: bytes, mode: int, caller: Caller = ROOT) -> Inode:
-        """A new empty file, marked WRITING until its first commit."""
-        inode = await self.make(parent, name, mode, caller, flags=FLAG_WRITING)
-        self.evictor.created(inode, caller.pid)
-        return inode
-
-    def rename(self, old_parent: int, old: bytes, new_parent: int, new: bytes, flags: int) -> None:
-        """POSIX rename (and renameat2's flags); what moves takes its bytes' count
-        along (a directory: its subtree's, O(depth), nothing below it walked), and a
-        replaced target's bytes leave the counters with its last name."""
-        self.journal.check_usable()
-        placed = [
-            (i, self.space.placement(i)) for i in self._movers(old_parent, old, new_parent, new)
-        ]
-        hooks = self.hooks
-        src = self.ns.find(old_parent, old) if hooks else None
-        old_dir = self.path_of(old_parent) if hooks else None
-        victim = self.ns.rename(old_parent, old, new_parent, new, flags)
-        if victim is not None:
-            self.maybe_drop(victim)
-        for inode, before in placed:
-            self.space.placed(inode, before)
-        if hooks and src is not None:
-            hooks.renamed(src, old_parent, old, old_dir)
-
-    def _movers(self, old_parent: int, old: bytes, new_parent: int, new: bytes) -> list[Inode]:
-        """The inodes a rename may move or unname: the source, and the target (moved
-        by an exchange, else replaced)."""
-        found: dict[int, Inode] = {}  # one entry for two names of one file
-        for parent, name in ((old_parent, old), (new_parent, new)):
-            d = self.ns.inodes.get(parent)
-            ino = d.entries.get(name) if d is not None and d.entries is not None else None
-            inode = None if ino is None else self.ns.inodes.get(ino)
-            if inode is not None:
-                found[inode.ino] = inode
-        return list(found.values())
 
     async def release(self, fh: int) -> None:
         h = self.handles.remove(fh)
@@ -638,7 +540,7 @@ class Store:
         """Truncate with no caller to tell apart: every open handle goes on reading
         (the FUSE adapter's SETATTR says whose truncate it is: :meth:`setattr`)."""
         await self.writer.truncate(inode, size)
-        self._keep_readable(inode.ino, None, None)
+        self.truncations.keep_readable(inode.ino, None, None)
 
     def max_file_size(self, inode: Inode) -> int:
         return self.writer.max_file_size(inode)
@@ -651,34 +553,26 @@ class Store:
         h = self.handles[fh]
         ino = h.ino
         while True:  # replied only while no shrinking truncate of the file is unanswered
-            await self._settle(ino)
-            data = await self._read_once(fh, h, off, size)
-            st = self._files.get(ino)
-            if st is None or not st.resizing:
+            await self.truncations.settle(ino)
+            data = await self._read_once(h, off, size)
+            if not self.truncations.resizing(ino):
                 break
-        self._check_not_rewritten(fh, h)  # a truncate may have come while it waited
+        self.truncations.check_not_rewritten(h)  # a truncate may have come while it waited
         self.traffic.reads += 1
         self.traffic.bytes_read += len(data)
         return data
 
     def check_kernel_read(self, fh: int, off: int, size: int, got: int) -> None:
-        """The kernel's READ of ``size`` bytes at ``off`` is about to be answered with
-        ``got`` bytes. If it asked past the file's end by more than its page rounding
-        (a buffered handle; O_DIRECT asks in whole requests), it still holds a larger
-        size: a shrink it has not applied yet (another process's ``O_TRUNC`` open or
-        truncate answered a moment ago, a direct write that replaced the file). A
-        short answer would make it zero-fill the rest of its pages and copy them out
-        as the file's bytes (``docs/design.md``, "Reads beside a truncate", rule 5):
-        EIO instead (``StaleSize``)."""
-        if got < size and off + size > _page_up(off + got) and not self.handles[fh].direct:
-            self.traffic.stale_size_reads += 1
-            raise StaleSize(f"inode {self.handles[fh].ino}: read past a size not yet shrunk")
+        """EIO (``StaleSize``) for a buffered READ about to be answered short past the
+        page of the file's last byte: the kernel still holds a larger size
+        (``docs/design.md``, "Reads beside a truncate", rule 5; :mod:`kvfs.store.truncation`)."""
+        self.truncations.check_kernel_read(fh, off, size, got)
 
-    async def _read_once(self, fh: int, h: Handle, off: int, size: int) -> bytes | memoryview:
+    async def _read_once(self, h: Handle, off: int, size: int) -> bytes | memoryview:
         inode = self.ns.inodes.get(h.ino)
         if inode is None or inode.flags & FLAG_QUARANTINED:
             raise Corruption(f"inode {h.ino} is quarantined or gone")
-        self._check_not_rewritten(fh, h)
+        self.truncations.check_not_rewritten(h)
         self._check_readable(inode)
         st = self._files.get(h.ino)
         if st is not None:
@@ -818,38 +712,28 @@ class Store:
         """A directory's entries, name to inode (NotADirectory for a file)."""
         return self.ns.directory(ino)
 
-    def unlink(self, parent: int, name: bytes) -> None:
-        self.journal.check_usable()
-        hooks = self.hooks
-        where = self.path_of(parent) if hooks else None
-        self._unname(parent, name, want_dir=False)
-        if hooks:
-            hooks.unlinked(where, name, parent)
+    async def make(
+        self, parent: int, name: bytes, mode: int, caller: Caller = ROOT, flags: int = 0
+    ) -> Inode:
+        """mkdir / mknod (:meth:`Names.make <kvfs.store.names.Names.make>`)."""
+        return await self.names.make(parent, name, mode, caller, flags)
 
-    def _evict(self, inode: Inode) -> None:
-        """Eviction takes ``inode`` (a tier may send it first: the cluster's on-evict)."""
-        self.hooks.evicted(inode)
-        self._unlink_everywhere(inode)
+    async def create(self, parent: int, name: bytes, mode: int, caller: Caller = ROOT) -> Inode:
+        """A new empty file, marked WRITING until its first commit."""
+        return await self.names.create(parent, name, mode, caller)
+
+    def rename(self, old_parent: int, old: bytes, new_parent: int, new: bytes, flags: int) -> None:
+        """POSIX rename (and renameat2's flags) (:mod:`kvfs.store.names`)."""
+        self.names.rename(old_parent, old, new_parent, new, flags)
+
+    def unlink(self, parent: int, name: bytes) -> None:
+        self.names.unlink(parent, name)
 
     def rmdir(self, parent: int, name: bytes) -> None:
-        self.journal.check_usable()
-        self._unname(parent, name, want_dir=True)
-
-    def _unname(self, parent: int, name: bytes, want_dir: bool) -> None:
-        """unlink / rmdir; the bytes of a file that loses its last (or its indexed)
-        name leave (or move between) the directories' counters."""
-        found = self.ns.find(parent, name)
-        before = self.space.placement(found) if found is not None else None
-        inode = self.ns.remove(parent, name, want_dir=want_dir)
-        self.maybe_drop(inode)
-        self.space.placed(inode, before)
+        self.names.rmdir(parent, name)
 
     async def link(self, ino: int, parent: int, name: bytes) -> Inode:
-        await self.check_metadata_room()
-        before = self.space.placement(self.ns.get(ino))
-        inode = self.ns.link(ino, parent, name)
-        self.space.placed(inode, before)
-        return inode
+        return await self.names.link(ino, parent, name)
 
     async def setattr(
         self,
@@ -863,38 +747,16 @@ class Store:
         times: tuple[int | None, int | None, int | None] = (None, None, None),
         fh: int | None = None,
     ) -> Inode:
-        """chmod, chown, truncate and utimens of one SETATTR (what is not None). The
-        times (atime, mtime, ctime; a ctime not given is now) are checked before
-        anything changes. ``fh``: the handle an ftruncate came through (it goes on
-        reading the file it shrank itself)."""
-        self.journal.check_usable()
-        node = self.ns.get(ino)
-        atime, mtime, _ = node.times()
-        at, mt, ct = times
-        new_times = (
-            atime if at is None else at,
-            mtime if mt is None else mt,
-            time.time_ns() if ct is None else ct,
+        """chmod, chown, truncate and utimens of one SETATTR (:meth:`Names.setattr
+        <kvfs.store.names.Names.setattr>`)."""
+        return await self.names.setattr(
+            ino, caller, size=size, mode=mode, uid=uid, gid=gid, times=times, fh=fh
         )
-        check_times(*new_times)  # refused before anything changes
-        if size is not None:
-            async with self._shrinking(ino, size < node.size):
-                await self.writer.truncate(node, size)
-                self._keep_readable(ino, caller.pid, fh)
-        if mode is not None:
-            node.mode = stat.S_IFMT(node.mode) | stat.S_IMODE(mode)
-        if uid is not None and node.uid != uid:
-            old_uid, node.uid = node.uid, uid
-            self.owner_changed(node, old_uid)
-        if gid is not None:
-            node.gid = gid
-        if size is not None:
-            # the kernel's FUSE code asks for the older rule (S_ISGID only if group-
-            # executable); ext4's also drops it for a caller outside the file's group
-            node.mode = posix.drop_suid_sgid(node.mode, node.gid, caller)
-        node.set_times(*new_times)
-        self.ns.commit(node)
-        return node
+
+    def _evict(self, inode: Inode) -> None:
+        """Eviction takes ``inode`` (a tier may send it first: the cluster's on-evict)."""
+        self.hooks.evicted(inode)
+        self._unlink_everywhere(inode)
 
     @property
     def xattr_names(self) -> tuple[bytes, ...]:
@@ -902,31 +764,24 @@ class Store:
         return self.ns.xattr_names
 
     def get_xattr(self, ino: int, name: bytes) -> bytes:
-        return self.ns.get_xattr(ino, name)
+        return self.names.get_xattr(ino, name)
 
     def list_xattrs(self, ino: int) -> list[bytes]:
-        return list(self.ns.get(ino).xattrs or ())
+        return self.names.list_xattrs(ino)
 
     async def set_xattr(self, ino: int, name: bytes, value: bytes) -> None:
-        """Set an xattr within the bounds (``namespace.check_xattr_room``: E2BIG,
-        ENOSPC), checked before any room is made for it."""
-        inode = self.ns.get(ino)
-        check_xattr_room(inode.xattrs or {}, name, value)
-        await self.check_metadata_room(OP_LOG_BYTES + len(name) + len(value))
-        self.ns.set_xattr(ino, name, value)
+        """Set an xattr within the bounds (E2BIG, ENOSPC), checked before any room is
+        made for it."""
+        await self.names.set_xattr(ino, name, value)
 
     def check_group_setting(self, ino: int, name: bytes, value: bytes) -> None:
-        """Before a caller's :meth:`set_xattr`: InvalidArgument if ``name`` is a setting
-        of an eviction group (``user.kvfs.policy``, ``.quota``, ``.max_file_size``)
-        with a malformed value, or set where it takes no effect (groups are top-level
-        directories; the root takes its policy alone). Any other name passes."""
-        if name in GROUP_XATTRS:
-            check_group_xattr(name, value)
-            check_group_target(self.get_inode(ino), name)
+        """Before a caller's :meth:`set_xattr`: InvalidArgument for a malformed or
+        misplaced eviction-group setting (:meth:`Names.check_group_setting
+        <kvfs.store.names.Names.check_group_setting>`)."""
+        self.names.check_group_setting(ino, name, value)
 
     def remove_xattr(self, ino: int, name: bytes) -> None:
-        self.journal.check_usable()
-        self.ns.set_xattr(ino, name, None)
+        self.names.remove_xattr(ino, name)
 
     async def wait_durable(self) -> None:
         """Until everything logged so far is durable (fsync of a directory)."""
