@@ -5,15 +5,17 @@ its names), the eviction policy's view of new files, and the subscribed tiers'
 events (:mod:`kvfs.store.hooks`).
 
 Runs on the trio thread. An operation that grows the index awaits only for room
-(``room``: ``Store.check_metadata_room``), before it changes anything; the rest of it
-runs without an ``await``, so no other request sees it half done."""
+(:meth:`Names.check_metadata_room`), before it changes anything; the rest of it runs
+without an ``await``, so no other request sees it half done."""
 
 from __future__ import annotations
 
 import stat
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
+from kvfs.common.errors import NoSpace
+from kvfs.evict.driver import EvictionDriver
 from kvfs.evict.evictor import GROUP_XATTRS, Evictor, check_group_target, check_group_xattr
 from kvfs.evict.space import Space
 from kvfs.format.records import FLAG_WRITING
@@ -32,10 +34,8 @@ not lost: the window is retried (``Journal.admit``)."""
 
 
 class Names:
-    """Namespace operations of one store. ``room(log_bytes)``: wait for room in the
-    metadata area for an operation that logs ``log_bytes`` (``Store.check_metadata_room``);
-    ``drop(inode)``: free an inode that may have lost its last reference
-    (``Store.maybe_drop``)."""
+    """Namespace operations of one store. ``drop(inode)``: free an inode that may
+    have lost its last reference (``Store.maybe_drop``)."""
 
     def __init__(
         self,
@@ -43,29 +43,48 @@ class Names:
         journal: Journal,
         space: Space,
         evictor: Evictor,
+        eviction: EvictionDriver,
         hooks: Hooks,
         writer: Writer,
         truncations: Truncations,
         *,
-        room: Callable[[int], Awaitable[None]],
         drop: Callable[[Inode], None],
     ) -> None:
         self.ns = ns
         self.journal = journal
         self.space = space
         self.evictor = evictor
+        self.eviction = eviction
         self.hooks = hooks
         self.writer = writer
         self.truncations = truncations
-        self._room = room
         self._drop = drop
+
+    async def check_metadata_room(self, log_bytes: int = OP_LOG_BYTES) -> None:
+        """Room in the metadata area for an operation that grows the index. Metadata
+        pressure is eviction pressure: once the last checkpoint is over the area's
+        limit, files are evicted by data eviction's rules and a smaller checkpoint
+        is taken (``EvictionDriver.make_metadata_room``; removals since the last checkpoint
+        count too: a dropped row leaves the image at once, see
+        ``Namespace._strip_row``). NoSpace only when nothing could go. Then
+        ``Journal.admit`` for the ``log_bytes`` the operation will log: it waits
+        while a running checkpoint's window has no room (NoSpace if the area is full
+        even after a fresh checkpoint; DeviceError once the log failed), so nothing
+        is acknowledged that the log could not hold."""
+        if self.journal.metadata_full:
+            await self.eviction.make_metadata_room()
+        if self.journal.metadata_full:
+            self.eviction.log_metadata_full()
+            raise NoSpace("metadata area full: nothing may be evicted")
+        # last: the caller appends with no await after this returns
+        await self.journal.admit(log_bytes)
 
     async def make(
         self, parent: int, name: bytes, mode: int, caller: Caller = ROOT, flags: int = 0
     ) -> Inode:
         """mkdir / mknod: a new committed directory or empty file, owned by ``caller``
         (or, in a setgid directory, by the directory's group: ``posix.new_owner``)."""
-        await self._room(OP_LOG_BYTES)
+        await self.check_metadata_room()
         d = self.ns.get(parent)
         mode, gid = posix.new_owner(d.mode, d.gid, mode, caller)
         inode = self.ns.make(parent, name, mode, caller.uid, gid, flags=flags)
@@ -136,7 +155,7 @@ class Names:
         self.space.placed(inode, before)
 
     async def link(self, ino: int, parent: int, name: bytes) -> Inode:
-        await self._room(OP_LOG_BYTES)
+        await self.check_metadata_room()
         before = self.space.placement(self.ns.get(ino))
         inode = self.ns.link(ino, parent, name)
         self.space.placed(inode, before)
@@ -198,7 +217,7 @@ class Names:
         ENOSPC), checked before any room is made for it."""
         inode = self.ns.get(ino)
         check_xattr_room(inode.xattrs or {}, name, value)
-        await self._room(OP_LOG_BYTES + len(name) + len(value))
+        await self.check_metadata_room(OP_LOG_BYTES + len(name) + len(value))
         self.ns.set_xattr(ino, name, value)
 
     def check_group_setting(self, ino: int, name: bytes, value: bytes) -> None:
