@@ -16,7 +16,8 @@ from collections.abc import Callable
 
 from kvfs.common.errors import NoSpace
 from kvfs.evict.driver import EvictionDriver
-from kvfs.evict.evictor import GROUP_XATTRS, Evictor, check_group_target, check_group_xattr
+from kvfs.evict.evictor import Evictor
+from kvfs.evict.groups import GROUP_XATTRS, check_group_target, check_group_xattr
 from kvfs.evict.space import Space
 from kvfs.format.records import FLAG_WRITING
 from kvfs.index.namespace import Inode, Namespace, check_times, check_xattr_room
