@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import trio
 
 from kvfs.common.errors import DeviceError, KvfsError, NoSpace, QuotaExceeded
-from kvfs.evict.evictor import KVFS_MANAGED, Evictor
+from kvfs.evict.evictor import Evictor
+from kvfs.evict.groups import KVFS_MANAGED
 from kvfs.evict.space import Space
 from kvfs.format.geometry import CHECKPOINT_FILE_BYTES, CHECKPOINT_UNIT_BYTES, META_FULL
 from kvfs.index.namespace import ROOT_INO, Inode, Namespace

@@ -14,7 +14,8 @@ kvfs decides for the whole pool. Rules (``docs/eviction.md``):
 A *group* is a top-level directory (a child of the root; files directly in the root
 form the root's group). Its policy and byte quota are the xattrs
 ``user.kvfs.policy`` and ``user.kvfs.quota`` on that directory, persisted like any
-xattr; a group without them uses the mount's defaults.
+xattr (:mod:`kvfs.evict.groups`); a group without them uses the mount's defaults. The
+orphans wait in an :class:`~kvfs.evict.orphans.OrphanList`.
 """
 
 from __future__ import annotations
@@ -30,10 +31,21 @@ from itertools import compress, islice
 from operator import le
 
 from kvfs.common import procs
-from kvfs.common.errors import InvalidArgument
-from kvfs.common.sizes import SizeError, parse_size
+from kvfs.evict.groups import (
+    GROUP_XATTRS,
+    KVFS_MANAGED,
+    MAX_FILE_XATTR,
+    POLICIES,
+    POLICY_XATTR,
+    QUOTA_XATTR,
+    ROOT_XATTRS,
+    check_group_target,
+    check_group_xattr,
+    parse_quota,
+)
+from kvfs.evict.orphans import OrphanList
 from kvfs.evict.policy import DEFAULT_POLICY, Policy, make_policy
-from kvfs.evict.slots import ROWS, SHIFT, SlotColumn, runs
+from kvfs.evict.slots import ROWS, SHIFT, SlotColumn
 from kvfs.format import owners as owners_fmt
 from kvfs.format.owners import MAX_PROCESSES, OWNERS_BLOB, PART_OWNERS, PART_POLICY, POLICY_BLOB
 from kvfs.index.columns import ROWS as NS_ROWS
@@ -42,14 +54,6 @@ from kvfs.index.namespace import EVICTOR_TAG, ROOT_INO, Inode, Namespace
 
 log = logging.getLogger(__name__)
 
-POLICY_XATTR = b"user.kvfs.policy"
-QUOTA_XATTR = b"user.kvfs.quota"
-MAX_FILE_XATTR = b"user.kvfs.max_file_size"
-GROUP_XATTRS = (POLICY_XATTR, QUOTA_XATTR, MAX_FILE_XATTR)
-"""Settings of a top-level directory, validated before they are stored."""
-KVFS_MANAGED = "kvfs-managed"
-ENGINE_MANAGED = "engine-managed"
-POLICIES = (KVFS_MANAGED, ENGINE_MANAGED)
 REAP_INTERVAL = 0.05
 ORPHAN_SCAN = 4096
 """Orphans examined per eviction pass (keeps a pass O(1) with millions of orphans)."""
@@ -61,46 +65,6 @@ file (vLLM's ``os.replace`` of its tmp file) must not lose it (``docs/eviction.m
 
 GONE_MIN = 1024
 """Names of gone files remembered at least (as many as files are tracked, else)."""
-
-
-def parse_quota(value: bytes) -> int:
-    """A quota or maximum file size xattr (``100G``, ``5368709120``; ``0``: none) as
-    bytes, in the size grammar of :mod:`kvfs.common.sizes`; InvalidArgument otherwise."""
-    try:
-        return parse_size(value.decode(errors="replace"))
-    except SizeError as e:
-        raise InvalidArgument(str(e)) from None
-
-
-ROOT_XATTRS = (POLICY_XATTR,)
-"""Settings the root takes (for its own files): a quota or maximum file size there
-would read as mount-wide but hold only for files directly in the root."""
-
-
-def check_group_target(inode: Inode, name: bytes) -> None:
-    """InvalidArgument unless ``inode`` is where ``name`` takes effect: a top-level
-    directory (any setting) or the root (its policy). Anywhere else it would be stored
-    and never read (groups are top-level directories), so it is refused."""
-    if inode.ino == ROOT_INO:
-        if name not in ROOT_XATTRS:
-            raise InvalidArgument(
-                f"{name.decode()} on the mount root: set it on a top-level directory "
-                "(the pool's size bounds the mount; --max-file-size sets a mount-wide limit)"
-            )
-        return
-    if not inode.is_dir or inode.parent != ROOT_INO:
-        raise InvalidArgument(
-            f"{name.decode()}: inode {inode.ino} is not a top-level directory of the "
-            "mount; policy and quota apply to top-level directories"
-        )
-
-
-def check_group_xattr(name: bytes, value: bytes) -> None:
-    """Reject a malformed policy, quota or maximum file size before it is stored."""
-    if name == POLICY_XATTR and value.decode(errors="replace") not in POLICIES:
-        raise InvalidArgument(f"policy must be one of {', '.join(POLICIES)}")
-    if name in (QUOTA_XATTR, MAX_FILE_XATTR):
-        parse_quota(value)
 
 
 @dataclass(frozen=True)
@@ -118,96 +82,6 @@ _REGULAR = bytes(int(b & 0xF0 == 0x80) for b in range(256))
 """A mode's high byte -> 1 for a regular file (S_IFREG)."""
 _ALIVE = bytes(int(not b & F_DEAD) for b in range(256))
 """Inode flags -> 1 unless dropped."""
-
-
-class OrphanList:
-    """An insertion-ordered set of inode numbers: an intrusive circular doubly
-    linked list in two int32 arrays indexed by inode number (8 bytes per inode up
-    to the highest, no Python object per member). Inode 0 (never a file) is the
-    sentinel; ``prev`` is -1 for a non-member. What a ``dict`` of keys to None did,
-    in 8 instead of ~100 bytes per file."""
-
-    __slots__ = ("count", "next", "prev")
-
-    def __init__(self) -> None:
-        self.prev = array("i", [0])
-        self.next = array("i", [0])
-        self.count = 0
-
-    def _grow(self, ino: int) -> None:
-        n = max(ino + 1, len(self.prev) + (len(self.prev) >> 3), 1024) - len(self.prev)
-        self.prev.extend(array("i", [-1]) * n)
-        self.next.extend(array("i", [-1]) * n)
-
-    def __contains__(self, ino: object) -> bool:
-        return isinstance(ino, int) and 0 < ino < len(self.prev) and self.prev[ino] >= 0
-
-    def __len__(self) -> int:
-        return self.count
-
-    def __bool__(self) -> bool:
-        return self.count > 0
-
-    def __iter__(self) -> Iterator[int]:
-        """Members oldest first (the list must not change meanwhile)."""
-        nxt = self.next
-        ino = nxt[0]
-        while ino:
-            yield ino
-            ino = nxt[ino]
-
-    def add(self, ino: int) -> None:
-        """Append ``ino`` (no-op for a member: it keeps its place, as in a dict)."""
-        if ino <= 0:
-            raise ValueError(f"no orphan list entry for inode {ino}")
-        if ino >= len(self.prev):
-            self._grow(ino)
-        elif self.prev[ino] >= 0:
-            return
-        tail = self.prev[0]
-        self.prev[ino] = tail
-        self.next[ino] = 0
-        self.next[tail] = ino
-        self.prev[0] = ino
-        self.count += 1
-
-    def pop(self, ino: int, default: None = None) -> None:
-        """Remove ``ino`` if it is a member."""
-        if ino in self:
-            before, after = self.prev[ino], self.next[ino]
-            self.next[before] = after
-            self.prev[after] = before
-            self.prev[ino] = self.next[ino] = -1
-            self.count -= 1
-
-    def extend(self, inos: array[int], spans: list[tuple[int, int]] | None = None) -> None:
-        """``add`` each of ``inos`` (distinct, none a member yet), in order: slice
-        writes per run of consecutive numbers (a mount's 10^7 orphans)."""
-        n = len(inos)
-        if not n:
-            return
-        if self.count:
-            for ino in inos:
-                self.add(ino)
-            return
-        if min(inos) <= 0:
-            raise ValueError("no orphan list entry for inode 0")
-        top = max(inos)
-        if top >= len(self.prev):
-            self._grow(top)
-        prev, nxt = self.prev, self.next
-        tail = prev[0]
-        for i, j in runs(inos) if spans is None else spans:
-            first = inos[i]
-            k = j - i
-            nxt[tail] = first
-            prev[first : first + k] = array("i", range(first - 1, first + k - 1))
-            prev[first] = tail
-            nxt[first : first + k] = array("i", range(first + 1, first + k + 1))
-            tail = first + k - 1
-        nxt[tail] = 0
-        prev[0] = tail
-        self.count += n
 
 
 class Evictor:

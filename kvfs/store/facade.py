@@ -13,6 +13,13 @@ FUSE-free and async. Concurrency contract (see ``docs/design.md``):
   so a file is either complete or absent after a crash, never torn.
 - Units are checksummed (xxh3-64) when written and verified when read; a mismatch is
   never served: the read fails with EIO and the file is quarantined.
+
+:class:`Store` is the one facade the FUSE adapter and the tiers call. It builds the
+parts and hands each exactly the parts and callbacks it needs: the namespace
+operations (:mod:`~kvfs.store.names`), the operations on an open file
+(:mod:`~kvfs.store.opened`), reads beside a truncate (:mod:`~kvfs.store.truncation`),
+when a file goes (:mod:`~kvfs.store.lifetime`), the reader, writer, direct path,
+eviction driver and reports; its own methods delegate to them.
 """
 
 from __future__ import annotations
@@ -20,57 +27,45 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import stat
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import asynccontextmanager
-from dataclasses import replace
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import trio
 
-from kvfs.common import procs
 from kvfs.common.errors import (
-    Corruption,
     DeviceError,
-    Incomplete,
-    IsADirectory,
     KvfsError,
-    NoSpace,
     NotFound,
     NotPermitted,
-    QuotaExceeded,
-    Rewritten,
-    StaleSize,
 )
 from kvfs.common.timing import Histogram
 from kvfs.devices.alloc import Allocator
 from kvfs.devices.pool import Pool
 from kvfs.evict.driver import EvictionDriver
-from kvfs.evict.evictor import GROUP_XATTRS, Evictor, check_group_target, check_group_xattr
+from kvfs.evict.evictor import Evictor
 from kvfs.evict.space import Space
 from kvfs.format.records import (
-    DEV_SHIFT,
-    FLAG_GONE,
-    FLAG_QUARANTINED,
-    FLAG_WRITING,
-    NO_UNIT,
     Op,
     fragment_size,
 )
 from kvfs.index.inodes import DirView
-from kvfs.index.namespace import Inode, Namespace, check_times, check_xattr_room
+from kvfs.index.namespace import Inode, Namespace
 from kvfs.log.journal import Journal
 from kvfs.store import leases as directpath
-from kvfs.store import paths, posix
+from kvfs.store import paths
 from kvfs.store.cache import UnitCache
 from kvfs.store.handles import Handles
 from kvfs.store.hooks import FileView, Hooks, StoreHooks
 from kvfs.store.leases import DirectPath
+from kvfs.store.lifetime import Lifetime
 from kvfs.store.loading import Loader, RecoveryReport
+from kvfs.store.names import OP_LOG_BYTES, Names
+from kvfs.store.opened import OpenFiles
 from kvfs.store.posix import ROOT, Caller
 from kvfs.store.reader import Reader
 from kvfs.store.reporting import Reports
+from kvfs.store.truncation import Truncations
 from kvfs.store.types import (
     DeviceSpace,
     DirectoryUsage,
@@ -80,23 +75,11 @@ from kvfs.store.types import (
     StoreConfig,
     StoreStatistics,
     Traffic,
-    check_failed,
 )
 from kvfs.store.writer import Writer
 
 log = logging.getLogger(__name__)
-PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def _page_up(n: int) -> int:
-    return -(-n // PAGE) * PAGE
-
-
 T = TypeVar("T")
-OP_LOG_BYTES = 512
-"""Log bytes admitted for one index operation beyond its xattr (a create: its
-inode record, dentry and name; a commit: a map of a few extents). A larger one is
-not lost: the window is retried (``Journal.admit``)."""
 
 
 class Store:
@@ -146,7 +129,7 @@ class Store:
             self._files,
             io=self._io,
             buffers=lambda size: self.writer.buffer_pool(size),
-            remove=self._unlink_everywhere,
+            remove=lambda inode: self.lifetime.unlink_everywhere(inode),
             spawn=self._spawn,
             readahead_units=self.cfg.readahead_units,
             read_piece_units=self.cfg.read_piece_units,
@@ -167,9 +150,9 @@ class Store:
             self.journal,
             self.ns,
             self.evictor,
-            evictable=self._evictable,
+            evictable=lambda inode: self.lifetime.evictable(inode),
             evict=self._evict,
-            pinned=self._pinned,
+            pinned=lambda uid: self.lifetime.pinned(uid),
             privileged=lambda uid: uid in (0, os.getuid()),
             checkpointed_inodes=lambda: self._ckpt_inodes,
             high_watermark=self.cfg.high_watermark,
@@ -192,7 +175,6 @@ class Store:
             missing=self._missing,
             unreadable=self.unreadable,
             io=self._io,
-            begin_change=self._begin_data_change,
             ensure_space=self._ensure_space,
             free_later=lambda ino, p: self.direct.free_later(ino, p),
         )
@@ -206,12 +188,54 @@ class Store:
             self.handles,
             self.writer,
             self._files,
-            check_readable=self._check_readable,
-            begin_change=self._begin_data_change,
+            check_readable=self.writer.check_readable,
+            begin_change=self.writer.begin_change,
             ensure_space=self._ensure_space,
             commit=self.commit,
         )
         """Leases and reservations of the zero-copy path (:mod:`kvfs.store.leases`)."""
+        self.truncations = Truncations(self._files, self.handles, self.traffic, self.writer.state)
+        """Reads beside a truncate (:mod:`kvfs.store.truncation`)."""
+        self.names = Names(
+            self.ns,
+            self.journal,
+            self.space,
+            self.evictor,
+            self.eviction,
+            self.hooks,
+            self.writer,
+            self.truncations,
+            drop=self.maybe_drop,
+        )
+        """Namespace operations (:mod:`kvfs.store.names`)."""
+        self.lifetime = Lifetime(
+            self.ns,
+            self.space,
+            self.evictor,
+            self.writer,
+            self.handles,
+            self._files,
+            self.unreadable,
+            self.unit,
+            vanish=lambda parent, name, ino: self.on_vanish(parent, name, ino),
+        )
+        """When inodes and their state go (:mod:`kvfs.store.lifetime`)."""
+        self.opened = OpenFiles(
+            self.ns,
+            self.journal,
+            self.evictor,
+            self.handles,
+            self._files,
+            self.reader,
+            self.writer,
+            self.direct,
+            self.hooks,
+            self.traffic,
+            self.truncations,
+            self.lifetime,
+            commit=self.commit,
+        )
+        """Open, read, write, flush, release (:mod:`kvfs.store.opened`)."""
         self.reports = Reports(
             pool,
             self.ns,
@@ -312,319 +336,44 @@ class Store:
         return self.handles[fh]
 
     async def open(self, ino: int, flags: int, caller: Caller = ROOT) -> int:
-        """A handle on a live file; Stale (ESTALE) for one kvfs removed, so an open
-        through a dentry the kernel still caches retries its lookup and misses."""
-        inode = self.ns.get(ino)
-        if inode.is_dir:
-            raise IsADirectory(f"inode {ino}")
-        if inode.flags & FLAG_QUARANTINED:
-            raise Corruption(f"inode {ino} is quarantined")
-        writable = flags & os.O_ACCMODE != os.O_RDONLY
-        if writable and flags & os.O_TRUNC:
-            async with self._shrinking(ino, inode.size > 0):
-                await self.writer.truncate_at_open(inode, caller)
-            inode = self.ns.get(ino)  # the await may have let an eviction in
-        inode.opens += 1
-        owner = self.evictor.opened(inode, caller.pid)
-        if writable:
-            self.writer.state(ino).writers += 1
-        shrinks = self._shrinks(ino)
-        direct = bool(flags & os.O_DIRECT)
-        return self.handles.add(
-            Handle(ino, writable, caller.pid, owner, caller.uid, direct, shrinks)
-        )
-
-    @asynccontextmanager
-    async def _shrinking(self, ino: int, shrinks: bool) -> AsyncIterator[None]:
-        """A truncate that may shrink the file runs inside: reads wait (``_settle``)."""
-        if not shrinks:
-            yield
-            return
-        st = self.writer.state(ino)
-        st.resizing += 1
-        try:
-            yield
-        finally:
-            st.resizing -= 1
-            if not st.resizing:
-                st.settled.set()
-                st.settled = trio.Event()
-
-    async def _settle(self, ino: int) -> None:
-        """Wait until no shrinking truncate of ``ino`` is in progress."""
-        st = self._files.get(ino)
-        while st is not None and st.resizing:
-            await st.settled.wait()
-            st = self._files.get(ino)
-
-    def _shrinks(self, ino: int) -> int:
-        """How often the file shrank while some handle held it open (FileState lives
-        as long as one does)."""
-        st = self._files.get(ino)
-        return st.shrinks if st is not None else 0
-
-    def _keep_readable(self, ino: int, tid: int | None, fh: int | None) -> None:
-        """After a truncate by thread ``tid`` (through ``fh``, an ftruncate): the
-        handle it came through, and the handles that thread opened, go on reading
-        (one thread's calls are sequential: none of its reads was in flight).
-        ``tid`` None: every handle does."""
-        shrinks = self._shrinks(ino)
-        for n, h in list(self.handles.items()):
-            mine = tid is None or n == fh or h.pid == tid
-            if h.ino == ino and h.shrinks != shrinks and mine:
-                self.handles.replace(n, replace(h, shrinks=shrinks))
-
-    def _check_not_rewritten(self, fh: int, h: Handle) -> None:
-        if self._shrinks(h.ino) != h.shrinks:
-            raise Rewritten(f"inode {h.ino}: truncated through another descriptor; reopen it")
-
-    def _pinned(self, uid: int) -> int:
-        """Bytes of the files user ``uid`` holds open (they cannot be evicted), the
-        ones still in memory (dirty, being written back) included."""
-        inodes, files, units = self.ns.inodes, self._files, 0
-        for ino in self.handles.pinned(uid):
-            inode, st = inodes.get(ino), files.get(ino)
-            units += inode.mapped_units if inode is not None else 0
-            units += len(st.dirty) + len(st.inflight) if st is not None else 0
-        return units * self.unit
+        """A handle on a live file; Stale (ESTALE) for one kvfs removed."""
+        return await self.opened.open(ino, flags, caller)
 
     async def flush(self, fh: int) -> None:
-        """A close of a handle (FUSE flush): commit what it wrote, unless its writer
-        is dying from a signal. A killed writer's close is the kernel closing its
-        files in ``do_exit``; its file is as incomplete as after a crash: it is
-        never committed and its last close removes it (``docs/design.md``).
-
-        Every close() of a copy of the file's descriptor sends a FLUSH, so a commit
-        here may come while the opener is still writing: a forked child closing the
-        descriptors it inherited (``subprocess`` does, at exec) commits a prefix of
-        the file, as an fsync mid-write does. Such a prefix is never taken for the
-        whole file: a killed opener's handle that wrote makes the file incomplete
-        again, committed or not.
-
-        A handle with a direct write in progress is left alone: its commit is the
-        client's, and a FLUSH may be a forked child's, not the writer's close. The
-        write is abandoned at the handle's release (its last close), or here when
-        the writer is dying (a child may hold the descriptor open long after)."""
-        h = self.handles[fh]
-        inode = self.ns.inodes.get(h.ino)
-        if not h.writable or inode is None:
-            return
-        if self.direct.pending(fh):
-            if h.owner is not None and procs.killed(*h.owner):
-                self.direct.abandon(fh)  # the file is incomplete: dropped at last close
-            return
-        unfinished = inode.flags & FLAG_WRITING or fh in self.handles.wrote
-        if unfinished and h.owner is not None and procs.killed(*h.owner):
-            st = self.writer.state(inode.ino)
-            if st.error is None:
-                log.warning(
-                    "inode %d: its writer (pid %d) was killed before closing it; "
-                    "the incomplete file is dropped",
-                    inode.ino,
-                    h.owner[0],
-                )
-                self.writer.fail(st, Incomplete(f"inode {inode.ino}: writer killed mid-write"))
-                if not inode.flags & FLAG_WRITING:  # uncommitted again: its last close
-                    inode.flags |= FLAG_WRITING  # removes it, recovery drops it
-                    self.ns.commit(inode)
-                    await self.journal.wait_durable(self.journal.last_seq)
-            return
-        await self.commit(inode, h.pid)
+        """A close of a handle (FUSE flush): commit what it wrote (:mod:`kvfs.store.opened`)."""
+        await self.opened.flush(fh)
 
     async def check_metadata_room(self, log_bytes: int = OP_LOG_BYTES) -> None:
-        """Room in the metadata area for an operation that grows the index. Metadata
-        pressure is eviction pressure: once the last checkpoint is over the area's
-        limit, files are evicted by data eviction's rules and a smaller checkpoint
-        is taken (``EvictionDriver.make_metadata_room``; removals since the last checkpoint
-        count too: a dropped row leaves the image at once, see
-        ``Namespace._strip_row``). NoSpace only when nothing could go. Then
-        ``Journal.admit`` for the ``log_bytes`` the operation will log: it waits
-        while a running checkpoint's window has no room (NoSpace if the area is full
-        even after a fresh checkpoint; DeviceError once the log failed), so nothing
-        is acknowledged that the log could not hold."""
-        if self.journal.metadata_full:
-            await self.eviction.make_metadata_room()
-        if self.journal.metadata_full:
-            self.eviction.log_metadata_full()
-            raise NoSpace("metadata area full: nothing may be evicted")
-        # last: the caller appends with no await after this returns
-        await self.journal.admit(log_bytes)
-
-    async def make(
-        self, parent: int, name: bytes, mode: int, caller: Caller = ROOT, flags: int = 0
-    ) -> Inode:
-        """mkdir / mknod: a new committed directory or empty file, owned by ``caller``
-        (or, in a setgid directory, by the directory's group: ``posix.new_owner``)."""
-        await self.check_metadata_room()
-        d = self.ns.get(parent)
-        mode, gid = posix.new_owner(d.mode, d.gid, mode, caller)
-        inode = self.ns.make(parent, name, mode, caller.uid, gid, flags=flags)
-        self.space.placed(inode, None)  # a top-level directory is listed from now on
-        if not inode.is_dir and not flags & FLAG_WRITING:
-            # mknod: a committed empty file, evictable like a closed one (it costs
-            # the index what any file does)
-            self.evictor.created(inode, caller.pid)
-            self.evictor.committed(inode, caller.pid)
-        return inode
-
-    async def create(self, parent: int, name: bytes, mode: int, caller: Caller = ROOT) -> Inode:
-        """A new empty file, marked WRITING until its first commit."""
-        inode = await self.make(parent, name, mode, caller, flags=FLAG_WRITING)
-        self.evictor.created(inode, caller.pid)
-        return inode
-
-    def rename(self, old_parent: int, old: bytes, new_parent: int, new: bytes, flags: int) -> None:
-        """POSIX rename (and renameat2's flags); what moves takes its bytes' count
-        along (a directory: its subtree's, O(depth), nothing below it walked), and a
-        replaced target's bytes leave the counters with its last name."""
-        self.journal.check_usable()
-        placed = [
-            (i, self.space.placement(i)) for i in self._movers(old_parent, old, new_parent, new)
-        ]
-        hooks = self.hooks
-        src = self.ns.find(old_parent, old) if hooks else None
-        old_dir = self.path_of(old_parent) if hooks else None
-        victim = self.ns.rename(old_parent, old, new_parent, new, flags)
-        if victim is not None:
-            self.maybe_drop(victim)
-        for inode, before in placed:
-            self.space.placed(inode, before)
-        if hooks and src is not None:
-            hooks.renamed(src, old_parent, old, old_dir)
-
-    def _movers(self, old_parent: int, old: bytes, new_parent: int, new: bytes) -> list[Inode]:
-        """The inodes a rename may move or unname: the source, and the target (moved
-        by an exchange, else replaced)."""
-        found: dict[int, Inode] = {}  # one entry for two names of one file
-        for parent, name in ((old_parent, old), (new_parent, new)):
-            d = self.ns.inodes.get(parent)
-            ino = d.entries.get(name) if d is not None and d.entries is not None else None
-            inode = None if ino is None else self.ns.inodes.get(ino)
-            if inode is not None:
-                found[inode.ino] = inode
-        return list(found.values())
+        """Room in the metadata area for an operation that grows the index, or NoSpace
+        (:meth:`Names.check_metadata_room <kvfs.store.names.Names.check_metadata_room>`)."""
+        await self.names.check_metadata_room(log_bytes)
 
     async def release(self, fh: int) -> None:
-        h = self.handles.remove(fh)
-        inode = self.ns.inodes.get(h.ino)
-        if inode is None:
-            return
-        inode.opens -= 1
-        st = self._files.get(h.ino)
-        if st is not None and h.writable:
-            st.writers -= 1
-        self.direct.closed(fh, inode)
-        st = self._files.get(h.ino)  # an abandoned direct write may have made one
-        failed = st is not None and st.error is not None
-        if inode.opens == 0 and st is not None and not failed and (st.dirty or st.busy):
-            try:
-                await self.commit(inode)
-            except KvfsError as e:
-                log.warning("release of inode %d: %s", h.ino, e)
-        if inode.opens == 0 and inode.flags & FLAG_WRITING and h.writable:
-            self._abandon(inode)
-        elif h.writable and self.hooks and self.sendable(inode):
-            self.hooks.closed(inode)
-        self._maybe_forget_state(inode)
-        self.maybe_drop(inode)
+        await self.opened.release(fh)
 
     def sendable(self, inode: FileView) -> bool:
         """A closed file a tier may send: committed, named, no writer left."""
-        if inode.flags & (FLAG_WRITING | FLAG_GONE | FLAG_QUARANTINED) or not inode.nlink:
-            return False
-        st = self._files.get(inode.ino)
-        return st is None or (not st.writers and st.error is None)
+        return self.lifetime.sendable(inode)
 
     def file_state(self, ino: int) -> FileState | None:
         """The in-memory state of a file being written or read, if it has one."""
         return self._files.get(ino)
 
-    def _abandon(self, inode: Inode) -> None:
-        """The last writer closed a file that was never committed (its commit failed,
-        or its writer was killed). Its bytes were never all stored: remove it rather
-        than ever serve the gaps as data."""
-        if self.ns.inodes.get(inode.ino) is not inode:
-            return
-        self.writer.discard_dirty(inode.ino)
-        log.warning("inode %d could not be committed; removing the incomplete file", inode.ino)
-        self._unlink_everywhere(inode)
-
-    def _maybe_forget_state(self, inode: Inode) -> None:
-        st = self._files.get(inode.ino)
-        if st is not None and inode.opens == 0 and not (st.dirty or st.inflight or st.busy):
-            if st.resizing:
-                return
-            del self._files[inode.ino]
-
     def forget(self, ino: int, count: int) -> None:
-        inode = self.ns.inodes.get(ino)
-        if inode is None:
-            self.ns.kernel_forget(ino, count)  # a dropped inode's number is reusable now
-            return
-        inode.lookups = max(0, inode.lookups - count)
-        self.maybe_drop(inode)
+        self.lifetime.forget(ino, count)
 
     def maybe_drop(self, inode: Inode) -> None:
-        """Free an inode once it has no names, no open handles and no kernel refs; one
-        that kvfs removed (GONE) goes as soon as no handle is open: the kernel's
-        references to it get ESTALE."""
-        gone = inode.flags & FLAG_GONE
-        busy = inode.nlink or (inode.lookups and not gone) or (inode.opens and not inode.is_dir)
-        if busy:
-            return
-        if self.ns.inodes.get(inode.ino) is not inode:
-            return
-        self.writer.free_units(inode, 0)
-        self.unreadable.discard(inode.ino)
-        self.writer.discard_dirty(inode.ino)
-        self._files.pop(inode.ino, None)
-        self.evictor.forget(inode.ino)
-        self.ns.drop(inode)
+        """Free an inode once nothing holds it (:mod:`kvfs.store.lifetime`)."""
+        self.lifetime.maybe_drop(inode)
 
     def allocated_bytes(self, inode: InodeView) -> int:
         """Bytes of device space the file has (``st_blocks``)."""
         return self.writer.allocated_bytes(inode)
 
     # ------------------------------------------------------------------ write path
-    def _begin_data_change(self, inode: Inode) -> None:
-        self._check_readable(inode)  # its old bytes cannot be read to be changed
-        if not inode.flags & FLAG_WRITING:
-            inode.flags |= FLAG_WRITING
-            self.ns.commit(inode)
-
     async def write(self, fh: int, off: int, data: bytes) -> int:
-        """Accept ``data`` at ``off``: the space it needs is claimed first, so a full
-        pool or quota fails this write (ENOSPC/EDQUOT) before any byte is taken, and
-        never a later close."""
-        h = self.handles[fh]
-        inode = self.ns.get(h.ino)
-        end = off + len(data)
-        self.writer.check_size(inode, end)
-        st = self.writer.state(inode.ino)
-        check_failed(st)
-        if not data:
-            return 0
-        st.active += 1
-        try:
-            if fh in self.handles.wrote and not inode.flags & FLAG_WRITING:
-                # committed while this handle goes on writing (an fsync, or the FLUSH
-                # of another process's close): the committed prefix must not come back
-                # from a crash as the whole file: uncommitted, durably, before it grows
-                self._begin_data_change(inode)
-                await self.journal.wait_durable(self.journal.last_seq)
-            await self.writer.write(h, inode, st, off, data)
-        except (NoSpace, QuotaExceeded) as e:
-            # the writer cannot store what it meant to: its file is incomplete (a
-            # short chunk must never be served as a whole one), removed at its close
-            self.writer.fail(st, e)
-            raise
-        finally:
-            st.active -= 1
-        self.traffic.writes += 1
-        self.traffic.bytes_written += len(data)
-        self.handles.wrote.add(fh)
-        await self.writer.maybe_writeback(self.ns.get(h.ino), st)
-        return len(data)
+        """Accept ``data`` at ``off``, or fail (ENOSPC/EDQUOT) before taking any byte."""
+        return await self.opened.write(fh, off, data)
 
     def owner_changed(self, inode: Inode, old_uid: int) -> None:
         """chown: the file's bytes now count for its new owner."""
@@ -638,80 +387,19 @@ class Store:
         """Truncate with no caller to tell apart: every open handle goes on reading
         (the FUSE adapter's SETATTR says whose truncate it is: :meth:`setattr`)."""
         await self.writer.truncate(inode, size)
-        self._keep_readable(inode.ino, None, None)
+        self.truncations.keep_readable(inode.ino, None, None)
 
     def max_file_size(self, inode: Inode) -> int:
         return self.writer.max_file_size(inode)
 
     # ------------------------------------------------------------------ read path
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
-        """Every byte of ``off``..``off + size`` up to EOF, or an error: EIO for a
-        file that is quarantined, whose bytes were not all stored, or that has data
-        on a missing member (degraded mount)."""
-        h = self.handles[fh]
-        ino = h.ino
-        while True:  # replied only while no shrinking truncate of the file is unanswered
-            await self._settle(ino)
-            data = await self._read_once(fh, h, off, size)
-            st = self._files.get(ino)
-            if st is None or not st.resizing:
-                break
-        self._check_not_rewritten(fh, h)  # a truncate may have come while it waited
-        self.traffic.reads += 1
-        self.traffic.bytes_read += len(data)
-        return data
+        """Every byte of ``off``..``off + size`` up to EOF, or an error (EIO)."""
+        return await self.opened.read(fh, off, size)
 
     def check_kernel_read(self, fh: int, off: int, size: int, got: int) -> None:
-        """The kernel's READ of ``size`` bytes at ``off`` is about to be answered with
-        ``got`` bytes. If it asked past the file's end by more than its page rounding
-        (a buffered handle; O_DIRECT asks in whole requests), it still holds a larger
-        size: a shrink it has not applied yet (another process's ``O_TRUNC`` open or
-        truncate answered a moment ago, a direct write that replaced the file). A
-        short answer would make it zero-fill the rest of its pages and copy them out
-        as the file's bytes (``docs/design.md``, "Reads beside a truncate", rule 5):
-        EIO instead (``StaleSize``)."""
-        if got < size and off + size > _page_up(off + got) and not self.handles[fh].direct:
-            self.traffic.stale_size_reads += 1
-            raise StaleSize(f"inode {self.handles[fh].ino}: read past a size not yet shrunk")
-
-    async def _read_once(self, fh: int, h: Handle, off: int, size: int) -> bytes | memoryview:
-        inode = self.ns.inodes.get(h.ino)
-        if inode is None or inode.flags & FLAG_QUARANTINED:
-            raise Corruption(f"inode {h.ino} is quarantined or gone")
-        self._check_not_rewritten(fh, h)
-        self._check_readable(inode)
-        st = self._files.get(h.ino)
-        if st is not None:
-            check_failed(st)
-        end = min(off + size, inode.size)
-        if off >= end:
-            return b""
-        return await self.reader.read(inode, off, end)
-
-    def _check_readable(self, inode: Inode) -> None:
-        """EIO for a file with data on a missing member (degraded mount)."""
-        if inode.ino not in self.unreadable:
-            return
-        members = sorted({p >> DEV_SHIFT for p in inode.units if p != NO_UNIT} & self._missing)
-        raise DeviceError(
-            f"inode {inode.ino}: data on missing member {', '.join(str(d + 1) for d in members)} "
-            "(degraded mount)"
-        )
-
-    def _unlink_everywhere(self, inode: Inode) -> None:
-        """Remove ``inode`` for good (quarantine, eviction, an abandoned incomplete
-        file): every name goes (the kernel is told, so its cached dentries go too),
-        and the inode is GONE: the kernel's remaining references get ESTALE, so an
-        open through one never sees an emptied file. Its units are freed once no
-        handle is open (eviction only takes files without one)."""
-        before = self.space.placement(inode)
-        for parent, name in self.ns.names_of(inode):
-            self.ns.remove(parent, name, want_dir=False)
-            self.on_vanish(parent, name, inode.ino)
-        self.space.placed(inode, before)
-        self.evictor.forget(inode.ino)
-        inode.flags |= FLAG_GONE
-        self.maybe_drop(inode)
+        """EIO for a buffered READ a short answer would corrupt (:mod:`kvfs.store.truncation`)."""
+        self.truncations.check_kernel_read(fh, off, size, got)
 
     # ------------------------------------------------------------------ direct path
     async def direct_get(self, ino: int, name: bytes, caller: Caller) -> bytes:
@@ -725,12 +413,6 @@ class Store:
         await self.direct.commit(ino, value, caller)
 
     # ------------------------------------------------------------------ eviction hooks
-    def _evictable(self, inode: Inode) -> bool:
-        if inode.is_dir or inode.opens or inode.flags & FLAG_WRITING or not inode.nlink:
-            return False
-        st = self._files.get(inode.ino)
-        return st is None or not (st.dirty or st.inflight or st.busy)
-
     async def _ensure_space(self, inode: Inode, units: int) -> None:
         """Room for ``units`` new units: metadata first, then data (may evict);
         NoSpace/QuotaExceeded only when nothing may be evicted."""
@@ -776,14 +458,11 @@ class Store:
     def hold(self, ino: int) -> None:
         """Keep a live file from eviction and its units from reuse, as an open handle
         does, until :meth:`let_go` (a tier reading or sending it)."""
-        self.ns.inodes[ino].opens += 1
+        self.lifetime.hold(ino)
 
     def let_go(self, ino: int) -> None:
         """End a :meth:`hold`; a file removed meanwhile goes now."""
-        inode = self.ns.inodes.get(ino)
-        if inode is not None:
-            inode.opens -= 1
-            self.maybe_drop(inode)
+        self.lifetime.let_go(ino)
 
     async def read_file(self, ino: int) -> bytes:
         """Every byte of a held file (:meth:`hold`), read without a handle, also of one
@@ -818,38 +497,28 @@ class Store:
         """A directory's entries, name to inode (NotADirectory for a file)."""
         return self.ns.directory(ino)
 
-    def unlink(self, parent: int, name: bytes) -> None:
-        self.journal.check_usable()
-        hooks = self.hooks
-        where = self.path_of(parent) if hooks else None
-        self._unname(parent, name, want_dir=False)
-        if hooks:
-            hooks.unlinked(where, name, parent)
+    async def make(
+        self, parent: int, name: bytes, mode: int, caller: Caller = ROOT, flags: int = 0
+    ) -> Inode:
+        """mkdir / mknod (:meth:`Names.make <kvfs.store.names.Names.make>`)."""
+        return await self.names.make(parent, name, mode, caller, flags)
 
-    def _evict(self, inode: Inode) -> None:
-        """Eviction takes ``inode`` (a tier may send it first: the cluster's on-evict)."""
-        self.hooks.evicted(inode)
-        self._unlink_everywhere(inode)
+    async def create(self, parent: int, name: bytes, mode: int, caller: Caller = ROOT) -> Inode:
+        """A new empty file, marked WRITING until its first commit."""
+        return await self.names.create(parent, name, mode, caller)
+
+    def rename(self, old_parent: int, old: bytes, new_parent: int, new: bytes, flags: int) -> None:
+        """POSIX rename (and renameat2's flags) (:mod:`kvfs.store.names`)."""
+        self.names.rename(old_parent, old, new_parent, new, flags)
+
+    def unlink(self, parent: int, name: bytes) -> None:
+        self.names.unlink(parent, name)
 
     def rmdir(self, parent: int, name: bytes) -> None:
-        self.journal.check_usable()
-        self._unname(parent, name, want_dir=True)
-
-    def _unname(self, parent: int, name: bytes, want_dir: bool) -> None:
-        """unlink / rmdir; the bytes of a file that loses its last (or its indexed)
-        name leave (or move between) the directories' counters."""
-        found = self.ns.find(parent, name)
-        before = self.space.placement(found) if found is not None else None
-        inode = self.ns.remove(parent, name, want_dir=want_dir)
-        self.maybe_drop(inode)
-        self.space.placed(inode, before)
+        self.names.rmdir(parent, name)
 
     async def link(self, ino: int, parent: int, name: bytes) -> Inode:
-        await self.check_metadata_room()
-        before = self.space.placement(self.ns.get(ino))
-        inode = self.ns.link(ino, parent, name)
-        self.space.placed(inode, before)
-        return inode
+        return await self.names.link(ino, parent, name)
 
     async def setattr(
         self,
@@ -863,38 +532,15 @@ class Store:
         times: tuple[int | None, int | None, int | None] = (None, None, None),
         fh: int | None = None,
     ) -> Inode:
-        """chmod, chown, truncate and utimens of one SETATTR (what is not None). The
-        times (atime, mtime, ctime; a ctime not given is now) are checked before
-        anything changes. ``fh``: the handle an ftruncate came through (it goes on
-        reading the file it shrank itself)."""
-        self.journal.check_usable()
-        node = self.ns.get(ino)
-        atime, mtime, _ = node.times()
-        at, mt, ct = times
-        new_times = (
-            atime if at is None else at,
-            mtime if mt is None else mt,
-            time.time_ns() if ct is None else ct,
+        """chmod, chown, truncate and utimens of one SETATTR (:mod:`kvfs.store.names`)."""
+        return await self.names.setattr(
+            ino, caller, size=size, mode=mode, uid=uid, gid=gid, times=times, fh=fh
         )
-        check_times(*new_times)  # refused before anything changes
-        if size is not None:
-            async with self._shrinking(ino, size < node.size):
-                await self.writer.truncate(node, size)
-                self._keep_readable(ino, caller.pid, fh)
-        if mode is not None:
-            node.mode = stat.S_IFMT(node.mode) | stat.S_IMODE(mode)
-        if uid is not None and node.uid != uid:
-            old_uid, node.uid = node.uid, uid
-            self.owner_changed(node, old_uid)
-        if gid is not None:
-            node.gid = gid
-        if size is not None:
-            # the kernel's FUSE code asks for the older rule (S_ISGID only if group-
-            # executable); ext4's also drops it for a caller outside the file's group
-            node.mode = posix.drop_suid_sgid(node.mode, node.gid, caller)
-        node.set_times(*new_times)
-        self.ns.commit(node)
-        return node
+
+    def _evict(self, inode: Inode) -> None:
+        """Eviction takes ``inode`` (a tier may send it first: the cluster's on-evict)."""
+        self.hooks.evicted(inode)
+        self.lifetime.unlink_everywhere(inode)
 
     @property
     def xattr_names(self) -> tuple[bytes, ...]:
@@ -902,31 +548,21 @@ class Store:
         return self.ns.xattr_names
 
     def get_xattr(self, ino: int, name: bytes) -> bytes:
-        return self.ns.get_xattr(ino, name)
+        return self.names.get_xattr(ino, name)
 
     def list_xattrs(self, ino: int) -> list[bytes]:
-        return list(self.ns.get(ino).xattrs or ())
+        return self.names.list_xattrs(ino)
 
     async def set_xattr(self, ino: int, name: bytes, value: bytes) -> None:
-        """Set an xattr within the bounds (``namespace.check_xattr_room``: E2BIG,
-        ENOSPC), checked before any room is made for it."""
-        inode = self.ns.get(ino)
-        check_xattr_room(inode.xattrs or {}, name, value)
-        await self.check_metadata_room(OP_LOG_BYTES + len(name) + len(value))
-        self.ns.set_xattr(ino, name, value)
+        """Set an xattr within the bounds (E2BIG, ENOSPC: :mod:`kvfs.store.names`)."""
+        await self.names.set_xattr(ino, name, value)
 
     def check_group_setting(self, ino: int, name: bytes, value: bytes) -> None:
-        """Before a caller's :meth:`set_xattr`: InvalidArgument if ``name`` is a setting
-        of an eviction group (``user.kvfs.policy``, ``.quota``, ``.max_file_size``)
-        with a malformed value, or set where it takes no effect (groups are top-level
-        directories; the root takes its policy alone). Any other name passes."""
-        if name in GROUP_XATTRS:
-            check_group_xattr(name, value)
-            check_group_target(self.get_inode(ino), name)
+        """InvalidArgument for a malformed or misplaced eviction-group setting."""
+        self.names.check_group_setting(ino, name, value)
 
     def remove_xattr(self, ino: int, name: bytes) -> None:
-        self.journal.check_usable()
-        self.ns.set_xattr(ino, name, None)
+        self.names.remove_xattr(ino, name)
 
     async def wait_durable(self) -> None:
         """Until everything logged so far is durable (fsync of a directory)."""

@@ -4,7 +4,8 @@ files are kvfs-managed. Walks of the namespace, O(depth)."""
 
 from __future__ import annotations
 
-from kvfs.evict.evictor import KVFS_MANAGED, Evictor
+from kvfs.evict.evictor import Evictor
+from kvfs.evict.groups import KVFS_MANAGED
 from kvfs.index.namespace import ROOT_INO, Inode, Namespace
 
 MAX_DEPTH = 4096

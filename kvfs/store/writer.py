@@ -24,7 +24,7 @@ from typing import Any
 import trio
 import xxhash
 
-from kvfs.common.errors import FileTooLarge, Incomplete, IsADirectory, KvfsError
+from kvfs.common.errors import DeviceError, FileTooLarge, Incomplete, IsADirectory, KvfsError
 from kvfs.devices.alloc import Allocator
 from kvfs.devices.device import BufferPool
 from kvfs.devices.pool import Pool
@@ -77,7 +77,6 @@ class Writer:
         missing: frozenset[int],
         unreadable: set[int],
         io: Callable[[int, Callable[[], Any]], Awaitable[Any]],
-        begin_change: Callable[[Inode], None],
         ensure_space: Callable[[Inode, int], Awaitable[None]],
         free_later: Callable[[int, int], None],
     ) -> None:
@@ -86,7 +85,7 @@ class Writer:
         self.evictor, self._files = evictor, files
         self._missing = missing  # members absent from a degraded mount
         self._unreadable = unreadable  # the store's: files with data on a missing member
-        self._io, self._begin_change = io, begin_change
+        self._io = io
         self._ensure_space, self._free_later = ensure_space, free_later
         self.unit = pool.unit_size
         self._fragment = fragment_size(self.unit)
@@ -99,6 +98,25 @@ class Writer:
         """Where write-backs run: the store's, once it serves."""
 
     # ------------------------------------------------------------------ file state
+    def check_readable(self, inode: Inode) -> None:
+        """EIO for a file with data on a missing member (degraded mount)."""
+        if inode.ino not in self._unreadable:
+            return
+        members = sorted({p >> DEV_SHIFT for p in inode.units if p != NO_UNIT} & self._missing)
+        raise DeviceError(
+            f"inode {inode.ino}: data on missing member {', '.join(str(d + 1) for d in members)} "
+            "(degraded mount)"
+        )
+
+    def begin_change(self, inode: Inode) -> None:
+        """Before the file's data changes: it is marked WRITING (uncommitted until its
+        next commit); EIO if it has data on a missing member (its old bytes cannot be
+        read to be changed)."""
+        self.check_readable(inode)  # its old bytes cannot be read to be changed
+        if not inode.flags & FLAG_WRITING:
+            inode.flags |= FLAG_WRITING
+            self.ns.commit(inode)
+
     def state(self, ino: int) -> FileState:
         st = self._files.get(ino)
         if st is None:
@@ -161,7 +179,7 @@ class Writer:
         try:
             inode = self.ns.get(h.ino)  # not evicted (open), but maybe quarantined
             check_failed(st)
-            self._begin_change(inode)
+            self.begin_change(inode)
             if off > inode.size:
                 await self.zero_tail(inode, st, inode.size, claims)
             view = memoryview(data)
@@ -176,7 +194,7 @@ class Writer:
                         inode, st, u, load=not covers, whole=n == u_size, claims=claims
                     )
                     check_failed(st)
-                    self._begin_change(inode)  # a commit may have run during the await
+                    self.begin_change(inode)  # a commit may have run during the await
                 buf[uo : uo + n] = view[pos - off : pos - off + n]
                 pos += n
                 if pos > inode.size:  # no await since the copy (see the docstring)
@@ -244,7 +262,7 @@ class Writer:
             if inode.unit(u) == NO_UNIT and u not in st.inflight:
                 return
             buf = await self._dirty_unit(inode, st, u, load=True, claims=claims)
-        self._begin_change(inode)
+        self.begin_change(inode)
         buf[uo:] = bytes(self.unit - uo)
 
     def grow_map(self, inode: Inode, size: int) -> None:
@@ -284,7 +302,7 @@ class Writer:
         check_failed(st)
         if size == 0:  # a full rewrite needs none of the old bytes, missing ones included
             self._unreadable.discard(inode.ino)
-        self._begin_change(inode)
+        self.begin_change(inode)
         if size < inode.size:
             st.shrinks += 1  # before any await: a read in flight must not trust its view
             keep = -(-size // self.unit)
@@ -436,7 +454,7 @@ class Writer:
                     self.alloc.free(dev, start + i)  # superseded or truncated meanwhile
                     continue
                 del st.inflight[u]
-                self._begin_change(inode)  # the map changes: uncommitted until commit
+                self.begin_change(inode)  # the map changes: uncommitted until commit
                 old = inode.unit(u)
                 if old != NO_UNIT:
                     self._free_later(inode.ino, old)

@@ -16,7 +16,7 @@ from kvfs import cli
 from kvfs.cli import outcome
 from kvfs.common import sizes
 from kvfs.common.errors import InvalidArgument, UserError
-from kvfs.evict.evictor import parse_quota
+from kvfs.evict.groups import parse_quota
 
 KVFS = [sys.executable, "-m", "kvfs"]
 

@@ -14,7 +14,8 @@ from array import array
 
 import pytest
 
-from kvfs.evict.evictor import Evictor, OrphanList
+from kvfs.evict.evictor import Evictor
+from kvfs.evict.orphans import OrphanList
 from kvfs.evict.policy import POLICY_NAMES, make_policy
 from kvfs.evict.policy.adaptive import AdaptivePolicy
 from kvfs.evict.slots import DIRECT, FREE, LOOSE, ROWS, SlotColumn, SlotTable, runs

@@ -17,7 +17,7 @@ import pytest
 from kvfs.common.errors import KvfsError, QuotaExceeded
 from kvfs.devices import alloc as alloc_mod
 from kvfs.devices.alloc import Allocator
-from kvfs.evict.evictor import QUOTA_XATTR
+from kvfs.evict.groups import QUOTA_XATTR
 from kvfs.format.records import encode_ops
 from kvfs.fuse.ops import Operations
 from kvfs.index.inodes import InodeTable
