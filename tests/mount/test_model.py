@@ -775,8 +775,9 @@ def writer_main(mnt: str, top: str, seed: int, seconds: float) -> None:
 
 
 def start_writer(mnt: Path, top: str, seed: int, seconds: float) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, __file__, "writer", str(mnt), top, str(seed), str(seconds)],
+    return subprocess.Popen(  # as a module from the repository root: it imports tests.conftest
+        [sys.executable, "-m", __name__, "writer", str(mnt), top, str(seed), str(seconds)],
+        cwd=Path(__file__).resolve().parents[2],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
