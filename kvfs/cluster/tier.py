@@ -45,7 +45,7 @@ from kvfs.common.timing import Histogram
 from kvfs.format.clustervalue import KIND_DIR, KIND_FILE, pack_header, unpack_header
 from kvfs.format.records import FLAG_QUARANTINED, FLAG_WRITING
 from kvfs.store.facade import Store
-from kvfs.store.hooks import FileView
+from kvfs.store.types import FileView
 
 log = logging.getLogger(__name__)
 

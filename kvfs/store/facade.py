@@ -56,7 +56,7 @@ from kvfs.store import leases as directpath
 from kvfs.store import paths
 from kvfs.store.cache import UnitCache
 from kvfs.store.handles import Handles
-from kvfs.store.hooks import FileView, Hooks, StoreHooks
+from kvfs.store.hooks import Hooks, StoreHooks
 from kvfs.store.leases import DirectPath
 from kvfs.store.lifetime import Lifetime
 from kvfs.store.loading import Loader, RecoveryReport
@@ -70,6 +70,7 @@ from kvfs.store.types import (
     DeviceSpace,
     DirectoryUsage,
     FileState,
+    FileView,
     Handle,
     InodeView,
     StoreConfig,

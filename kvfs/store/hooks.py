@@ -16,8 +16,8 @@ store then:
   cached (``negative_timeout``: a tier may make names appear);
 - reports its statistics and latency histograms beside its own, under its ``name``.
 
-A subscriber sees files as :class:`FileView` (read-only) and calls only the store's
-public methods.
+A subscriber sees files as :class:`~kvfs.store.types.FileView` (read-only) and calls
+only the store's public methods.
 """
 
 from __future__ import annotations
@@ -29,33 +29,7 @@ import trio
 
 from kvfs.common.timing import Histogram
 from kvfs.index.namespace import Inode
-
-
-class FileView(Protocol):
-    """What a subscriber may read of a file or directory the store tells it about."""
-
-    @property
-    def ino(self) -> int: ...
-    @property
-    def parent(self) -> int: ...
-    @property
-    def name(self) -> bytes: ...
-    @property
-    def is_dir(self) -> bool: ...
-    @property
-    def size(self) -> int: ...
-    @property
-    def mtime_ns(self) -> int: ...
-    @property
-    def mode(self) -> int: ...
-    @property
-    def uid(self) -> int: ...
-    @property
-    def gid(self) -> int: ...
-    @property
-    def flags(self) -> int: ...
-    @property
-    def nlink(self) -> int: ...
+from kvfs.store.types import FileView
 
 
 class StoreHooks(Protocol):

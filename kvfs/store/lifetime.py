@@ -16,8 +16,7 @@ from kvfs.evict.space import Space
 from kvfs.format.records import FLAG_GONE, FLAG_QUARANTINED, FLAG_WRITING
 from kvfs.index.namespace import Inode, Namespace
 from kvfs.store.handles import Handles
-from kvfs.store.hooks import FileView
-from kvfs.store.types import FileState
+from kvfs.store.types import FileState, FileView
 from kvfs.store.writer import Writer
 
 log = logging.getLogger(__name__)

@@ -19,28 +19,41 @@ FILE_SIZE_LIMIT = 1 << 40
 """No file is larger than this (1 TiB), whatever the settings."""
 
 
-class InodeView(Protocol):
-    """What the store's callers read of a file or directory it returns, and hand back
-    to it (:meth:`Store.allocated_bytes`): the FUSE adapter builds a request's
-    attributes from it. The index's inode is one (a view over the index's columns: each
-    read is a column lookup, nothing is copied), so the layers above the store name no
-    type of the index."""
+class FileView(Protocol):
+    """What the store's callers may read of a file or directory it hands them (the
+    tiers that subscribe to its events see only this). The index's inode is one: a
+    view over the index's columns, each read a column lookup, nothing copied, so the
+    layers above the store name no type of the index."""
 
     @property
     def ino(self) -> int: ...
     @property
-    def mode(self) -> int: ...
+    def parent(self) -> int:
+        """The directory of the inode's last name."""
+
     @property
-    def nlink(self) -> int: ...
+    def name(self) -> bytes: ...
+    @property
+    def is_dir(self) -> bool: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def mtime_ns(self) -> int: ...
+    @property
+    def mode(self) -> int: ...
     @property
     def uid(self) -> int: ...
     @property
     def gid(self) -> int: ...
     @property
-    def size(self) -> int: ...
+    def flags(self) -> int: ...
     @property
-    def parent(self) -> int:
-        """The directory of the inode's last name."""
+    def nlink(self) -> int: ...
+
+
+class InodeView(FileView, Protocol):
+    """A :class:`FileView` as the FUSE adapter reads it to build a request's
+    attributes, and hands back to the store (:meth:`Store.allocated_bytes`)."""
 
     def times(self) -> tuple[int, int, int]:
         """(atime, mtime, ctime) in ns."""
