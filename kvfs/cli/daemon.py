@@ -138,6 +138,11 @@ def pidfile_path(devno: str) -> str:
     return os.path.join(RUN_DIR, devno.replace(":", "-") + ".pid")
 
 
+def ring_path() -> str:
+    """Where this daemon's aware ring listens (``kvfs.store.ring``)."""
+    return os.path.join(RUN_DIR, f"ring-{os.getpid()}.sock")
+
+
 def write_pidfile(mountpoint: str) -> str | None:
     """Record this process as the daemon of the mount at ``mountpoint`` (a real path:
     called before the mount serves, nothing may touch it); the path, or

@@ -104,6 +104,19 @@ def add_arguments(m: argparse.ArgumentParser) -> None:
         "rewrite with O_TRUNC is allowed) until a mount with every member serves them again",
     )
     m.add_argument(
+        "--aware-threads",
+        type=int,
+        default=0,
+        metavar="N",
+        help="I/O threads serving the aware ring (default: 8 per member, 64 at most)",
+    )
+    m.add_argument(
+        "--no-aware-ring",
+        action="store_true",
+        help="do not serve the aware ring (kvfs.direct then uses FUSE for users "
+        "who cannot open the devices)",
+    )
+    m.add_argument(
         "--drop-unreadable",
         action="store_true",
         help="with --degraded: drop the files with data on a missing member instead "
@@ -336,11 +349,17 @@ def _run_mount(args: argparse.Namespace, ready: Callable[[], None]) -> int:
             ready()
             daemon.notify(f"READY=1\nMAINPID={os.getpid()}")
 
+        ring = None if getattr(args, "no_aware_ring", False) else daemon.ring_path()
+        threads = getattr(args, "aware_threads", 0) or min(64, 8 * len(pool.devices))
+        if not 0 < threads <= 1024:
+            raise UserError(f"--aware-threads {threads}: give 1 to 1024 threads")
         trio.run(
             partial(
                 serve,
                 reopen_logs=daemon.reopen_logs,
                 stopping=lambda: daemon.notify("STOPPING=1"),
+                ring_path=ring,
+                ring_threads=threads,
             ),
             store,
             args.mountpoint,

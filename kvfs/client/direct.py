@@ -1,29 +1,35 @@
-"""Zero-copy reads and writes of kvfs files, straight between the raw devices and a
+"""Zero-copy reads and writes of kvfs files, straight between the devices and a
 buffer (a pinned torch tensor, a ``bytearray``, an mmap): the bytes never cross FUSE.
 
-    import kvfs.client.direct
-    n = kvfs.client.direct.read_into("/mnt/kv/chunk.pt", tensor)   # the file's bytes, verified
-    kvfs.client.direct.write_from("/mnt/kv/new.pt", tensor)         # durable when it returns
+    import kvfs.direct
+    n = kvfs.direct.read_into("/mnt/kv/chunk.pt", tensor)   # the file's bytes, verified
+    kvfs.direct.write_from("/mnt/kv/new.pt", tensor)         # durable when it returns
+    futs = [kvfs.direct.submit_read(p, b) for p, b in items]  # many in flight at once
 
 The mount mediates the metadata (:mod:`kvfs.store.leases`): an extent map leased to
-the open file, or room reserved for a new one, then a commit with the checksums.
-This process does the device I/O: O_DIRECT, every run of units in parallel (worker
-threads; the reads, writes and xxh3 checksums release the GIL), each unit verified
-against the checksum the mount stored before a byte is returned.
+the open file, or room reserved for a new one, then a commit. The bytes take the
+fastest route this process may use, and :func:`stats` counts each call's route:
 
-Who may use it: a process that can open the pool's devices (root, or the ``disk``
-group for block devices; the image file's owner for image files). Anyone else, and
-any file the mount cannot map (being written, a map over 64 KiB, not on kvfs at
-all), is served by ordinary reads and writes of the same path, with the same
-result: the functions work on every path, and :func:`stats` says which way each
-call went. An unaligned buffer (O_DIRECT needs page-aligned memory) is bounced
-through an aligned one; :func:`aligned` gives buffers that are not.
+1. ``devices``: a process that may open the pool's devices (root, the ``disk`` group,
+   the image file's owner) moves them itself, O_DIRECT, every run of units in
+   parallel on worker threads, each unit verified against the checksum the mount
+   stored before a byte is returned.
+2. ``ring``: any other user has the mount's daemon move them (:mod:`kvfs.client.ring`,
+   ``docs/design.md``, "The aware ring"): its I/O threads read and write the devices
+   O_DIRECT straight into this process's shared memory, verifying or computing the
+   checksums; the ticket that comes with this process's own open of the file is all
+   a request may touch. Buffers from :func:`aligned` are that shared memory (no copy
+   here); others are bounced through it (one memcpy).
+3. ``mount``: ordinary reads and writes of the same path (a file being written, a map
+   over 64 KiB, not on kvfs, no ring), with the same result.
+
+``KVFS_DIRECT_ROUTE=devices|ring|mount`` caps the route (``ring``: never open the
+devices, as an ordinary user would; ``mount``: FUSE only), for comparisons.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import json
 import mmap
@@ -36,18 +42,18 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
-import xxhash
+from kvfs.client import ring
 
 # the protocol's xattrs, public here as before (kvfs.direct.MAP ...)
 from kvfs.common.aware import COMMIT as COMMIT
 from kvfs.common.aware import MAP as MAP
 from kvfs.common.aware import PREFIX as PREFIX
 from kvfs.common.aware import RESERVE as RESERVE
-from kvfs.devices.device import ALIGN, aligned_buffer, member_id
+from kvfs.devices.device import ALIGN, member_id
+from kvfs.devices.runs import PIECE as PIECE
+from kvfs.devices.runs import pieces, read_piece, write_piece
+from kvfs.format import ring as wire
 
-PIECE = 8 << 20
-"""Bytes per device request: a run is read or written in pieces this big, in
-parallel, so checksums of one piece overlap the I/O of the next."""
 _NO_MAP = {
     errno.EACCES,
     errno.EBUSY,
@@ -58,23 +64,30 @@ _NO_MAP = {
     errno.EPERM,
 }
 """Answers that mean "not through the direct path": read or write through the mount."""
+ROUTES = ("devices", "ring", "mount")
 T = TypeVar("T")
 
 
 @dataclass
 class Statistics:
     direct_reads: int = 0
+    """Reads this process moved from the devices itself (route ``devices``)."""
     direct_writes: int = 0
     direct_bytes_read: int = 0
     direct_bytes_written: int = 0
+    ring_reads: int = 0
+    """Reads the daemon moved into this process's shared memory (route ``ring``)."""
+    ring_writes: int = 0
+    ring_bytes_read: int = 0
+    ring_bytes_written: int = 0
     fallback_reads: int = 0
     """Reads served through the mount: no map (file being written, not kvfs, ...),
-    devices this process may not open, or a checksum mismatch (the mount then
+    no other route for this process, or a checksum mismatch (the mount then
     verifies, and answers EIO for a corrupt unit)."""
     fallback_writes: int = 0
     bounced_bytes: int = 0
-    """Bytes copied through an aligned buffer because the caller's was not aligned
-    (or a file's partial last unit, which O_DIRECT cannot move in place)."""
+    """Bytes copied through an aligned or shared buffer because the caller's was not
+    one (or a file's partial last unit, which O_DIRECT cannot move in place)."""
     checksum_failures: int = 0
 
 
@@ -96,10 +109,17 @@ def _count(**deltas: int) -> None:
             setattr(_stats, k, getattr(_stats, k) + v)
 
 
+def _cap() -> int:
+    """The fastest route ``KVFS_DIRECT_ROUTE`` allows (an index into ROUTES)."""
+    want = os.environ.get("KVFS_DIRECT_ROUTE", "devices")
+    return ROUTES.index(want) if want in ROUTES else 0
+
+
 def aligned(nbytes: int) -> mmap.mmap:
-    """A zero-filled, page-aligned buffer of at least ``nbytes`` (no bounce when
-    used); wrap it as a tensor with ``torch.frombuffer(buf, dtype=torch.uint8)``."""
-    return aligned_buffer(nbytes)
+    """A zero-filled, page-aligned buffer of at least ``nbytes`` that the mount's
+    daemon can share: no bounce on any route. Wrap it as a tensor with
+    ``torch.frombuffer(buf, dtype=torch.uint8)`` (pin it for CUDA copies)."""
+    return ring.shared(nbytes)
 
 
 def _threads(name: str) -> ThreadPoolExecutor:
@@ -116,8 +136,8 @@ def _workers() -> ThreadPoolExecutor:
 
 
 def _files() -> ThreadPoolExecutor:
-    """The threads that each store one file of :func:`write_many` (they wait for
-    their pieces on :func:`_workers`)."""
+    """The threads that each move one file of :func:`write_many`, :func:`read_many`
+    and the ``submit_*`` forms (they wait for their pieces on :func:`_workers`)."""
     return _threads("file")
 
 
@@ -130,13 +150,6 @@ def _forked() -> None:
 
 
 os.register_at_fork(after_in_child=_forked)
-
-
-def _address(view: memoryview) -> int | None:
-    """Where ``view`` starts in memory, or None when it cannot be told (read-only)."""
-    if view.readonly:
-        return None
-    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 def _bytes_view(buf: Any) -> memoryview:
@@ -183,27 +196,53 @@ def _device(desc: dict[str, Any], write: bool) -> int:
 
 
 def _devices(info: dict[str, Any], write: bool) -> list[int] | None:
-    """Descriptors of every member, or None if this process may not open one."""
+    """Descriptors of every member, or None if this process may not (or, capped by
+    ``KVFS_DIRECT_ROUTE``, shall not) open one."""
+    if _cap() > 0:
+        return None
     try:
         return [_device(d, write) for d in info["devices"]]
     except OSError:
         return None
 
 
-def available(path: str | os.PathLike[str]) -> bool:
-    """Whether reads and writes under ``path`` (a kvfs file or directory) take the
-    direct path: it is on a kvfs mount and this process may open its devices."""
+def _ring(info: dict[str, Any] | None) -> ring.Ring | None:
+    """The daemon's ring named in a mount's answer, if this process may use it."""
+    path = info.get("ring") if info is not None else None
+    if not path or _cap() > 1:
+        return None
+    return ring.connect(path)
+
+
+def _map_of(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
-        return False
+        return None
     try:
-        info = json.loads(os.getxattr(fd, MAP))
+        info: dict[str, Any] = json.loads(os.getxattr(fd, MAP))
+        return info
     except OSError:
-        return False
+        return None
     finally:
         os.close(fd)
-    return _devices(info, write=False) is not None
+
+
+def route(path: str | os.PathLike[str]) -> str:
+    """The route reads and writes under ``path`` (a kvfs file or directory) take
+    from this process: ``devices``, ``ring`` or ``mount``."""
+    info = _map_of(path)
+    if info is None:
+        return "mount"
+    if _devices(info, write=False) is not None:
+        return "devices"
+    return "ring" if _ring(info) is not None else "mount"
+
+
+def available(path: str | os.PathLike[str]) -> bool:
+    """Whether reads and writes under ``path`` skip FUSE (route ``devices`` or
+    ``ring``)."""
+    return route(path) != "mount"
 
 
 # ---------------------------------------------------------------------- reads
@@ -226,17 +265,58 @@ def read_into(path: str | os.PathLike[str], buf: Any) -> int:
         if len(view) < size:
             raise ValueError(f"{os.fspath(path)}: {size} bytes do not fit {len(view)} bytes")
         fds = _devices(info, write=False)
-        if fds is None:
-            return _read_through(fd, view)
-        if _read_runs(info, fds, view):
-            _count(direct_reads=1, direct_bytes_read=size)
-            return size
+        if fds is not None:
+            if _read_runs(info, fds, view):
+                _count(direct_reads=1, direct_bytes_read=size)
+                return size
+        else:
+            r = _ring(info) if "ticket" in info else None
+            if r is None or not size:
+                return _read_through(fd, view)
+            try:
+                _ring_move(r, wire.OP_READ, info, view)
+                _count(ring_reads=1, ring_bytes_read=size)
+                return size
+            except OSError as e:
+                if e.errno != errno.EIO:  # the ring is gone or refused: the mount serves
+                    return _read_through(fd, view)
         # a unit failed its checksum: the mount reads it again, and quarantines a bad
         # unit (EIO) instead of serving it
         _count(checksum_failures=1)
         return _read_through(fd, view)
     finally:
         os.close(fd)
+
+
+def _ring_move(r: ring.Ring, op: int, info: dict[str, Any], view: memoryview) -> None:
+    """Have the daemon move the file's bytes between the devices and ``view``: in
+    place when ``view`` is shared memory at a page boundary, else through this
+    thread's staging buffer."""
+    size = info["size"]
+    ticket = bytes.fromhex(info["ticket"])
+    where = ring.locate(addr, size) if (addr := ring.address(view)) is not None else None
+    if where is not None and where[1] % ALIGN == 0:
+        r.submit([(op, ticket, where[0], where[1], size)])[0].result()
+        return
+    stage = ring.staging(size)
+    if op == wire.OP_WRITE:
+        stage[:size] = view[:size]
+    r.submit([(op, ticket, stage, 0, size)])[0].result()
+    if op == wire.OP_READ:
+        view[:size] = stage[:size]
+    _count(bounced_bytes=size)
+
+
+def read_many(items: Iterable[tuple[str | os.PathLike[str], Any]]) -> list[int]:
+    """Read several files, each as :func:`read_into`, all in flight at once; the sizes
+    in order. Every read is done when it returns; the first error is raised then."""
+    return _wait([submit_read(path, buf) for path, buf in items])
+
+
+def submit_read(path: str | os.PathLike[str], buf: Any) -> Future[int]:
+    """:func:`read_into` started now, its result a Future: keep many in flight
+    (the buffer must stay untouched until it is done)."""
+    return _files().submit(read_into, path, buf)
 
 
 def _read_through(fd: int, view: memoryview) -> int:
@@ -256,102 +336,26 @@ def _read_through(fd: int, view: memoryview) -> int:
     return got
 
 
-@dataclass(frozen=True)
-class _Piece:
-    """Units ``first``.. (``n`` of them) of one run: at ``offset`` on member ``fd``,
-    ``stored`` bytes there (less than ``n`` units for a fragment tail). ``whole``:
-    every unit lies within the file's size and is stored whole, so it can move in
-    place between the device and the caller's buffer."""
-
-    fd: int
-    offset: int
-    first: int
-    n: int
-    stored: int
-    whole: bool
-
-
-def _pieces(run: list[int], fds: list[int], unit: int, size: int) -> list[_Piece]:
-    """A run as pieces of at most PIECE bytes; a file's partial last unit is a piece
-    of its own (a fragment tail is a run of its own already)."""
-    fd, offset, length, first, n = fds[run[0]], run[1], run[2], run[3], run[4]
-    if length < n * unit:  # a fragment tail (n == 1): its stored bytes only
-        return [_Piece(fd, offset, first, 1, length, False)]
-    full = min(n, max(size // unit - first, 0))
-    per = max(PIECE // unit, 1)
-    out = []
-    for i in range(0, full, per):
-        k = min(per, full - i)
-        out.append(_Piece(fd, offset + i * unit, first + i, k, k * unit, True))
-    if full < n:
-        k = n - full
-        out.append(_Piece(fd, offset + full * unit, first + full, k, k * unit, False))
-    return out
-
-
-def _unit_sums(data: memoryview, n: int, unit: int) -> list[int]:
-    """xxh3-64 of each of ``n`` units of ``data`` (what the mount stores per unit)."""
-    return [xxhash.xxh3_64_intdigest(data[i * unit : (i + 1) * unit]) for i in range(n)]
-
-
-def _in_place(piece: _Piece, base: int | None, unit: int) -> bool:
-    """Whether ``piece`` moves straight to/from the caller's buffer at ``base`` (an
-    unknown address, a read-only buffer's, is tried and bounced on EINVAL)."""
-    return piece.whole and (base is None or (base + piece.first * unit) % ALIGN == 0)
-
-
 def _read_runs(info: dict[str, Any], fds: list[int], view: memoryview) -> bool:
     """Read and verify every run into ``view`` (holes zero-filled); False if any unit
     failed its checksum."""
     size, unit, csums = info["size"], info["unit"], info["csums"]
     covered = bytearray(len(csums))
-    jobs: list[Future[bool]] = []
+    jobs: list[Future[tuple[bool, int]]] = []
     pool = _workers()
-    base = _address(view)  # never None: read_into takes writable buffers only
+    base = ring.address(view)  # never None: read_into takes writable buffers only
     for run in info["runs"]:
-        for piece in _pieces(run, fds, unit, size):
+        for piece in pieces(run, fds, unit, size):
             covered[piece.first : piece.first + piece.n] = b"\1" * piece.n
-            work = _read_direct if _in_place(piece, base, unit) else _read_bounced
-            jobs.append(pool.submit(work, piece, view, unit, size, csums))
+            jobs.append(pool.submit(read_piece, piece, view, base, unit, size, csums))
     for u, c in enumerate(covered):  # holes read as zeros
         if not c:
             lo, hi = u * unit, min((u + 1) * unit, size)
             if lo < hi:
                 view[lo:hi] = bytes(hi - lo)
-    verified = _wait(jobs)
-    return all(verified)
-
-
-def _pread_all(fd: int, target: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(target):
-        n = os.preadv(fd, [target[done:]], offset + done)
-        if n == 0:
-            raise OSError(errno.EIO, f"short device read at {offset + done}")
-        done += n
-
-
-def _read_direct(p: _Piece, view: memoryview, unit: int, size: int, csums: list[int]) -> bool:
-    target = view[p.first * unit : (p.first + p.n) * unit]
-    _pread_all(p.fd, target, p.offset)
-    return _unit_sums(target, p.n, unit) == csums[p.first : p.first + p.n]
-
-
-def _read_bounced(p: _Piece, view: memoryview, unit: int, size: int, csums: list[int]) -> bool:
-    scratch = aligned(p.n * unit)  # zero-filled: a fragment tail's unit ends in zeros
-    try:
-        whole = memoryview(scratch)[: p.n * unit]
-        _pread_all(p.fd, whole[: -(-p.stored // ALIGN) * ALIGN], p.offset)
-        ok = _unit_sums(whole, p.n, unit) == csums[p.first : p.first + p.n]
-        start = p.first * unit
-        end = min(start + p.n * unit, size)
-        if ok:
-            view[start:end] = whole[: end - start]
-            _count(bounced_bytes=end - start)
-        del whole
-        return ok
-    finally:
-        scratch.close()
+    results = _wait(jobs)
+    _count(bounced_bytes=sum(b for _, b in results))
+    return all(ok for ok, _ in results)
 
 
 # ---------------------------------------------------------------------- writes
@@ -374,19 +378,33 @@ def write_from(path: str | os.PathLike[str], buf: Any, mode: int = 0o644) -> int
             if e.errno not in _NO_MAP:
                 raise
     fds = _devices(info, write=True) if info is not None else None
+    # the ring only once it is reachable: after the reservation a failure fails the file
+    rng = _ring(info) if fds is None else None
     # the mount binds a reservation to the handle this thread opened: one file's
     # create, reserve and commit stay on one thread
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
     try:
-        if fds is None:
+        if fds is None and rng is None:
             n = _write_through(fd, view)
         else:
             nonce = secrets.token_hex(8)
             plan = json.loads(os.getxattr(fd, f"{RESERVE}{size}.{nonce}"))
-            sums = [0] * -(-plan["size"] // plan["unit"])
-            _wait(_submit_runs(plan, fds, view, sums))
-            os.setxattr(fd, COMMIT, json.dumps({"nonce": nonce, "csums": sums}).encode())
-            _count(direct_writes=1, direct_bytes_written=size)
+            if fds is not None:
+                sums = [0] * -(-plan["size"] // plan["unit"])
+                results = _wait(_submit_runs(plan, fds, view, sums))
+                _count(bounced_bytes=sum(results))
+                commit = {"nonce": nonce, "csums": sums}
+            else:
+                assert rng is not None
+                if "ticket" not in plan:
+                    raise OSError(errno.EPROTO, "the mount gave no ring ticket")
+                _ring_move(rng, wire.OP_WRITE, plan, view)
+                commit = {"nonce": nonce}  # the daemon computed the checksums
+            os.setxattr(fd, COMMIT, json.dumps(commit).encode())
+            if fds is not None:
+                _count(direct_writes=1, direct_bytes_written=size)
+            else:
+                _count(ring_writes=1, ring_bytes_written=size)
             n = size
     except BaseException:
         # the last close before the commit (its release, not any FLUSH: a forked
@@ -405,7 +423,13 @@ def write_many(items: Iterable[tuple[str | os.PathLike[str], Any]], mode: int = 
     its flushes (a group commit, not one flush per file). Each file is whole or
     absent: when one fails, the others are still stored, and the first error is
     raised once every file is committed or dropped."""
-    return _wait([_files().submit(write_from, path, buf, mode) for path, buf in items])
+    return _wait([submit_write(path, buf, mode) for path, buf in items])
+
+
+def submit_write(path: str | os.PathLike[str], buf: Any, mode: int = 0o644) -> Future[int]:
+    """:func:`write_from` started now, its result a Future (durable once it is done;
+    the buffer must stay untouched until then)."""
+    return _files().submit(write_from, path, buf, mode)
 
 
 def _wait(jobs: list[Future[T]]) -> list[T]:
@@ -427,48 +451,12 @@ def _write_through(fd: int, view: memoryview) -> int:
 
 def _submit_runs(
     plan: dict[str, Any], fds: list[int], view: memoryview, sums: list[int]
-) -> list[Future[None]]:
+) -> list[Future[int]]:
     """Start writing ``view`` to the planned runs, in pieces on the worker threads;
-    each piece fills its units' entries of ``sums``."""
-    unit, pool, base = plan["unit"], _workers(), _address(view)
-    jobs = []
-    for run in plan["runs"]:
-        for piece in _pieces(run, fds, unit, plan["size"]):
-            work = _write_direct if _in_place(piece, base, unit) else _write_bounced
-            jobs.append(pool.submit(work, piece, view, unit, sums))
-    return jobs
-
-
-def _pwrite_all(fd: int, source: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(source):
-        n = os.pwritev(fd, [source[done:]], offset + done)
-        if n <= 0:
-            raise OSError(errno.EIO, f"short device write at {offset + done}")
-        done += n
-
-
-def _write_direct(p: _Piece, view: memoryview, unit: int, sums: list[int]) -> None:
-    source = view[p.first * unit : (p.first + p.n) * unit]
-    sums[p.first : p.first + p.n] = _unit_sums(source, p.n, unit)
-    try:
-        _pwrite_all(p.fd, source, p.offset)
-    except OSError as e:  # a read-only buffer's alignment shows only here
-        if e.errno != errno.EINVAL or not view.readonly:
-            raise
-        _write_bounced(p, view, unit, sums)
-
-
-def _write_bounced(p: _Piece, view: memoryview, unit: int, sums: list[int]) -> None:
-    start = p.first * unit
-    end = min(start + p.n * unit, len(view))
-    scratch = aligned(p.n * unit)  # zero-filled: a partial last unit is padded with zeros
-    try:
-        whole = memoryview(scratch)[: p.n * unit]
-        whole[: end - start] = view[start:end]
-        sums[p.first : p.first + p.n] = _unit_sums(whole, p.n, unit)
-        _pwrite_all(p.fd, whole[: -(-p.stored // ALIGN) * ALIGN], p.offset)
-        _count(bounced_bytes=end - start)
-        del whole
-    finally:
-        scratch.close()
+    each piece fills its units' entries of ``sums`` and gives the bytes it bounced."""
+    unit, pool, base = plan["unit"], _workers(), ring.address(view)
+    return [
+        pool.submit(write_piece, piece, view, base, unit, sums)
+        for run in plan["runs"]
+        for piece in pieces(run, fds, unit, plan["size"])
+    ]

@@ -20,6 +20,7 @@ import trio
 from kvfs.fuse.metrics import Exporter
 from kvfs.fuse.ops import Operations
 from kvfs.store.facade import Store
+from kvfs.store.ring import RingServer
 
 log = logging.getLogger(__name__)
 
@@ -53,14 +54,17 @@ async def serve(
     readahead_kib: int = 4096,
     reopen_logs: Callable[[], None] = lambda: None,
     stopping: Callable[[], object] = lambda: None,
+    ring_path: str | None = None,
+    ring_threads: int = 8,
 ) -> None:
     """Mount, serve until unmounted or signalled, then commit and checkpoint.
     ``reopen_logs`` runs on SIGHUP; ``stopping`` once, when a signal starts the
-    unmount."""
+    unmount. ``ring_path``: where the aware ring listens (none if None)."""
     ops = Operations(store)
     async with trio.open_nursery() as nursery:
         await nursery.start(store.run)
         pyfuse3.init(ops, mountpoint, options)
+        ring = _start_ring(store, ring_path, ring_threads)
         try:
             nursery.start_soon(_on_signals, reopen_logs, stopping)
             nursery.start_soon(tune_readahead, mountpoint, readahead_kib)
@@ -69,11 +73,32 @@ async def serve(
             ready()
             await pyfuse3.main()
         finally:
+            if ring is not None:
+                store.direct.ring = None  # no new tickets; the live ones die with their files
+                ring.stop()
             try:
                 await store.close()
             finally:
                 pyfuse3.close(unmount=True)
                 nursery.cancel_scope.cancel()
+
+
+def _start_ring(store: Store, path: str | None, threads: int) -> RingServer | None:
+    """Serve the aware ring at ``path`` (:mod:`kvfs.store.ring`); None where it
+    cannot listen (the mount still serves every engine through FUSE)."""
+    if path is None:
+        return None
+    fds = [getattr(d, "fd", -1) for d in store.pool.devices]
+    ring = RingServer(store.direct.tickets, fds, path, threads)
+    try:
+        ring.start()
+    except OSError as e:
+        log.warning("no aware ring at %s: %s", path, e)
+        return None
+    store.direct.soon = trio.lowlevel.current_trio_token().run_sync_soon
+    store.direct.ring_stats = ring.stats
+    store.direct.ring = path
+    return ring
 
 
 async def _on_signals(reopen_logs: Callable[[], None], stopping: Callable[[], object]) -> None:

@@ -33,8 +33,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvfs.common import aware
@@ -64,6 +65,8 @@ from kvfs.index.namespace import Inode, Namespace
 from kvfs.log.journal import Journal
 from kvfs.store.handles import Handles
 from kvfs.store.posix import Caller
+from kvfs.store.ring import RingStatistics
+from kvfs.store.tickets import READ, WRITE, Run, Ticket, Tickets
 from kvfs.store.types import FileState, check_failed
 from kvfs.store.writer import Writer
 
@@ -87,6 +90,8 @@ class Reservation:
     plan: list[tuple[int, int, list[int]]]
     """(device, first unit or fragment field, logical units), as the write-back's."""
     reply: bytes
+    ticket: Ticket | None = None
+    """The ring's write ticket for it, if the mount serves a ring."""
 
 
 @dataclass
@@ -114,6 +119,11 @@ class DirectStatistics:
     held_units: int
     """Units a leased file no longer maps, kept from reuse while a handle that may
     have mapped them is open."""
+    tickets: int = 0
+    """Live ring tickets (opens that may move bytes through the ring)."""
+    ring: dict[str, float] = field(default_factory=dict)
+    """The ring server's counters (:class:`kvfs.store.ring.RingStatistics`): its
+    connections, requests, bytes and I/O threads' CPU seconds."""
 
 
 class DirectPath:
@@ -152,6 +162,15 @@ class DirectPath:
         """Files mapped since their last close (by inode)."""
         self._reservations: dict[int, Reservation] = {}  # by handle
         self._devices = [self._describe(d) for d in pool.devices]
+        self.tickets = Tickets()
+        """What each open may move through the ring (:mod:`kvfs.store.tickets`)."""
+        self.ring: str | None = None
+        """The ring's socket, once :mod:`kvfs.store.ring` serves one: every answer
+        names it, with a ticket for the caller's open."""
+        self.soon: Callable[[Callable[[], None]], None] = lambda fn: fn()
+        self.ring_stats: RingStatistics | None = None
+        """The ring server's counters, while it serves."""
+        """Runs a callback on the trio thread (from any thread); the ring sets it."""
         self._maps = self._commits = self._aborts = self._reserved = 0
         self._bytes_mapped = self._bytes_committed = 0
 
@@ -168,6 +187,8 @@ class DirectPath:
     def _reply(self, ino: int, **fields: Any) -> bytes:
         """An answer: the protocol version, unit size and members, then ``fields``."""
         info = {"v": VERSION, "unit": self.unit, "devices": self._devices, **fields}
+        if self.ring is not None:
+            info["ring"] = self.ring
         reply = json.dumps(info, separators=(",", ":")).encode()
         if len(reply) > MAX_REPLY:
             raise TooBig(f"inode {ino}: the answer is {len(reply)} bytes, over 64 KiB")
@@ -196,6 +217,9 @@ class DirectPath:
         freed; the units no open handle may have mapped go back (all of them, and
         the lease, at the file's last close)."""
         self.abandon(fh)
+        for t in self.tickets.of_handle(fh):
+            t.retire()  # a read in flight verifies what it reads: it needs no wait
+            self.tickets.drop(t)
         lease = self._leases.get(inode.ino)
         if lease is None:
             return
@@ -222,8 +246,19 @@ class DirectPath:
 
     def _abort(self, r: Reservation, why: str) -> None:
         self._aborts += 1
-        for dev, start, lus in r.plan:
-            self.alloc.free(dev, start, len(lus))
+
+        def free() -> None:
+            for dev, start, lus in r.plan:
+                self.alloc.free(dev, start, len(lus))
+
+        t, r.ticket = r.ticket, None
+        if t is None or t.retire():
+            free()
+        else:  # a ring write of it is still in flight: its units go once it is done
+            t.retire(lambda: self.soon(free))
+            log.info("inode %d: units of an abandoned ring write freed after it", r.ino)
+        if t is not None:
+            self.tickets.drop(t)
         inode = self.ns.inodes.get(r.ino)
         log.warning("direct write of inode %d abandoned: %s", r.ino, why)
         if inode is not None:
@@ -236,7 +271,7 @@ class DirectPath:
     # ------------------------------------------------------------------ requests
     async def getxattr(self, ino: int, name: bytes, caller: Caller) -> bytes:
         if name == MAP:
-            return self._map(ino)
+            return self._map(ino, caller)
         if name.startswith(RESERVE):
             return await self._reserve(ino, name[len(RESERVE) :], caller)
         raise NotPermitted(f"{name!r} is not a direct-path request")
@@ -250,7 +285,7 @@ class DirectPath:
         self._check_readable(inode)
         return inode
 
-    def _map(self, ino: int) -> bytes:
+    def _map(self, ino: int, caller: Caller) -> bytes:
         if self.ns.get(ino).is_dir:  # where a client may write: the members only
             return self._reply(ino)
         inode = self._live(ino)
@@ -285,23 +320,36 @@ class DirectPath:
             else:
                 runs.append([dev, offset, length, u, 1])
             extendable = not frag
-        reply = self._reply(ino, size=inode.size, runs=runs, csums=csums)
+        extra = {}
+        fh = self._opener(ino, caller, writable=False)
+        if self.ring is not None and fh is not None:
+            t = self.tickets.issue(
+                READ, fh, ino, caller.uid, inode.size, self.unit, [Run(*r) for r in runs], csums
+            )
+            extra["ticket"] = t.token.hex()
+        reply = self._reply(ino, size=inode.size, runs=runs, csums=csums, **extra)
         # leased from now: to the handles open now, until the file's last close
         self._leases.setdefault(ino, Lease()).upto = self.handles.newest
         self._maps += 1
         self._bytes_mapped += inode.size
         return reply
 
-    def _writer(self, ino: int, caller: Caller) -> int:
-        """The caller's newest writable handle of ``ino``."""
+    def _opener(self, ino: int, caller: Caller, writable: bool) -> int | None:
+        """The caller's newest handle of ``ino`` that reads (or writes, if
+        ``writable``), opened by the calling thread; None if it has none."""
         found = [
             fh
             for fh, h in self.handles.items()
-            if h.ino == ino and h.writable and h.pid == caller.pid
+            if h.ino == ino and h.pid == caller.pid and (h.writable if writable else h.readable)
         ]
-        if not found:
+        return max(found, default=None)
+
+    def _writer(self, ino: int, caller: Caller) -> int:
+        """The caller's newest writable handle of ``ino``."""
+        fh = self._opener(ino, caller, writable=True)
+        if fh is None:
             raise NotPermitted(f"inode {ino}: open it for writing before reserving")
-        return max(found)
+        return fh
 
     async def _reserve(self, ino: int, args: bytes, caller: Caller) -> bytes:
         try:
@@ -342,8 +390,15 @@ class DirectPath:
         for dev, start, lus in plan:
             offset, length = self._where(dev, start, len(lus))  # a fragment tail: 1 unit
             runs.append([dev, offset, length, lus[0], len(lus)])
-        reply = self._reply(ino, size=size, runs=runs)
-        self._reservations[fh] = Reservation(ino, nonce, size, plan, reply)
+        ticket = None
+        if self.ring is not None:
+            ticket = self.tickets.issue(
+                WRITE, fh, ino, caller.uid, size, self.unit, [Run(*r) for r in runs]
+            )
+            reply = self._reply(ino, size=size, runs=runs, ticket=ticket.token.hex())
+        else:
+            reply = self._reply(ino, size=size, runs=runs)
+        self._reservations[fh] = Reservation(ino, nonce, size, plan, reply, ticket)
         self._reserved += 1
         return reply
 
@@ -351,7 +406,8 @@ class DirectPath:
         try:
             msg = json.loads(value)
             nonce = str(msg["nonce"]).encode()
-            csums = [int(c) for c in msg["csums"]]
+            given = msg.get("csums")
+            csums = None if given is None else [int(c) for c in given]
         except (ValueError, KeyError, TypeError):
             raise InvalidArgument("a direct commit is JSON with a nonce and checksums") from None
         fh = self._writer(ino, caller)
@@ -361,7 +417,8 @@ class DirectPath:
         del self._reservations[fh]
         nunits = -(-r.size // self.unit)
         inode = self.ns.inodes.get(ino)
-        why = self._refusal(inode, len(csums) == nunits)
+        csums, why = self._checksums(r, csums, caller)
+        why = why or self._refusal(inode, len(csums) == nunits)
         if why:
             self._abort(r, why)
             raise InvalidArgument(f"inode {ino}: direct write refused: {why}")
@@ -381,6 +438,50 @@ class DirectPath:
         self._commits += 1
         self._bytes_committed += r.size
         await self._commit(inode, caller.pid)
+
+    def _checksums(
+        self, r: Reservation, given: list[int] | None, caller: Caller
+    ) -> tuple[list[int], str]:
+        """The checksums to commit and why not ("" if they may be): the daemon's own,
+        when the ring wrote the bytes; the client's only when the client may open the
+        devices (it wrote them itself), never an ordinary user's word."""
+        t = r.ticket
+        if t is not None and (any(t.written) or given is None):
+            sums = t.finish_write()
+            if sums is None:
+                return [], "a ring write of it is unfinished"
+            self.tickets.drop(t)
+            r.ticket = None
+            return sums, ""
+        if t is not None:  # unused: the client wrote the devices itself
+            t.retire()
+            self.tickets.drop(t)
+            r.ticket = None
+        if given is None:
+            return [], "no checksums and no ring write"
+        if not self._may_open_devices(caller):
+            return [], "checksums from a user who cannot write the devices"
+        return given, ""
+
+    def _may_open_devices(self, caller: Caller) -> bool:
+        """Whether ``caller`` could open every member for writing (root, the owner,
+        or a group with write access)."""
+        if caller.uid == 0:
+            return True
+        for device in self.pool.devices:
+            fd = getattr(device, "fd", -1)
+            if fd < 0:
+                return False
+            st = os.fstat(fd)
+            if st.st_uid == caller.uid:
+                may = bool(st.st_mode & stat.S_IWUSR)
+            elif caller.in_group(st.st_gid):
+                may = bool(st.st_mode & stat.S_IWGRP)
+            else:
+                may = bool(st.st_mode & stat.S_IWOTH)
+            if not may:
+                return False
+        return True
 
     def _refusal(self, inode: Inode | None, covered: bool) -> str:
         """Why a reservation cannot be committed ("" when it can)."""
@@ -405,4 +506,6 @@ class DirectPath:
             self._bytes_committed,
             len(self._leases),
             sum(len(units) for lease in self._leases.values() for _, units in lease.held),
+            len(self.tickets),
+            asdict(self.ring_stats) if self.ring_stats is not None else {},
         )

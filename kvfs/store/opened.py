@@ -94,7 +94,16 @@ class OpenFiles:
         shrinks = self.truncations.shrinks(ino)
         direct = bool(flags & os.O_DIRECT)
         return self.handles.add(
-            Handle(ino, writable, caller.pid, owner, caller.uid, direct, shrinks)
+            Handle(
+                ino,
+                writable,
+                caller.pid,
+                owner,
+                caller.uid,
+                direct,
+                shrinks,
+                readable=flags & os.O_ACCMODE != os.O_WRONLY,
+            )
         )
 
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:

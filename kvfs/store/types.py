@@ -168,6 +168,8 @@ class Handle:
     shrank the file, this one reads EIO,
     since the pieces of one read(2) (FUSE requests of at most 1 MiB) could otherwise
     come from two contents (``docs/design.md``, "Reads beside a truncate")."""
+    readable: bool = True
+    """Opened for reading (not O_WRONLY): what a ring ticket of a map may need."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,235 @@
+"""The engine side of the aware ring: shared memory registered with the mount's daemon
+and a connection that submits whole-file reads and writes to it
+(``docs/design.md``, "The aware ring"; the daemon's side is :mod:`kvfs.store.ring`).
+
+Any user may use it: what a request may touch is what the ticket it names allows,
+and a ticket comes only with the caller's own open of the file on the mount.
+
+- :func:`shared` gives page-aligned memory that the daemon can map: a sealed memfd
+  (it can neither shrink nor grow, so the daemon never touches a page that vanished).
+  Buffers from it move with no copy in this process; any other buffer is bounced
+  through a per-thread shared staging buffer (one memcpy).
+- :class:`Ring` is one connection per process (per daemon), shared by its threads:
+  requests carry tags, a receiver thread completes each request's Future.
+"""
+
+from __future__ import annotations
+
+import array
+import bisect
+import contextlib
+import ctypes
+import errno
+import fcntl
+import itertools
+import mmap
+import os
+import socket
+import threading
+import weakref
+from concurrent.futures import Future
+from typing import Any
+
+from kvfs.devices.device import ALIGN
+from kvfs.format import ring as wire
+
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+class SharedBuffer(mmap.mmap):
+    """Page-aligned memory backed by a sealed memfd, which the daemon maps too."""
+
+    memfd: int
+    region: int
+    address: int
+
+
+_ids = itertools.count(1)
+_lock = threading.Lock()
+_buffers: dict[int, weakref.ref[SharedBuffer]] = {}  # by address
+_starts: list[int] = []  # sorted addresses of _buffers
+_rings: dict[str, Ring] = {}
+_local = threading.local()
+
+
+def _forget(address: int, region: int, memfd: int) -> None:
+    with _lock:
+        _buffers.pop(address, None)
+        i = bisect.bisect_left(_starts, address)
+        if i < len(_starts) and _starts[i] == address:
+            _starts.pop(i)
+        rings = list(_rings.values())
+    for r in rings:
+        r.unregister(region)
+    os.close(memfd)
+
+
+def shared(nbytes: int) -> SharedBuffer:
+    """A zero-filled, page-aligned buffer of at least ``nbytes`` that the daemon maps:
+    reads into it and writes from it cross no copy in this process."""
+    size = -(-max(nbytes, 1) // ALIGN) * ALIGN
+    fd = os.memfd_create("kvfs-ring", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+        buf = SharedBuffer(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+    buf.memfd, buf.region = fd, next(_ids)
+    probe = ctypes.c_char.from_buffer(buf)
+    buf.address = ctypes.addressof(probe)
+    del probe
+    with _lock:
+        _buffers[buf.address] = weakref.ref(buf)
+        bisect.insort(_starts, buf.address)
+    weakref.finalize(buf, _forget, buf.address, buf.region, fd)
+    return buf
+
+
+def locate(address: int, nbytes: int) -> tuple[SharedBuffer, int] | None:
+    """The shared buffer holding ``nbytes`` at ``address``, and the offset there."""
+    with _lock:
+        i = bisect.bisect_right(_starts, address) - 1
+        ref = _buffers.get(_starts[i]) if i >= 0 else None
+    buf = ref() if ref is not None else None
+    if buf is None or buf.closed or address + nbytes > buf.address + len(buf):
+        return None
+    return buf, address - buf.address
+
+
+def staging(nbytes: int) -> SharedBuffer:
+    """This thread's shared bounce buffer, at least ``nbytes`` (grown in powers of 2)."""
+    buf: SharedBuffer | None = getattr(_local, "staging", None)
+    if buf is None or len(buf) < nbytes:
+        _local.staging = buf = shared(1 << max(nbytes - 1, ALIGN).bit_length())
+    return buf
+
+
+class Ring:
+    """One connection to a mount's daemon."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        self._sock.settimeout(5)
+        self._sock.connect(path)
+        self._sock.settimeout(None)
+        self._send = threading.Lock()
+        self._state = threading.Lock()
+        self._tags = itertools.count(1)
+        self._pending: dict[int, Future[int]] = {}
+        self._registered: set[int] = set()
+        self.broken: OSError | None = None
+        self._sock.sendall(wire.hello())
+        threading.Thread(target=self._receive, name="kvfs-ring", daemon=True).start()
+
+    def _fail_all(self, error: OSError) -> None:
+        with self._state:
+            self.broken = error
+            pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            fut.set_exception(error)
+
+    def _receive(self) -> None:
+        try:
+            while True:
+                msg = self._sock.recv(wire.MAX_MESSAGE)
+                if not msg:
+                    raise ConnectionResetError(errno.EPIPE, "the daemon closed the ring")
+                for d in wire.done_of(msg):
+                    with self._state:
+                        fut = self._pending.pop(d.tag, None)
+                    if fut is None:
+                        continue
+                    if d.error:
+                        fut.set_exception(OSError(d.error, os.strerror(d.error)))
+                    else:
+                        fut.set_result(d.nbytes)
+        except (OSError, ValueError) as e:
+            err = e if isinstance(e, OSError) else OSError(errno.EPROTO, str(e))
+            self._fail_all(err)
+
+    def _register(self, buf: SharedBuffer) -> None:
+        """Tell the daemon of ``buf`` (once): the memfd travels with SCM_RIGHTS."""
+        with self._send:
+            if buf.region in self._registered:
+                return
+            fds = array.array("i", [buf.memfd])
+            self._sock.sendmsg(
+                [wire.register(buf.region, len(buf))],
+                [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)],
+            )
+            self._registered.add(buf.region)
+
+    def unregister(self, region: int) -> None:
+        with self._send:
+            if region not in self._registered:
+                return
+            self._registered.discard(region)
+            with contextlib.suppress(OSError):
+                self._sock.sendall(wire.unregister(region))
+
+    def submit(self, items: list[tuple[int, bytes, SharedBuffer, int, int]]) -> list[Future[int]]:
+        """Start requests ``(op, ticket, buffer, offset, length)`` in one batch; each
+        Future gives the bytes moved or raises the request's OSError."""
+        futs: list[Future[int]] = []
+        reqs = []
+        for op, ticket, buf, offset, length in items:
+            self._register(buf)
+            tag = next(self._tags)
+            fut: Future[int] = Future()
+            with self._state:
+                if self.broken is not None:
+                    raise self.broken
+                self._pending[tag] = fut
+            futs.append(fut)
+            reqs.append(wire.Request(op, buf.region, tag, ticket, offset, length))
+        for i in range(0, len(reqs), wire.MAX_BATCH):
+            with self._send:
+                self._sock.sendall(wire.submit(reqs[i : i + wire.MAX_BATCH]))
+        return futs
+
+    def close(self) -> None:
+        self._fail_all(OSError(errno.EPIPE, "ring closed"))
+        self._sock.close()
+
+
+def connect(path: str) -> Ring | None:
+    """This process's ring to the daemon listening at ``path`` (made once; made again
+    after it broke), or None when it cannot be reached."""
+    with _lock:
+        r = _rings.get(path)
+    if r is not None and r.broken is None:
+        return r
+    try:
+        r = Ring(path)
+    except OSError:
+        return None
+    with _lock:
+        old = _rings.get(path)
+        if old is not None and old.broken is None:
+            r.close()
+            return old
+        _rings[path] = r
+    return r
+
+
+def _forked() -> None:
+    """A forked child shares its parent's sockets but has no receiver thread: it
+    starts its own rings (the parent's stay the parent's)."""
+    global _lock
+    _lock = threading.Lock()
+    _rings.clear()
+    _local.__dict__.clear()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
+def address(view: Any) -> int | None:
+    """Where a writable buffer starts in memory (None for a read-only one)."""
+    mv = memoryview(view)
+    if mv.readonly:
+        return None
+    return ctypes.addressof(ctypes.c_char.from_buffer(mv))

@@ -1,0 +1,125 @@
+"""The aware ring's messages: what a client and the mount's daemon exchange over the
+daemon's Unix socket (``docs/design.md``, "The aware ring").
+
+A client registers shared memory (a sealed memfd, passed with ``SCM_RIGHTS``), then
+submits batches of whole-file reads and writes, each naming a ticket (what the mount
+gave its open of the file, see :mod:`kvfs.store.tickets`), a registered region and an
+offset in it. The daemon answers each request with one completion. The socket is
+``SOCK_SEQPACKET``: one message per datagram, in order, never split.
+
+Pure: encode/decode only. Every record is one ``struct.Struct`` with a size assert.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+RING_VERSION = 1
+"""Sent in every HELLO; a daemon refuses a client of another version."""
+TICKET_BYTES = 16
+"""A ticket is 16 random bytes (128 bits): unguessable, so knowing one is holding it."""
+
+MSG_HELLO = 1
+MSG_REGISTER = 2
+MSG_UNREGISTER = 3
+MSG_SUBMIT = 4
+MSG_DONE = 5
+
+OP_READ = 1
+OP_WRITE = 2
+
+_HEAD = struct.Struct("<BBHI")  # kind, version, reserved, count or region
+assert _HEAD.size == 8
+_REGION = struct.Struct("<IQ")  # region id, bytes
+assert _REGION.size == 12
+_REQUEST = struct.Struct("<BxxxIQ16sQQ")  # op, region, tag, ticket, offset, length
+assert _REQUEST.size == 48
+_DONE = struct.Struct("<QiQ")  # tag, errno (0: done), bytes moved
+assert _DONE.size == 20
+
+MAX_BATCH = 1024
+"""Requests in one SUBMIT message at most (48 KiB: under any socket's message limit)."""
+MAX_MESSAGE = _HEAD.size + MAX_BATCH * _REQUEST.size
+
+
+@dataclass(frozen=True)
+class Request:
+    op: int
+    region: int
+    tag: int
+    ticket: bytes
+    offset: int
+    """Where in the region the file's first byte goes (reads) or comes from (writes)."""
+    length: int
+    """Bytes of the region the request may touch: at least the file's size."""
+
+
+@dataclass(frozen=True)
+class Done:
+    tag: int
+    error: int
+    """0, or the errno the request failed with (its buffer then holds no result)."""
+    nbytes: int
+
+
+def hello() -> bytes:
+    return _HEAD.pack(MSG_HELLO, RING_VERSION, 0, 0)
+
+
+def register(region: int, nbytes: int) -> bytes:
+    return _HEAD.pack(MSG_REGISTER, RING_VERSION, 0, 1) + _REGION.pack(region, nbytes)
+
+
+def unregister(region: int) -> bytes:
+    return _HEAD.pack(MSG_UNREGISTER, RING_VERSION, 0, 1) + _REGION.pack(region, 0)
+
+
+def submit(requests: list[Request]) -> bytes:
+    if not 0 < len(requests) <= MAX_BATCH:
+        raise ValueError(f"a batch holds 1 to {MAX_BATCH} requests")
+    out = [_HEAD.pack(MSG_SUBMIT, RING_VERSION, 0, len(requests))]
+    for r in requests:
+        if len(r.ticket) != TICKET_BYTES:
+            raise ValueError("a ticket is 16 bytes")
+        out.append(_REQUEST.pack(r.op, r.region, r.tag, r.ticket, r.offset, r.length))
+    return b"".join(out)
+
+
+def done(items: list[Done]) -> bytes:
+    out = [_HEAD.pack(MSG_DONE, RING_VERSION, 0, len(items))]
+    out.extend(_DONE.pack(d.tag, d.error, d.nbytes) for d in items)
+    return b"".join(out)
+
+
+def kind(message: bytes) -> tuple[int, int, int]:
+    """A message's kind, version and count; ValueError for a malformed header."""
+    if len(message) < _HEAD.size:
+        raise ValueError("a message shorter than its header")
+    k, version, _, count = _HEAD.unpack_from(message)
+    return k, version, count
+
+
+def region_of(message: bytes) -> tuple[int, int]:
+    """The region id and size of a REGISTER or UNREGISTER."""
+    if len(message) != _HEAD.size + _REGION.size:
+        raise ValueError("a region message of the wrong length")
+    region, nbytes = _REGION.unpack_from(message, _HEAD.size)
+    return region, nbytes
+
+
+def requests_of(message: bytes) -> list[Request]:
+    _, _, count = kind(message)
+    if count > MAX_BATCH or len(message) != _HEAD.size + count * _REQUEST.size:
+        raise ValueError("a batch of the wrong length")
+    return [
+        Request(*_REQUEST.unpack_from(message, _HEAD.size + i * _REQUEST.size))
+        for i in range(count)
+    ]
+
+
+def done_of(message: bytes) -> list[Done]:
+    _, _, count = kind(message)
+    if len(message) != _HEAD.size + count * _DONE.size:
+        raise ValueError("a completion message of the wrong length")
+    return [Done(*_DONE.unpack_from(message, _HEAD.size + i * _DONE.size)) for i in range(count)]

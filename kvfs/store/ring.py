@@ -1,0 +1,388 @@
+"""The daemon's side of the aware ring: clients of any user move file bytes between
+their shared memory and the devices through the daemon's I/O threads, with no copy
+through FUSE and none inside the daemon (``docs/design.md``, "The aware ring"; the
+client is :mod:`kvfs.client.ring` behind :mod:`kvfs.client.direct`).
+
+One Unix socket per mount (``SOCK_SEQPACKET``, mode 0666: anyone may connect, what a
+connection may do is what its tickets allow). Per connection a thread reads its
+messages: HELLO, REGISTER (a sealed memfd, mapped here once), UNREGISTER, SUBMIT (a
+batch of whole-file requests). Each request is checked before any I/O -- a live
+ticket of the connection's user (``SO_PEERCRED``), of the request's kind, a
+registered region that holds the whole file at a page-aligned offset -- then split
+into pieces of at most 8 MiB that the I/O threads move with O_DIRECT
+(:mod:`kvfs.devices.runs`): a read verifies every unit against the map's checksum and
+fails EIO rather than hand over a wrong byte; a write computes the checksums the
+commit will store. One completion per request.
+
+A client that dies mid-request: its socket closes, its regions are unmapped once
+their last request is done, and the kernel closes its files, which kills their
+tickets at the release; units of an uncommitted write are freed only once no
+request of that ticket is still writing (:meth:`Ticket.retire`).
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import ctypes
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import socket
+import stat
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from kvfs.devices.device import ALIGN
+from kvfs.devices.runs import Piece, pieces, read_piece, write_piece
+from kvfs.format import ring as wire
+from kvfs.store.tickets import READ, WRITE, Run, Ticket, Tickets
+
+log = logging.getLogger(__name__)
+
+MAX_REGIONS = 4096
+"""Registered regions per connection at most (each is one mapping in the daemon)."""
+_SEALED = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+
+
+@dataclass(eq=False)
+class Region:
+    mm: mmap.mmap
+    view: memoryview
+    base: int
+    users: int = 0
+    gone: bool = False
+
+
+@dataclass
+class RingStatistics:
+    connections: int = 0
+    reads: int = 0
+    writes: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    refused: int = 0
+    """Requests failed before any I/O: a dead or foreign ticket, a bad region."""
+    checksum_failures: int = 0
+    device_seconds: float = 0.0
+    """Thread time of the I/O threads (device calls and checksums), summed."""
+
+
+@dataclass(eq=False)
+class Connection:
+    sock: socket.socket
+    uid: int
+    pid: int
+    regions: dict[int, Region] = field(default_factory=dict)
+    send: threading.Lock = field(default_factory=threading.Lock)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    closed: bool = False
+
+
+class RingServer:
+    """Serves the ring of one mount: ``start`` on the trio thread (with a way to run a
+    callback there), ``stop`` at the unmount."""
+
+    def __init__(self, tickets: Tickets, fds: list[int], socket_path: str, threads: int) -> None:
+        self.tickets = tickets
+        self.fds = fds
+        self.path = socket_path
+        self.stats = RingStatistics()
+        self._stats_lock = threading.Lock()
+        self._io = ThreadPoolExecutor(threads, thread_name_prefix="kvfs-ring-io")
+        self._listener: socket.socket | None = None
+        self._conns: set[Connection] = set()
+        self._conns_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        os.makedirs(os.path.dirname(self.path), mode=0o755, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISSOCK(os.lstat(self.path).st_mode):
+                os.unlink(self.path)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        s.bind(self.path)
+        os.chmod(self.path, 0o666)  # anyone may connect: tickets say what they may do
+        s.listen(64)
+        self._listener = s
+        threading.Thread(target=self._accept, name="kvfs-ring-accept", daemon=True).start()
+        log.info("aware ring listening at %s", self.path)
+
+    def stop(self) -> None:
+        s, self._listener = self._listener, None
+        if s is not None:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+        with self._conns_lock:
+            conns = list(self._conns)
+        for c in conns:
+            with contextlib.suppress(OSError):
+                c.sock.shutdown(socket.SHUT_RDWR)
+        self._io.shutdown(wait=True)
+
+    def _accept(self) -> None:
+        while self._listener is not None:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+            pid, uid = (int.from_bytes(creds[i : i + 4], "little") for i in (0, 4))
+            conn = Connection(sock, uid, pid)
+            with self._conns_lock:
+                self._conns.add(conn)
+            with self._stats_lock:
+                self.stats.connections += 1
+            threading.Thread(
+                target=self._serve, args=(conn,), name="kvfs-ring-conn", daemon=True
+            ).start()
+
+    # ------------------------------------------------------------------ one client
+    def _serve(self, conn: Connection) -> None:
+        try:
+            while True:
+                msg, fds = self._receive(conn.sock)
+                if not msg:
+                    return
+                try:
+                    self._message(conn, msg, fds)
+                finally:
+                    for fd in fds:
+                        os.close(fd)
+        except (OSError, ValueError) as e:
+            log.info("aware ring: client pid %d dropped: %s", conn.pid, e)
+        finally:
+            self._hang_up(conn)
+
+    @staticmethod
+    def _receive(sock: socket.socket) -> tuple[bytes, list[int]]:
+        fds = array.array("i")
+        msg, anc, _, _ = sock.recvmsg(wire.MAX_MESSAGE, socket.CMSG_SPACE(4 * 4))
+        for level, kind, data in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+        return msg, list(fds)
+
+    def _message(self, conn: Connection, msg: bytes, fds: list[int]) -> None:
+        kind, version, _ = wire.kind(msg)
+        if version != wire.RING_VERSION:
+            raise ValueError(f"ring version {version}, this daemon speaks {wire.RING_VERSION}")
+        if kind == wire.MSG_HELLO:
+            return
+        if kind == wire.MSG_REGISTER:
+            region, nbytes = wire.region_of(msg)
+            if len(fds) == 1:
+                self._register(conn, region, nbytes, fds[0])
+            return
+        if kind == wire.MSG_UNREGISTER:
+            region, _ = wire.region_of(msg)
+            self._unregister(conn, region)
+            return
+        if kind == wire.MSG_SUBMIT:
+            for r in wire.requests_of(msg):
+                self._start(conn, r)
+            return
+        raise ValueError(f"unknown ring message {kind}")
+
+    def _register(self, conn: Connection, region: int, nbytes: int, fd: int) -> None:
+        """Map a client's sealed memfd (a registration that fails is simply not made:
+        requests naming it fail EINVAL)."""
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            if seals & _SEALED != _SEALED or nbytes <= 0 or os.fstat(fd).st_size < nbytes:
+                raise OSError(errno.EINVAL, "not a sealed memfd of that size")
+            mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as e:
+            log.info("aware ring: pid %d: region %d refused: %s", conn.pid, region, e)
+            return
+        probe = ctypes.c_char.from_buffer(mm)
+        base = ctypes.addressof(probe)
+        del probe
+        with conn.lock:
+            if len(conn.regions) >= MAX_REGIONS or region in conn.regions or conn.closed:
+                mm.close()
+                return
+            conn.regions[region] = Region(mm, memoryview(mm), base)
+
+    def _unregister(self, conn: Connection, region: int) -> None:
+        with conn.lock:
+            r = conn.regions.pop(region, None)
+            if r is None:
+                return
+            r.gone = True
+            idle = r.users == 0
+        if idle:
+            self._unmap(r)
+
+    @staticmethod
+    def _unmap(r: Region) -> None:
+        try:
+            r.view.release()
+            r.mm.close()
+        except BufferError:  # a view still alive somewhere: the mapping goes with it
+            log.warning("aware ring: a region is still in use at its unmap")
+
+    def _hang_up(self, conn: Connection) -> None:
+        with self._conns_lock:
+            self._conns.discard(conn)
+        with conn.lock:
+            conn.closed = True
+            regions = list(conn.regions)
+        for region in regions:
+            self._unregister(conn, region)
+        conn.sock.close()
+
+    # ------------------------------------------------------------------ requests
+    def _refuse(self, conn: Connection, tag: int, error: int) -> None:
+        with self._stats_lock:
+            self.stats.refused += 1
+        self._complete(conn, wire.Done(tag, error, 0))
+
+    def _complete(self, conn: Connection, done: wire.Done) -> None:
+        with conn.send:
+            if conn.closed:
+                return
+            with contextlib.suppress(OSError):  # the client is gone: nobody to tell
+                conn.sock.sendall(wire.done([done]))
+
+    def _start(self, conn: Connection, r: wire.Request) -> None:
+        kind = {wire.OP_READ: READ, wire.OP_WRITE: WRITE}.get(r.op)
+        t = self.tickets.find(r.ticket, conn.uid)
+        if kind is None or t is None or t.kind != kind:
+            self._refuse(conn, r.tag, errno.EBADF)
+            return
+        with conn.lock:
+            region = conn.regions.get(r.region)
+            fits = (
+                region is not None
+                and r.offset % ALIGN == 0
+                and r.length >= t.size
+                and r.offset + t.size <= len(region.mm)
+            )
+            if region is None or not fits:
+                region = None
+            else:
+                region.users += 1
+        if region is None:
+            self._refuse(conn, r.tag, errno.EINVAL)
+            return
+        if not t.enter():
+            self._release(conn, region)
+            self._refuse(conn, r.tag, errno.EBADF)
+            return
+        job = _Job(self, conn, region, t, r)
+        job.launch()
+
+    def _release(self, conn: Connection, region: Region) -> None:
+        with conn.lock:
+            region.users -= 1
+            idle = region.gone and region.users == 0
+        if idle:
+            self._unmap(region)
+
+    def _count(self, t: Ticket, ok: bool, seconds: float) -> None:
+        with self._stats_lock:
+            s = self.stats
+            s.device_seconds += seconds
+            if not ok:
+                if t.kind == READ:
+                    s.checksum_failures += 1
+                return
+            if t.kind == READ:
+                s.reads += 1
+                s.bytes_read += t.size
+            else:
+                s.writes += 1
+                s.bytes_written += t.size
+
+
+class _Job:
+    """One request in flight: its pieces on the I/O threads, one completion."""
+
+    def __init__(
+        self, server: RingServer, conn: Connection, region: Region, t: Ticket, r: wire.Request
+    ) -> None:
+        self.server, self.conn, self.region, self.t, self.r = server, conn, region, t, r
+        self.view = region.view[r.offset : r.offset + t.size]
+        self.base = region.base + r.offset
+        self.left = 0
+        self.error = 0
+        self.seconds = 0.0
+        self.lock = threading.Lock()
+
+    def launch(self) -> None:
+        t = self.t
+        work = [p for run in t.runs for p in self._pieces(run)]
+        if t.kind == READ:
+            self._zero_holes(work)
+        self.left = len(work)
+        if not work:
+            self._finish()
+            return
+        for p in work:
+            self.server._io.submit(self._piece, p)
+
+    def _pieces(self, run: Run) -> list[Piece]:
+        spec = (run.device, run.offset, run.length, run.first, run.n)
+        return pieces(spec, self.server.fds, self.t.unit, self.t.size)
+
+    def _zero_holes(self, work: list[Piece]) -> None:
+        """Units of the file no run maps (holes) read as zeros."""
+        covered = bytearray(-(-self.t.size // self.t.unit))
+        for p in work:
+            covered[p.first : p.first + p.n] = b"\1" * p.n
+        unit, size = self.t.unit, self.t.size
+        for u, c in enumerate(covered):
+            if not c:
+                lo, hi = u * unit, min((u + 1) * unit, size)
+                self.view[lo:hi] = bytes(hi - lo)
+
+    def _piece(self, p: Piece) -> None:
+        t, error = self.t, 0
+        start = time.thread_time()
+        try:
+            if t.kind == READ:
+                ok, _ = read_piece(p, self.view, self.base, t.unit, t.size, t.csums)
+                error = 0 if ok else errno.EIO
+            else:
+                write_piece(p, self.view, self.base, t.unit, t.sums)
+                t.written[p.first : p.first + p.n] = b"\1" * p.n
+        except OSError as e:
+            error = e.errno or errno.EIO
+            log.warning("aware ring: inode %d: device I/O failed: %s", t.ino, e)
+        except Exception as e:  # never lose a completion: the client would wait forever
+            error = errno.EIO
+            log.exception("aware ring: inode %d: %s", t.ino, e)
+        seconds = time.thread_time() - start
+        with self.lock:
+            self.seconds += seconds
+            self.error = self.error or error
+            self.left -= 1
+            last = self.left == 0
+        if last:
+            self._finish()
+
+    def _finish(self) -> None:
+        del self.view
+        then = self.t.leave()
+        if then is not None:
+            then()
+        self.server._release(self.conn, self.region)
+        self.server._count(self.t, not self.error, self.seconds)
+        nbytes = 0 if self.error else self.t.size
+        self.server._complete(self.conn, wire.Done(self.r.tag, self.error, nbytes))
+
+
+def socket_path(directory: str, name: str) -> str:
+    """Where a mount's ring listens: one socket per daemon in ``directory``."""
+    return os.path.join(directory, f"{name}.sock")
+
+
+__all__ = ["RingServer", "RingStatistics", "socket_path"]
