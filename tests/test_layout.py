@@ -39,6 +39,7 @@ TOP_LEVEL = {
     "kvfs.__main__": {"cli"},
     "kvfs.direct": {"client"},  # public names engine configurations use
     "kvfs.lmcache_plugin": {"client"},
+    "kvfs.sglang_storage": {"client"},
 }
 
 
