@@ -65,14 +65,14 @@ def _forget(address: int, region: int, memfd: int) -> None:
 
 
 def shared(nbytes: int) -> SharedBuffer:
-    """A zero-filled, page-aligned buffer of at least ``nbytes`` that the daemon maps:
+    """A zero-filled, page-aligned buffer of ``nbytes`` (a page at least) that the daemon maps:
     reads into it and writes from it cross no copy in this process."""
-    size = -(-max(nbytes, 1) // ALIGN) * ALIGN
+    length = max(nbytes, ALIGN)  # exactly what was asked (a page at least), as before
     fd = os.memfd_create("kvfs-ring", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
-        os.ftruncate(fd, size)
+        os.ftruncate(fd, -(-length // ALIGN) * ALIGN)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
-        buf = SharedBuffer(fd, size)
+        buf = SharedBuffer(fd, length)
     except BaseException:
         os.close(fd)
         raise

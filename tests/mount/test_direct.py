@@ -1,29 +1,44 @@
 """The zero-copy path (:mod:`kvfs.client.direct` against a real mount, :mod:`kvfs.store.leases`):
 bytes exact under rewrites, eviction, corruption and a killed writer; the same bytes
-through FUSE and directly, both ways; ordinary reads for a process without device
-access."""
+through FUSE and directly, both ways; an ordinary user through the daemon's ring.
+
+Every test runs on both aware routes (``route``): ``devices``, this process opening
+the pool's devices, and ``ring``, the daemon moving the bytes into this process's
+shared memory (``KVFS_DIRECT_ROUTE=ring``: what a process that may not open the
+devices gets). :mod:`tests.mount.test_ring` holds what only the ring has."""
 
 from __future__ import annotations
 
 import errno
 import json
 import os
-import pwd
 import signal
 import subprocess
 import sys
 import threading
-import traceback
 from pathlib import Path
 
 import pytest
 
 import kvfs.client.direct as direct
+from kvfs.format import ring as wire
 from tests.conftest import KvfsMount, errno_of, pattern, wait_for
 
 MiB = 1 << 20
 REPO = Path(__file__).resolve().parents[2]
 SIZES = [1, 4095, 4097, MiB, MiB + 17, 3 * MiB - 5, 8 * MiB, 32 * MiB]
+
+
+@pytest.fixture(autouse=True, params=["devices", "ring"])
+def route(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The aware route every test of this module runs on."""
+    monkeypatch.setenv("KVFS_DIRECT_ROUTE", request.param)
+    return str(request.param)
+
+
+def moved(stats: dict[str, int], route: str, what: str) -> int:
+    """The route's counter ``what`` (reads, writes, bytes_read, bytes_written)."""
+    return stats[f"{'direct' if route == 'devices' else 'ring'}_{what}"]
 
 
 def _stats(mount: KvfsMount) -> dict[str, int]:
@@ -32,7 +47,9 @@ def _stats(mount: KvfsMount) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("where", ["kvfs_mount", "loop_mount"])
-def test_direct_and_fuse_bytes_agree_both_ways(where: str, request: pytest.FixtureRequest) -> None:
+def test_direct_and_fuse_bytes_agree_both_ways(
+    where: str, route: str, request: pytest.FixtureRequest
+) -> None:
     """Every size (fragment tails, partial whole units, stripes over two members),
     aligned and unaligned buffers, read-only sources: written one way, read back the
     other way, bit-identical; and the direct calls really took the direct path."""
@@ -53,8 +70,8 @@ def test_direct_and_fuse_bytes_agree_both_ways(where: str, request: pytest.Fixtu
             assert direct.read_into(target, unaligned) == size
             assert bytes(unaligned) == data, (target, size)
     after = direct.stats()
-    assert after["direct_reads"] - before["direct_reads"] == 4 * len(SIZES)
-    assert after["direct_writes"] - before["direct_writes"] == len(SIZES)
+    assert moved(after, route, "reads") - moved(before, route, "reads") == 4 * len(SIZES)
+    assert moved(after, route, "writes") - moved(before, route, "writes") == len(SIZES)
     assert after["fallback_reads"] == before["fallback_reads"]
     assert after["bounced_bytes"] > before["bounced_bytes"]  # the unaligned ones
     s = _stats(mount)
@@ -86,7 +103,7 @@ def test_replacing_a_file_is_seen_through_fuse(kvfs_mount: KvfsMount) -> None:
     assert p.read_bytes() == pattern("new", 3 * MiB)
 
 
-def test_a_lease_keeps_the_old_units_from_reuse(small_mount: KvfsMount) -> None:
+def test_a_lease_keeps_the_old_units_from_reuse(small_mount: KvfsMount, route: str) -> None:
     """While a mapped file is open its old units are not reused, however much is
     rewritten meanwhile: a direct reader of the old map still gets the old bytes,
     all verified; the units go back once the file closes."""
@@ -102,10 +119,15 @@ def test_a_lease_keeps_the_old_units_from_reuse(small_mount: KvfsMount) -> None:
         for i in range(24):
             direct.write_from(mnt / f"churn{i % 4}", pattern(("c", i), 16 * MiB))
         assert _stats(small_mount)["held_units"] == 16
-        fds = direct._devices(info, write=False)
-        assert fds is not None
         buf = direct.aligned(len(old))
-        assert direct._read_runs(info, fds, memoryview(buf))
+        if route == "devices":
+            fds = direct._devices(info, write=False)
+            assert fds is not None
+            assert direct._read_runs(info, fds, memoryview(buf))
+        else:  # the daemon reads the old map's units, verified, for this open's ticket
+            ring = direct._ring(info)
+            assert ring is not None
+            direct._ring_move(ring, wire.OP_READ, info, memoryview(buf))
         assert buf[:] == old
     finally:
         os.close(fd)
@@ -244,7 +266,7 @@ def test_an_uncommitted_direct_write_leaves_nothing(kvfs_mount: KvfsMount, how: 
     assert not p.exists()
 
 
-def test_a_forked_child_cannot_abandon_a_direct_write(kvfs_mount: KvfsMount) -> None:
+def test_a_forked_child_cannot_abandon_a_direct_write(kvfs_mount: KvfsMount, route: str) -> None:
     """Another thread starts subprocesses all the time, as engines do: each child
     inherits the writer's descriptor and closes it at exec (a FLUSH of the writer's
     handle). Only the writer's own last close abandons its write, so every write
@@ -261,7 +283,7 @@ def test_a_forked_child_cannot_abandon_a_direct_write(kvfs_mount: KvfsMount) -> 
         except BaseException as e:
             errors.append(e)
 
-    before = direct.stats()["direct_writes"]
+    before = moved(direct.stats(), route, "writes")
     spawner = threading.Thread(target=spawn)
     spawner.start()
     try:
@@ -276,14 +298,22 @@ def test_a_forked_child_cannot_abandon_a_direct_write(kvfs_mount: KvfsMount) -> 
     try:
         plan = json.loads(os.getxattr(fd, direct.RESERVE + f"{4 * MiB}.n1"))
         subprocess.run(["true"], check=True)  # its exec closes the inherited fd: a FLUSH
-        fds = direct._devices(plan, write=True)
-        assert fds is not None
-        sums = [0] * -(-4 * MiB // plan["unit"])
-        direct._wait(direct._submit_runs(plan, fds, memoryview(pattern("g", 4 * MiB)), sums))
-        os.setxattr(fd, direct.COMMIT, json.dumps({"nonce": "n1", "csums": sums}).encode())
+        g = memoryview(pattern("g", 4 * MiB))
+        commit: dict[str, object] = {"nonce": "n1"}
+        if route == "devices":
+            fds = direct._devices(plan, write=True)
+            assert fds is not None
+            sums = [0] * -(-4 * MiB // plan["unit"])
+            direct._wait(direct._submit_runs(plan, fds, g, sums))
+            commit["csums"] = sums
+        else:  # the daemon writes, and keeps the checksums it computed
+            ring = direct._ring(plan)
+            assert ring is not None
+            direct._ring_move(ring, wire.OP_WRITE, plan, g)
+        os.setxattr(fd, direct.COMMIT, json.dumps(commit).encode())
     finally:
         os.close(fd)
-    assert direct.stats()["direct_writes"] - before == len(sizes)
+    assert moved(direct.stats(), route, "writes") - before == len(sizes)
     assert _stats(kvfs_mount)["aborts"] == 0
     files = {f"f{i}": pattern(("fork", i), size) for i, size in enumerate(sizes)}
     files["g"] = pattern("g", 4 * MiB)
@@ -353,7 +383,7 @@ print(json.dumps(out))
 """
 
 
-def test_torch_tensors_in_and_out(kvfs_mount: KvfsMount) -> None:
+def test_torch_tensors_in_and_out(kvfs_mount: KvfsMount, route: str) -> None:
     """A torch tensor of any dtype is a buffer both ways (its bytes, shared, no copy
     when page-aligned); the file holds exactly the tensor's bytes; a non-contiguous
     tensor is refused. Runs in the engines venv, which has the CPU torch."""
@@ -369,8 +399,10 @@ def test_torch_tensors_in_and_out(kvfs_mount: KvfsMount) -> None:
     got = json.loads(out.stdout.strip().splitlines()[-1])
     data = (kvfs_mount.path / "t.bin").read_bytes()
     assert len(data) == 3 * MiB + 4096 and data.hex() == got["written"]
-    assert got["direct_writes"] == 1 and got["direct_reads"] == 2 and got["fallback_reads"] == 0
-    assert got["bounced_aligned"] == 4096  # only the partial last unit
+    assert moved(got, route, "writes") == 1 and moved(got, route, "reads") == 2
+    assert got["fallback_reads"] == 0
+    # only the partial last unit, which the ring's daemon bounces on its side
+    assert got["bounced_aligned"] == (4096 if route == "devices" else 0)
     assert got["bounced_bytes"] > 3 * MiB and got["non_contiguous"] == "refused"
 
 
@@ -395,47 +427,6 @@ def test_concurrent_direct_streams(loop_mount: KvfsMount) -> None:
     for t in threads:
         t.join()
     assert not errors, errors
-
-
-def _as_user(pw: pwd.struct_passwd, cwd: Path) -> None:
-    """In a forked child as ``pw`` (no supplementary groups): through the mount only."""
-    for fd in direct._fds.values():  # the parent's (root's) member descriptors
-        os.close(fd)
-    direct._fds.clear()
-    direct._stats = direct.Statistics()
-    os.chdir(cwd)  # as root: the user could not walk /tmp/pytest-of-root
-    os.setgroups([])
-    os.setgid(pw.pw_gid)
-    os.setuid(pw.pw_uid)
-    data = b"m" * 3_000_000
-    direct.write_from("mine", data)
-    buf = bytearray(len(data))
-    assert direct.read_into("mine", buf) == len(data) and buf == data
-    assert not direct.available(".")
-    s = direct.stats()
-    assert s["fallback_writes"] == 1 and s["fallback_reads"] == 1, s
-    assert s["direct_reads"] == s["direct_writes"] == 0, s
-
-
-@pytest.mark.mount_options("--allow-other")
-def test_without_device_access_the_mount_serves_the_same_bytes(
-    kvfs_mount: KvfsMount, unprivileged_user: pwd.struct_passwd
-) -> None:
-    """A process that may not open the devices gets ordinary reads and writes."""
-    os.chmod(kvfs_mount.path, 0o777)
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
-        code = 1
-        try:
-            _as_user(unprivileged_user, kvfs_mount.path)
-            code = 0
-        except BaseException as e:
-            traceback.print_exception(e)
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
-    assert (kvfs_mount.path / "mine").read_bytes() == b"m" * 3_000_000
 
 
 def test_another_close_cannot_leave_an_abandoned_direct_write_empty(

@@ -1,0 +1,321 @@
+"""The aware ring on a real mount (:mod:`kvfs.store.ring`, :mod:`kvfs.client.ring`,
+:mod:`kvfs.store.tickets`): an ordinary user's engine moves bytes through the daemon,
+and only the bytes its own opens allow.
+
+What every aware route shares (sizes, rewrites, eviction, corruption, torch) runs on
+the ring too, in :mod:`tests.mount.test_direct`. Here: a real unprivileged user;
+requests a client forges (another user's ticket, a guessed one, a dead one, a read
+ticket used to write, a region too small or misaligned, memory it never
+registered); checksums an ordinary user may not choose; clients killed mid-request,
+which leave nothing reserved and nothing half-committed, while the files others
+wrote stay exact."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import pwd
+import random
+import secrets
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+import kvfs.client.direct as direct
+from kvfs.client import ring as client
+from kvfs.format import ring as wire
+from tests.conftest import KvfsMount, errno_of, pattern, wait_for
+
+MiB = 1 << 20
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.mount_options("--allow-other")
+
+
+def _stats(mount: KvfsMount) -> dict[str, object]:
+    out: dict[str, object] = mount.stats()["direct"]
+    return out
+
+
+def _ring_counters(mount: KvfsMount) -> dict[str, float]:
+    ring = _stats(mount)["ring"]
+    assert isinstance(ring, dict) and ring, "the mount serves no ring"
+    return ring
+
+
+def _in_child(pw: pwd.struct_passwd | None, cwd: Path, fn: Callable[[], None]) -> None:
+    """Run ``fn`` in a forked child, as ``pw`` (no groups) if given; fail on its error."""
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 1
+        try:
+            for fd in direct._fds.values():  # root's member descriptors: not the user's
+                os.close(fd)
+            direct._fds.clear()
+            direct._stats = direct.Statistics()
+            os.environ.pop("KVFS_DIRECT_ROUTE", None)  # the fastest route it may use
+            os.chdir(cwd)
+            if pw is not None:
+                os.setgroups([])
+                os.setgid(pw.pw_gid)
+                os.setuid(pw.pw_uid)
+            fn()
+            code = 0
+        except BaseException as e:
+            traceback.print_exception(e)
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+@pytest.mark.parametrize("ring", [True, False], ids=["ring", "no-ring"])
+def test_an_ordinary_user_gets_the_ring_or_the_mount_with_the_same_bytes(
+    kvfs_mount: KvfsMount, unprivileged_user: pwd.struct_passwd, ring: bool
+) -> None:
+    """A process that may not open the devices moves its bytes through the daemon's
+    ring (no FUSE data request), exact for every size and buffer; with
+    ``--no-aware-ring`` it reads and writes through the mount, with the same bytes."""
+    if not ring:
+        kvfs_mount.stop()
+        kvfs_mount.start("--allow-other", "--no-aware-ring")
+    os.chmod(kvfs_mount.path, 0o777)
+    sizes = [1, 4095, 4097, MiB + 17, 8 * MiB, 32 * MiB - 3]
+
+    def user() -> None:
+        for size in sizes:
+            data = pattern(("user", size), size)
+            assert direct.write_from(f"u{size}", data) == size
+            for buf in (direct.aligned(size), memoryview(bytearray(size + 1))[1:]):
+                assert direct.read_into(f"u{size}", buf) == size
+                assert bytes(buf[:size]) == data, size
+            with open(f"u{size}", "rb") as f:
+                assert f.read() == data
+        s = direct.stats()
+        assert direct.route(".") == ("ring" if ring else "mount")
+        assert s["direct_reads"] == s["direct_writes"] == 0, s
+        kind = "ring" if ring else "fallback"
+        assert s[f"{kind}_writes"] == len(sizes) and s[f"{kind}_reads"] == 2 * len(sizes), s
+
+    _in_child(unprivileged_user, kvfs_mount.path, user)
+    for size in sizes:
+        assert (kvfs_mount.path / f"u{size}").read_bytes() == pattern(("user", size), size)
+    if ring:
+        c = _ring_counters(kvfs_mount)
+        assert c["writes"] == len(sizes) and c["reads"] == 2 * len(sizes), c
+        assert c["refused"] == 0 and c["checksum_failures"] == 0, c
+    else:
+        assert _stats(kvfs_mount)["ring"] == {}
+    kvfs_mount.remount()
+    for size in sizes:
+        assert (kvfs_mount.path / f"u{size}").read_bytes() == pattern(("user", size), size)
+
+
+def _open_map(path: Path, flags: int = os.O_RDONLY) -> tuple[int, dict[str, object]]:
+    fd = os.open(path, flags | os.O_CLOEXEC)
+    return fd, json.loads(os.getxattr(fd, direct.MAP))
+
+
+def _submit(ring: client.Ring, op: int, ticket: bytes, buf: client.SharedBuffer, **kw: int) -> int:
+    """A request's errno (0: done)."""
+    fut = ring.submit([(op, ticket, buf, kw.get("offset", 0), kw.get("length", len(buf)))])[0]
+    try:
+        fut.result(timeout=60)
+        return 0
+    except OSError as e:
+        return e.errno or -1
+
+
+def test_forged_requests_fail_before_any_io(kvfs_mount: KvfsMount) -> None:
+    """Only a live ticket of the caller's own open moves bytes, and only within its
+    registered memory: a guessed ticket, a read ticket used to write, a region that
+    is too small or misaligned, or a ticket whose file was closed all fail (EBADF,
+    EINVAL) and leave the file and the buffer as they were."""
+    p = kvfs_mount.path / "f"
+    data = pattern("f", 3 * MiB)
+    p.write_bytes(data)
+    fd, info = _open_map(p)
+    ticket = bytes.fromhex(str(info["ticket"]))
+    ring = client.connect(str(info["ring"]))
+    assert ring is not None
+    buf = client.shared(4 * MiB)
+    buf[:] = b"\xaa" * len(buf)
+    assert _submit(ring, wire.OP_READ, secrets.token_bytes(16), buf) == errno.EBADF
+    assert _submit(ring, wire.OP_WRITE, ticket, buf) == errno.EBADF  # a read ticket
+    assert _submit(ring, wire.OP_READ, ticket, buf, offset=512) == errno.EINVAL
+    assert _submit(ring, wire.OP_READ, ticket, buf, length=MiB) == errno.EINVAL
+    small = client.shared(MiB)
+    assert _submit(ring, wire.OP_READ, ticket, small) == errno.EINVAL
+    assert buf[:] == b"\xaa" * len(buf)
+    assert _submit(ring, wire.OP_READ, ticket, buf) == 0  # the real thing works
+    assert buf[: len(data)] == data
+    os.close(fd)
+    wait_for(lambda: _stats(kvfs_mount)["tickets"] == 0, what="the ticket to die")
+    assert _submit(ring, wire.OP_READ, ticket, buf) == errno.EBADF  # closed: dead
+    # a write-only open gets no read ticket
+    wfd, winfo = _open_map(p, os.O_WRONLY)
+    assert "ticket" not in winfo and winfo["ring"] == info["ring"]
+    os.close(wfd)
+    assert p.read_bytes() == data
+    assert _ring_counters(kvfs_mount)["refused"] == 6
+
+
+def test_another_users_ticket_is_not_theirs(
+    kvfs_mount: KvfsMount, unprivileged_user: pwd.struct_passwd
+) -> None:
+    """A ticket leaked to another user (here: handed over) moves nothing for them."""
+    p = kvfs_mount.path / "secret"
+    p.write_bytes(pattern("secret", MiB))
+    os.chmod(kvfs_mount.path, 0o777)
+    fd, info = _open_map(p)
+    ticket, sock = str(info["ticket"]), str(info["ring"])
+
+    def thief() -> None:
+        ring = client.connect(sock)
+        assert ring is not None
+        buf = client.shared(MiB)
+        assert _submit(ring, wire.OP_READ, bytes.fromhex(ticket), buf) == errno.EBADF
+        assert buf[:] == bytes(MiB)
+
+    try:
+        _in_child(unprivileged_user, kvfs_mount.path, thief)
+    finally:
+        os.close(fd)
+
+
+def test_an_ordinary_user_cannot_commit_checksums_of_its_choosing(
+    kvfs_mount: KvfsMount, unprivileged_user: pwd.struct_passwd
+) -> None:
+    """A reservation committed with the client's checksums and no ring write (what
+    only a process that wrote the devices itself may do) is refused for a user who
+    cannot write them: the file is dropped, never left mapping stale units."""
+    os.chmod(kvfs_mount.path, 0o777)
+    free = kvfs_mount.stats()["store"]["free_bytes"]
+
+    def user() -> None:
+        fd = os.open("forged", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        plan = json.loads(os.getxattr(fd, direct.RESERVE + f"{2 * MiB}.n1"))
+        sums = [1] * -(-2 * MiB // int(plan["unit"]))
+        commit = json.dumps({"nonce": "n1", "csums": sums}).encode()
+        assert errno_of(os.setxattr, fd, direct.COMMIT, commit) == errno.EINVAL
+        try:
+            os.close(fd)
+        except OSError as e:  # the flush of a failed file says so
+            assert e.errno == errno.EIO
+
+    _in_child(unprivileged_user, kvfs_mount.path, user)
+    wait_for(lambda: not (kvfs_mount.path / "forged").exists(), what="the file dropped")
+    wait_for(lambda: kvfs_mount.stats()["store"]["free_bytes"] == free, what="room back")
+    kvfs_mount.expect_errors += ["could not be committed", "flush: .*checksums from a user"]
+
+
+_RING_CLIENT = """
+import os, random, sys
+sys.path.insert(0, sys.argv[3])
+import kvfs.client.direct as d
+from tests.conftest import pattern
+root, seed, uid = sys.argv[1], int(sys.argv[2]), int(sys.argv[4])
+os.chdir(root)  # as root: the user could not walk the test's directories
+if uid:
+    os.setgroups([]); os.setgid(uid); os.setuid(uid)
+rng = random.Random(seed)
+buf = d.aligned(17 << 20)
+print("ready", flush=True)
+i = 0
+while True:
+    i += 1
+    name = f"c{seed}-{i % 7}"
+    size = rng.choice([3 * (1 << 20) + 5, 8 << 20, 17 << 20])
+    if rng.random() < 0.5:
+        d.write_from(name, pattern(name, size))
+    else:
+        try:
+            n = d.read_into(name, buf)
+        except FileNotFoundError:
+            continue
+        assert bytes(buf[:n]) == pattern(name, n), name
+"""
+
+
+def test_clients_killed_mid_request_leave_nothing_reserved_or_half_committed(
+    kvfs_mount: KvfsMount, unprivileged_user: pwd.struct_passwd
+) -> None:
+    """Ordinary users' clients writing and reading through the ring are killed (-9)
+    at random moments, many times: every file then listed reads whole and exact
+    (through FUSE and the ring; empty if killed before its reservation), no
+    reservation and no ticket is left, and the free space is what the listed files
+    leave; after a remount, the same."""
+    os.chmod(kvfs_mount.path, 0o777)
+    free0 = kvfs_mount.stats()["store"]["free_bytes"]
+    rng = random.Random(29)
+    kills = 0
+    for rnd in range(12):
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    _RING_CLIENT,
+                    str(kvfs_mount.path),
+                    str(rnd * 10 + k),
+                    str(REPO),
+                    str(unprivileged_user.pw_uid),
+                ],
+                stdout=subprocess.PIPE,
+                cwd=REPO,
+            )
+            for k in range(2)
+        ]
+        for proc in procs:
+            assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
+        time.sleep(rng.uniform(0.05, 1.5))
+        for proc in procs:
+            assert proc.poll() is None, "a client failed (a wrong byte?) before its kill"
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            assert proc.stdout is not None
+            proc.stdout.close()
+            kills += 1
+    assert _ring_counters(kvfs_mount)["writes"] > 0
+
+    def settled() -> bool:
+        s = _stats(kvfs_mount)
+        return s["tickets"] == 0 and s["leased_files"] == 0
+
+    wait_for(settled, what="every ticket and lease gone with its client")
+
+    def check() -> int:
+        used = 0
+        for f in sorted(kvfs_mount.path.iterdir()):
+            data = f.read_bytes()
+            assert data == pattern(f.name, len(data)), f
+            # 0: killed between its create and its reservation (an empty file, as a
+            # writer killed right after open(O_CREAT) leaves on ext4): never a prefix
+            assert len(data) in (0, 3 * MiB + 5, 8 * MiB, 17 * MiB), (f, len(data))
+            buf = direct.aligned(len(data))
+            assert direct.read_into(f, buf) == len(data) and buf[: len(data)] == data
+            used += len(data)
+        return used
+
+    used = check()
+    assert used > 0
+    unit = int(kvfs_mount.stats()["store"]["unit_size"])
+    nfiles = len(list(kvfs_mount.path.iterdir()))
+
+    def only_the_files() -> bool:
+        """What the files hold, rounded up to a unit per file: nothing else reserved."""
+        store = kvfs_mount.stats()["store"]
+        free = store["free_bytes"] + store["pending_free_bytes"]
+        return bool(free0 - used - nfiles * unit <= free <= free0 - used)
+
+    wait_for(only_the_files, what="the room of every killed request back")
+    kvfs_mount.expect_errors += ["could not be committed", "abandoned", "killed"]
+    kvfs_mount.remount()
+    assert check() == used
+    assert kills == 24

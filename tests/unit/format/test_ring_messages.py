@@ -1,0 +1,40 @@
+"""The aware ring's messages (:mod:`kvfs.format.ring`): what goes in comes out, and a
+malformed message is refused rather than misread."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvfs.format import ring as wire
+
+
+def test_a_batch_round_trips() -> None:
+    reqs = [
+        wire.Request(wire.OP_READ, 3, 1 << 40, bytes(range(16)), 4096, 32 << 20),
+        wire.Request(wire.OP_WRITE, 7, 2, b"\xff" * 16, 0, 1),
+    ]
+    msg = wire.submit(reqs)
+    assert wire.kind(msg) == (wire.MSG_SUBMIT, wire.RING_VERSION, 2)
+    assert wire.requests_of(msg) == reqs
+    done = [wire.Done(1 << 40, 0, 32 << 20), wire.Done(2, 5, 0)]
+    assert wire.done_of(wire.done(done)) == done
+    assert wire.region_of(wire.register(9, 1 << 30)) == (9, 1 << 30)
+    assert wire.region_of(wire.unregister(9)) == (9, 0)
+
+
+def test_malformed_messages_are_refused() -> None:
+    msg = wire.submit([wire.Request(wire.OP_READ, 1, 1, bytes(16), 0, 1)])
+    with pytest.raises(ValueError):
+        wire.requests_of(msg[:-1])  # truncated
+    with pytest.raises(ValueError):
+        wire.requests_of(msg + b"x")  # trailing bytes
+    with pytest.raises(ValueError):
+        wire.kind(b"abc")
+    with pytest.raises(ValueError):
+        wire.region_of(wire.register(1, 2) + b"\0")
+    with pytest.raises(ValueError):
+        wire.submit([wire.Request(wire.OP_READ, 1, 1, bytes(15), 0, 1)])  # short ticket
+    with pytest.raises(ValueError):
+        wire.submit([])
+    with pytest.raises(ValueError):
+        wire.done_of(wire.done([wire.Done(1, 0, 0)])[:-3])
