@@ -40,6 +40,7 @@ TOP_LEVEL = {
     "kvfs.direct": {"client"},  # public names engine configurations use
     "kvfs.lmcache_plugin": {"client"},
     "kvfs.sglang_storage": {"client"},
+    "kvfs.vllm_tier": {"client"},
 }
 
 
