@@ -37,6 +37,7 @@ import os
 import secrets
 import sys
 import threading
+import time
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
@@ -366,20 +367,15 @@ def write_from(path: str | os.PathLike[str], buf: Any, mode: int = 0o644) -> int
     view = _bytes_view(buf)
     size = len(view)
     parent = os.path.dirname(os.fspath(path)) or "."
-    info: dict[str, Any] | None = None
-    if size:
-        try:
-            dfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            try:
-                info = json.loads(os.getxattr(dfd, MAP))
-            finally:
-                os.close(dfd)
-        except OSError as e:
-            if e.errno not in _NO_MAP:
-                raise
-    fds = _devices(info, write=True) if info is not None else None
-    # the ring only once it is reachable: after the reservation a failure fails the file
-    rng = _ring(info) if fds is None else None
+    fds: list[int] | None = None
+    rng: ring.Ring | None = None
+    for fresh in (False, True) if size else ():
+        info = _directory_map(parent, fresh)
+        fds = _devices(info, write=True) if info is not None else None
+        # the ring only once it is reachable: after the reservation a failure fails the file
+        rng = _ring(info) if fds is None else None
+        if fds is not None or rng is not None or info is None or not info.get("ring"):
+            break  # else a remembered ring is gone (a remount): ask the mount again
     # the mount binds a reservation to the handle this thread opened: one file's
     # create, reserve and commit stay on one thread
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
@@ -389,6 +385,17 @@ def write_from(path: str | os.PathLike[str], buf: Any, mode: int = 0o644) -> int
         else:
             nonce = secrets.token_hex(8)
             plan = json.loads(os.getxattr(fd, f"{RESERVE}{size}.{nonce}"))
+            assert info is not None  # a route was found in it
+            if plan.get("devices") != info.get("devices") or plan.get("ring") != info.get("ring"):
+                _DIRECTORIES.pop(parent, None)  # remounted meanwhile: ask again next time
+                if fds is not None:
+                    fds = _devices(plan, write=True)
+                    if fds is None:
+                        raise OSError(errno.ESTALE, "the mount's members changed")
+                else:
+                    rng = _ring(plan)
+                    if rng is None:
+                        raise OSError(errno.ESTALE, "the mount's ring changed")
             if fds is not None:
                 sums = [0] * -(-plan["size"] // plan["unit"])
                 results = _wait(_submit_runs(plan, fds, view, sums))
@@ -414,6 +421,36 @@ def write_from(path: str | os.PathLike[str], buf: Any, mode: int = 0o644) -> int
         raise
     os.close(fd)
     return n
+
+
+_DIRECTORIES: dict[str, tuple[float, dict[str, Any] | None]] = {}
+DIRECTORY_TTL = 5.0
+"""Seconds a directory's map (its mount's members and ring) is reused by this
+process: a write then costs no directory open and getxattr. A reservation names the
+members and ring again; a change (a remount) is followed, never trusted stale."""
+
+
+def _directory_map(parent: str, fresh: bool = False) -> dict[str, Any] | None:
+    """The map of directory ``parent`` (members, ring), None where it has none;
+    ``fresh``: asked of the mount now, not remembered."""
+    now = time.monotonic()
+    hit = _DIRECTORIES.get(parent)
+    if hit is not None and now - hit[0] < DIRECTORY_TTL and not fresh:
+        return hit[1]
+    info: dict[str, Any] | None = None
+    try:
+        dfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            info = json.loads(os.getxattr(dfd, MAP))
+        finally:
+            os.close(dfd)
+    except OSError as e:
+        if e.errno not in _NO_MAP:
+            raise
+    if len(_DIRECTORIES) > 4096:
+        _DIRECTORIES.clear()
+    _DIRECTORIES[parent] = (now, info)
+    return info
 
 
 def write_many(items: Iterable[tuple[str | os.PathLike[str], Any]], mode: int = 0o644) -> list[int]:
