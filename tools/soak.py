@@ -37,6 +37,16 @@ close or fsync returned; a rename or unlink once a later close of this writer
 returned). After every remount each name must hold an outcome allowed from its last
 durable change on (``pool`` may also have lost it to eviction), never other bytes.
 
+The aware ring (``docs/design.md``, "The aware ring") is in it twice: the odd-numbered
+writers and readers take their ``direct-*`` operations through the daemon's ring
+(``KVFS_DIRECT_ROUTE=ring``: what a process that may not open the devices gets), and
+``--ring-clients`` processes store and read their own names in a third directory,
+``ring``, through the ring only, while the controller kills one of them with SIGKILL
+every few seconds (mid-request, whatever it was doing) and starts another. Each of
+their reads must be exact; at every recovery check (the ring clients stopped) each
+``ring`` file must be whole and exact or empty (killed between its create and its
+reservation), and at the end no ticket or lease may be left.
+
 Failures (wrong, short, stale or zero-filled reads, lost durable files, unexpected
 errors, an operation past its deadline, a daemon that died by itself, fsck not
 clean) are printed as they happen and summarised at the end; the exit code is 1 if
@@ -76,7 +86,45 @@ from kvfs.testing import harness  # noqa: E402
 
 MiB = 1 << 20
 BLOCK = 4096
-POOL, DURABLE = "pool", "durable"
+POOL, DURABLE, RING = "pool", "durable", "ring"
+RING_SIZES = (MiB + 3, 4 * MiB, 9 * MiB - 5)
+RING_NAMES = 6
+"""Names per ring client (``ring/r<client>-<k>``), each of one of RING_SIZES."""
+
+
+def ring_content(name: str, size: int) -> bytes:
+    return random.Random(f"{name}:{size}").randbytes(size)
+
+
+def ring_client_main(argv: list[str]) -> int:
+    """A ring client: stores and reads its names through the daemon's ring, forever
+    (until killed); exit 3 at a wrong byte."""
+    os.environ["KVFS_DIRECT_ROUTE"] = "ring"
+    import kvfs.client.direct as direct
+
+    mnt, index, seed = argv[0], int(argv[1]), int(argv[2])
+    rng = random.Random(seed)
+    buf = direct.aligned(max(RING_SIZES))
+    sources: dict[tuple[str, int], Any] = {}
+    while True:
+        name = f"r{index}-{rng.randrange(RING_NAMES)}"
+        path = os.path.join(mnt, RING, name)
+        try:
+            if rng.random() < 0.5:
+                size = rng.choice(RING_SIZES)
+                if (name, size) not in sources:
+                    src = direct.aligned(size)
+                    src[:size] = ring_content(name, size)
+                    sources[name, size] = src
+                direct.write_from(path, memoryview(sources[name, size])[:size])
+            else:
+                n = direct.read_into(path, buf)
+                if n and (n not in RING_SIZES or buf[:n] != ring_content(name, n)):
+                    print(f"WRONG BYTES: {name}: {n} bytes", file=sys.stderr, flush=True)
+                    return 3
+        except (OSError, ValueError):
+            time.sleep(0.05)  # evicted, the daemon killed and back: try again
+
 
 # ====================================================================== content
 MAGIC = b"KVSOAK\x00\x01"
@@ -947,6 +995,8 @@ class Totals:
     evicted_or_absent: int = 0
     tmp_removed: int = 0
     evictions: Counter[str] = field(default_factory=Counter)
+    ring_kills: int = 0
+    ring_files_checked: int = 0
     fsck: str = ""
     failures: list[dict[str, Any]] = field(default_factory=list)
 
@@ -1081,6 +1131,7 @@ class Soak:
         pool, durable = self.mnt / POOL, self.mnt / DURABLE
         pool.mkdir()
         durable.mkdir()
+        (self.mnt / RING).mkdir()
         os.setxattr(pool, "user.kvfs.policy", b"kvfs-managed")
         os.setxattr(pool, "user.kvfs.quota", str(self.args.pool_quota).encode())
         os.setxattr(durable, "user.kvfs.policy", b"engine-managed")
@@ -1096,11 +1147,62 @@ class Soak:
         cfg_path.write_text(json.dumps(asdict(self.cfg)))
         for role, n in (("writer", self.cfg.writers), ("reader", self.cfg.readers)):
             for i in range(n):
+                env = dict(os.environ)
+                if i % 2:  # its direct-* operations through the daemon's ring
+                    env["KVFS_DIRECT_ROUTE"] = "ring"
                 self.procs.append(
                     subprocess.Popen(
-                        [sys.executable, __file__, "worker", role, str(i), str(cfg_path)]
+                        [sys.executable, __file__, "worker", role, str(i), str(cfg_path)], env=env
                     )
                 )
+        self.ring_procs = [self._ring_client(i) for i in range(self.args.ring_clients)]
+
+    def _ring_client(self, index: int) -> subprocess.Popen[bytes]:
+        seed = self.rng.randrange(1 << 30)
+        cmd = [sys.executable, __file__, "ringclient", str(self.mnt), str(index), str(seed)]
+        return subprocess.Popen(cmd)
+
+    ring_procs: list[subprocess.Popen[bytes]] = []
+
+    def kill_a_ring_client(self) -> None:
+        """SIGKILL one ring client, mid-request or not, and start another in its place."""
+        if not self.ring_procs:
+            return
+        i = self.rng.randrange(len(self.ring_procs))
+        self.check_ring_clients()
+        self.ring_procs[i].kill()
+        self.ring_procs[i].wait()
+        self.totals.ring_kills += 1
+        self.ring_procs[i] = self._ring_client(i)
+
+    def check_ring_clients(self) -> None:
+        for i, p in enumerate(self.ring_procs):
+            if p.poll() is not None:
+                kind = "ring-wrong-bytes" if p.returncode == 3 else "ring-client-died"
+                self.fail(kind, RING, f"ring client {i} exited {p.returncode} by itself")
+                self.ring_procs[i] = self._ring_client(i)
+
+    def check_ring_files(self, when: str) -> None:
+        """The ring clients stopped (SIGSTOP): every ring file whole and exact, or empty
+        (its client was killed between its create and its reservation)."""
+        for p in self.ring_procs:
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(signal.SIGSTOP)
+        try:
+            for entry in os.listdir(self.mnt / RING):
+                data = self._read_all(str(self.mnt / RING / entry))
+                self.totals.ring_files_checked += 1
+                if isinstance(data, int):
+                    if data not in MISS:  # evicted meanwhile: a miss is allowed
+                        self.fail("ring-read", f"{RING}/{entry}", f"{when}: errno {data}")
+                elif data and (
+                    len(data) not in RING_SIZES or data != ring_content(entry, len(data))
+                ):
+                    self.fail("ring-wrong-bytes", f"{RING}/{entry}", f"{when}: {len(data)} bytes")
+        finally:
+            for p in self.ring_procs:
+                with contextlib.suppress(ProcessLookupError):
+                    p.send_signal(signal.SIGCONT)
 
     def watchdog(self) -> None:
         """A thread: an operation of any process past its deadline is a hang (then
@@ -1185,6 +1287,7 @@ class Soak:
                     self.fail("phantom", f"{d}/{entry}", f"{when}: a name no writer made")
         for name in range(cfg.names()):
             self._reconcile_name(name, when, live)
+        self.check_ring_files(when)
         for d in (POOL, DURABLE):
             fd = os.open(self.mnt / d, os.O_RDONLY | os.O_DIRECTORY)
             os.fsync(fd)  # the cleanup (unlinks) is the base of the next check
@@ -1293,6 +1396,7 @@ class Soak:
             threading.Thread(target=self.watchdog, daemon=True).start()
             end = time.monotonic() + args.seconds
             kill_at = self.next_kill() if args.kill_interval[1] > 0 else float("inf")
+            ring_kill_at = time.monotonic() + self.rng.uniform(1, 4)
             last_stats = 0.0
             try:
                 while time.monotonic() < end:
@@ -1306,6 +1410,9 @@ class Soak:
                     if time.monotonic() - last_stats > 2:
                         last_stats = time.monotonic()
                         self._timed(self.poll_stats, "stats", -1)
+                    if time.monotonic() >= ring_kill_at:
+                        self.kill_a_ring_client()
+                        ring_kill_at = time.monotonic() + self.rng.uniform(1, 4)
                     if time.monotonic() >= kill_at and end - time.monotonic() > 10:
                         self.kill_cycle()
                         kill_at = self.next_kill()
@@ -1315,7 +1422,7 @@ class Soak:
                 self.finish()
             finally:
                 self.aborted = True
-                for p in self.procs:
+                for p in [*self.procs, *self.ring_procs]:
                     if p.poll() is None:
                         p.kill()
                         p.wait()
@@ -1344,7 +1451,22 @@ class Soak:
             except subprocess.TimeoutExpired:
                 self.fail("hang", "", f"a worker did not stop within {self.cfg.deadline:.0f} s")
         self.collect_failures()
+        self.check_ring_clients()
+        for p in self.ring_procs:  # the last kills: then nothing of theirs may be left
+            p.kill()
+            p.wait()
+            self.totals.ring_kills += 1
         self.reconcile("at the end", live=True)
+        left: dict[str, Any] = {}
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            stats = json.loads(os.getxattr(self.mnt, "user.kvfs.stats"))
+            left = {k: stats["direct"][k] for k in ("tickets", "leased_files")}
+            if not any(left.values()):
+                break
+            time.sleep(0.2)
+        else:
+            self.fail("ring-left", RING, f"after every client was killed: {left}")
         code = self.unmount()
         if code != 0:
             self.fail("unclean-unmount", "", f"kvfs exited {code} on a clean unmount")
@@ -1387,6 +1509,8 @@ class Soak:
             "durable_verified_after_recovery": t.durable_verified,
             "absent_after_recovery": t.evicted_or_absent,
             "tmp_files_removed": t.tmp_removed,
+            "ring_client_kills": t.ring_kills,
+            "ring_files_checked": t.ring_files_checked,
             "bytes_written": counts.pop("bytes_written", 0),
             "bytes_verified": counts.pop("bytes_verified", 0),
             "evictions": dict(t.evictions),
@@ -1418,6 +1542,10 @@ class Soak:
             f"{s['bytes_verified'] / MiB:.0f} MiB; evictions {s['evictions']}"
         )
         print("  ops: " + ", ".join(f"{k} {n}" for k, n in sorted(by_kind.items())))
+        print(
+            f"  ring: {s['ring_client_kills']} ring clients killed (-9), "
+            f"{s['ring_files_checked']} ring files checked"
+        )
         for key, n in sorted(ops.items()):
             print(f"    {key}: {n}")
         print(f"  fsck: {s['fsck']}; kvfs log ERROR lines: {s['kvfs_log_errors']}")
@@ -1466,6 +1594,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--durable-max", type=size, default=3 * MiB, help="largest in durable")
     p.add_argument("--deadline", type=float, default=60.0, help="per operation, s")
     p.add_argument("--max-failures", type=int, default=200, help="stop early after these")
+    p.add_argument(
+        "--ring-clients", type=int, default=2, help="ring-only clients, killed at random (0: none)"
+    )
     args = p.parse_args(argv)
     if args.seconds is None:
         args.seconds = args.minutes * 60
@@ -1482,6 +1613,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["worker"]:
         return worker_main(argv[1:])
+    if argv[:1] == ["ringclient"]:
+        return ring_client_main(argv[1:])
     args = parse_args(argv)
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p

@@ -1,6 +1,7 @@
 """The soak (``tools/soak.py``), short: about 75 s of the engines' write patterns, verified
 readers, deletes and quota eviction on a small pool, two kill -9 of the daemon with a
-remount and the durable ledger checked after each, then a clean unmount and fsck.
+remount and the durable ledger checked after each, then a clean unmount and fsck; ring
+clients (the daemon moving their bytes) killed every few seconds beside it.
 
 Any wrong, short, stale or zero-filled read, lost durable file, unexpected error or
 hang fails it (the soak's exit code). Runs under its own subprocess so that a hang
@@ -57,3 +58,8 @@ def test_short_soak_finds_no_wrong_byte(tmp_path: Path) -> None:
     racing = sum(n for k, n in s["ops"].items() if ":racing:" in k and k.endswith("whole"))
     stable = sum(n for k, n in s["ops"].items() if k.endswith(":stable:exact"))
     assert racing > 0 and stable > 0, report
+    # the aware ring: its clients killed mid-request, their files checked, the odd
+    # workers' direct operations through it
+    assert s["ring_client_kills"] >= 10 and s["ring_files_checked"] > 0, report
+    ring_ops = sum(n for k, n in s["ops"].items() if k.startswith("direct-"))
+    assert ring_ops > 0, report
