@@ -113,7 +113,7 @@ def one_run(root: Path, variant: str, chunks: int, cold: Any) -> dict[str, Any]:
         "--dir",
         str(root),
         "--backend",
-        "plugin" if mode == "plugin" else "local_disk",
+        "plugin" if mode in ("plugin", "ring") else "local_disk",
         "--chunks",
         "2",
         "--requests",
@@ -128,6 +128,8 @@ def one_run(root: Path, variant: str, chunks: int, cold: Any) -> dict[str, Any]:
         cmd.append("--odirect")
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     env.pop("PYTHONPATH", None)
+    if mode == "ring":  # the plugin as a process that may not open the devices gets it
+        env["KVFS_DIRECT_ROUTE"] = "ring"
     with tempfile.TemporaryFile() as err:  # the driver's stderr: shown if it fails
         p = subprocess.Popen(
             cmd,
@@ -223,6 +225,24 @@ RATIOS = {
         "odirect/ext4/local_disk",
         "store_durable_MBps",
     ),
+    "ring plugin/ext4 odirect retrieve": (
+        "ring/kvfs/plugin",
+        "retrieve_MBps",
+        "odirect/ext4/local_disk",
+        "retrieve_MBps",
+    ),
+    "ring plugin/ext4 buffered retrieve": (
+        "ring/kvfs/plugin",
+        "retrieve_MBps",
+        "buffered/ext4/local_disk",
+        "retrieve_MBps",
+    ),
+    "ring plugin/ext4 odirect durable store": (
+        "ring/kvfs/plugin",
+        "store_MBps",
+        "odirect/ext4/local_disk",
+        "store_durable_MBps",
+    ),
     "plugin/ext4 odirect store": (
         "plugin/kvfs/plugin",
         "store_MBps",
@@ -259,13 +279,16 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=16, help="32 MiB chunks per run")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--image", type=int, default=2 << 30)
-    ap.add_argument("--modes", default="buffered,odirect,plugin")
+    ap.add_argument("--modes", default="buffered,odirect,plugin,ring")
     ap.add_argument("--work", type=Path, default=None)
     a = ap.parse_args()
     modes = a.modes.split(",")
-    variants = [f"{m}/{fs}/local_disk" for m in modes if m != "plugin" for fs in ("ext4", "kvfs")]
+    disk_modes = [m for m in modes if m not in ("plugin", "ring")]
+    variants = [f"{m}/{fs}/local_disk" for m in disk_modes for fs in ("ext4", "kvfs")]
     if "plugin" in modes:
         variants.append("plugin/kvfs/plugin")
+    if "ring" in modes:  # the plugin through the daemon's ring (KVFS_DIRECT_ROUTE=ring)
+        variants.append("ring/kvfs/plugin")
     t_start = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="kvfs-lmcache-bench-", dir=a.work))
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
