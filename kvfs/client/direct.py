@@ -297,15 +297,21 @@ def _ring_move(r: ring.Ring, op: int, info: dict[str, Any], view: memoryview) ->
     ticket = bytes.fromhex(info["ticket"])
     where = ring.locate(addr, size) if (addr := ring.address(view)) is not None else None
     if where is not None and where[1] % ALIGN == 0:
-        r.submit([(op, ticket, where[0], where[1], size)])[0].result()
+        _done(r.run([(op, ticket, where[0], where[1], size)])[0])
         return
     stage = ring.staging(size)
     if op == wire.OP_WRITE:
         stage[:size] = view[:size]
-    r.submit([(op, ticket, stage, 0, size)])[0].result()
+    _done(r.run([(op, ticket, stage, 0, size)])[0])
     if op == wire.OP_READ:
         view[:size] = stage[:size]
     _count(bounced_bytes=size)
+
+
+def _done(result: int | OSError) -> int:
+    if isinstance(result, OSError):
+        raise result
+    return result
 
 
 def read_many(items: Iterable[tuple[str | os.PathLike[str], Any]]) -> list[int]:

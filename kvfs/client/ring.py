@@ -9,8 +9,8 @@ and a ticket comes only with the caller's own open of the file on the mount.
   (it can neither shrink nor grow, so the daemon never touches a page that vanished).
   Buffers from it move with no copy in this process; any other buffer is bounced
   through a per-thread shared staging buffer (one memcpy).
-- :class:`Ring` is one connection per process (per daemon), shared by its threads:
-  requests carry tags, a receiver thread completes each request's Future.
+- :class:`Ring` is one connection per thread (per daemon): a thread's requests are
+  synchronous, their completions read by the thread that sent them.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import os
 import socket
 import threading
 import weakref
-from concurrent.futures import Future
 from typing import Any
 
 from kvfs.devices.device import ALIGN
@@ -48,7 +47,8 @@ _ids = itertools.count(1)
 _lock = threading.Lock()
 _buffers: dict[int, weakref.ref[SharedBuffer]] = {}  # by address
 _starts: list[int] = []  # sorted addresses of _buffers
-_rings: dict[str, Ring] = {}
+_all_rings: weakref.WeakSet[Ring] = weakref.WeakSet()
+"""Every thread's rings (a freed buffer is unregistered from each)."""
 _local = threading.local()
 
 
@@ -58,7 +58,7 @@ def _forget(address: int, region: int, memfd: int) -> None:
         i = bisect.bisect_left(_starts, address)
         if i < len(_starts) and _starts[i] == address:
             _starts.pop(i)
-        rings = list(_rings.values())
+        rings = list(_all_rings)
     for r in rings:
         r.unregister(region)
     os.close(memfd)
@@ -107,7 +107,9 @@ def staging(nbytes: int) -> SharedBuffer:
 
 
 class Ring:
-    """One connection to a mount's daemon."""
+    """One thread's connection to a mount's daemon: its requests are synchronous
+    (sent, then their completions read by the same thread: no hand-off to a
+    receiver thread). Threads of a process each have their own (:func:`connect`)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -115,40 +117,13 @@ class Ring:
         self._sock.settimeout(5)
         self._sock.connect(path)
         self._sock.settimeout(None)
-        self._send = threading.Lock()
-        self._state = threading.Lock()
+        # this thread's requests, a finalizer's unregister (which may run in this
+        # very thread, at a collection while it sends: reentrant)
+        self._send = threading.RLock()
         self._tags = itertools.count(1)
-        self._pending: dict[int, Future[int]] = {}
         self._registered: set[int] = set()
         self.broken: OSError | None = None
         self._sock.sendall(wire.hello())
-        threading.Thread(target=self._receive, name="kvfs-ring", daemon=True).start()
-
-    def _fail_all(self, error: OSError) -> None:
-        with self._state:
-            self.broken = error
-            pending, self._pending = self._pending, {}
-        for fut in pending.values():
-            fut.set_exception(error)
-
-    def _receive(self) -> None:
-        try:
-            while True:
-                msg = self._sock.recv(wire.MAX_MESSAGE)
-                if not msg:
-                    raise ConnectionResetError(errno.EPIPE, "the daemon closed the ring")
-                for d in wire.done_of(msg):
-                    with self._state:
-                        fut = self._pending.pop(d.tag, None)
-                    if fut is None:
-                        continue
-                    if d.error:
-                        fut.set_exception(OSError(d.error, os.strerror(d.error)))
-                    else:
-                        fut.set_result(d.nbytes)
-        except (OSError, ValueError) as e:
-            err = e if isinstance(e, OSError) else OSError(errno.EPROTO, str(e))
-            self._fail_all(err)
 
     def _register(self, buf: SharedBuffer) -> None:
         """Tell the daemon of ``buf`` (once): the memfd travels with SCM_RIGHTS."""
@@ -170,48 +145,65 @@ class Ring:
             with contextlib.suppress(OSError):
                 self._sock.sendall(wire.unregister(region))
 
-    def submit(self, items: list[tuple[int, bytes, SharedBuffer, int, int]]) -> list[Future[int]]:
-        """Start requests ``(op, ticket, buffer, offset, length)`` in one batch; each
-        Future gives the bytes moved or raises the request's OSError."""
-        futs: list[Future[int]] = []
-        reqs = []
-        for op, ticket, buf, offset, length in items:
-            self._register(buf)
-            tag = next(self._tags)
-            fut: Future[int] = Future()
-            with self._state:
-                if self.broken is not None:
-                    raise self.broken
-                self._pending[tag] = fut
-            futs.append(fut)
-            reqs.append(wire.Request(op, buf.region, tag, ticket, offset, length))
-        for i in range(0, len(reqs), wire.MAX_BATCH):
-            with self._send:
-                self._sock.sendall(wire.submit(reqs[i : i + wire.MAX_BATCH]))
-        return futs
+    def run(self, items: list[tuple[int, bytes, SharedBuffer, int, int]]) -> list[int | OSError]:
+        """Requests ``(op, ticket, buffer, offset, length)`` in one batch, all done when
+        it returns: per request the bytes moved, or the OSError it failed with. A
+        broken connection raises (EPIPE) and stays broken."""
+        if self.broken is not None:
+            raise self.broken
+        try:
+            tags = {}
+            reqs = []
+            for i, (op, ticket, buf, offset, length) in enumerate(items):
+                self._register(buf)
+                tag = next(self._tags)
+                tags[tag] = i
+                reqs.append(wire.Request(op, buf.region, tag, ticket, offset, length))
+            for i in range(0, len(reqs), wire.MAX_BATCH):
+                with self._send:
+                    self._sock.sendall(wire.submit(reqs[i : i + wire.MAX_BATCH]))
+            out: list[int | OSError | None] = [None] * len(items)
+            left = len(items)
+            while left:
+                msg = self._sock.recv(wire.MAX_MESSAGE)
+                if not msg:
+                    raise ConnectionResetError(errno.EPIPE, "the daemon closed the ring")
+                for d in wire.done_of(msg):
+                    i = tags.pop(d.tag, -1)
+                    if i < 0:
+                        continue
+                    out[i] = OSError(d.error, os.strerror(d.error)) if d.error else d.nbytes
+                    left -= 1
+        except (OSError, ValueError) as e:
+            self.broken = e if isinstance(e, OSError) else OSError(errno.EPROTO, str(e))
+            with contextlib.suppress(OSError):
+                self._sock.close()
+            raise self.broken from None
+        return [r if r is not None else OSError(errno.EPROTO, "no completion") for r in out]
 
     def close(self) -> None:
-        self._fail_all(OSError(errno.EPIPE, "ring closed"))
+        self.broken = OSError(errno.EPIPE, "ring closed")
         self._sock.close()
+
+    def __del__(self) -> None:  # its thread ended: the daemon forgets the connection
+        with contextlib.suppress(Exception):
+            self._sock.close()
 
 
 def connect(path: str) -> Ring | None:
-    """This process's ring to the daemon listening at ``path`` (made once; made again
+    """This thread's ring to the daemon listening at ``path`` (made once; made again
     after it broke), or None when it cannot be reached."""
-    with _lock:
-        r = _rings.get(path)
+    rings: dict[str, Ring] = _local.__dict__.setdefault("rings", {})
+    r = rings.get(path)
     if r is not None and r.broken is None:
         return r
     try:
         r = Ring(path)
     except OSError:
         return None
+    rings[path] = r
     with _lock:
-        old = _rings.get(path)
-        if old is not None and old.broken is None:
-            r.close()
-            return old
-        _rings[path] = r
+        _all_rings.add(r)
     return r
 
 
@@ -220,7 +212,7 @@ def _forked() -> None:
     starts its own rings (the parent's stay the parent's)."""
     global _lock
     _lock = threading.Lock()
-    _rings.clear()
+    _all_rings.clear()
     _local.__dict__.clear()
 
 
