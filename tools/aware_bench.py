@@ -18,6 +18,9 @@ of ``--size-mib``:
   ``close``; reads ``open(O_DIRECT)``, ``preadv``;
 - **ring**: ``kvfs.direct.write_from`` / ``read_into`` into ``kvfs.direct.aligned``
   memory, **as uid 65534** (it may not open the devices: the daemon's ring);
+- **batch**: the same, in batches of 64 MiB per stream: ``write_many`` and
+  ``read_many`` (on the ring one message of paths per batch: the daemon opens the
+  files), as engines load a request's blocks (vLLM's jobs, SGLang's ``batch_get``);
 - **fuse**: the same user's ``open/write/close`` and reads through the mount.
 
 Reads are cold (``drop_caches``; kvfs remounted). Repetitions interleave the
@@ -53,7 +56,7 @@ def worker(backend: str, target: str, op: str, size: int, streams: int, files: i
     """One timed phase (in its own process); prints MB/s and the client's stats."""
     import kvfs.direct as direct
 
-    if backend in ("ring", "fuse"):
+    if backend in ("ring", "batch", "fuse"):
         os.chdir(target)  # as root: the user may not walk the bench's directories
         os.setgroups([])
         os.setgid(NOBODY)
@@ -64,7 +67,26 @@ def worker(backend: str, target: str, op: str, size: int, streams: int, files: i
     fd = os.open(target, os.O_RDWR | os.O_DIRECT) if backend == "raw" else -1
     errors: list[BaseException] = []
 
+    def batches(i: int) -> None:
+        """``batch``: this stream's files in batches of 64 MiB: ``write_many``, and
+        ``read_many`` (on the ring: one message of paths per batch)."""
+        per = max(1, (64 << 20) // size)
+        bufs = [direct.aligned(size) for _ in range(per)]
+        mine = list(range(i, files, streams))
+        for k in range(0, len(mine), per):
+            names = [os.path.join(target, f"f{j}") for j in mine[k : k + per]]
+            if op == "write":
+                direct.write_many([(name, src) for name in names])
+                continue
+            got = direct.read_many(list(zip(names, bufs, strict=False)))
+            for n, b in zip(got, bufs, strict=False):
+                if n != size or b[-4096:] != src[-4096:]:
+                    raise OSError("short or wrong batch read")
+
     def one(i: int) -> None:
+        if backend == "batch":
+            batches(i)
+            return
         buf = direct.aligned(size)
         for j in range(i, files, streams):
             name = os.path.join(target, f"f{j}")
@@ -144,7 +166,7 @@ def main() -> int:
     p.add_argument("--bytes-mib", type=int, default=1024, help="moved per phase")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--members", type=int, default=1, help="kvfs pool members (1 or 2)")
-    p.add_argument("--backends", default="raw,ext4,ring,fuse")
+    p.add_argument("--backends", default="raw,ext4,ring,batch,fuse")
     p.add_argument("--out")
     args = p.parse_args()
     from kvfs.testing import harness
@@ -238,7 +260,7 @@ def summarize(rows: list[dict], backends: list[str]) -> dict[str, float]:
             for b in backends:
                 if f"{b} {op}" in mine[0]:
                     out[f"{cell} {b} MB/s"] = med([r[f"{b} {op}"]["MBps"] for r in mine])
-            for b in ("ring", "fuse"):
+            for b in ("ring", "batch", "fuse"):
                 if f"{b} {op}" not in mine[0]:
                     continue
                 for ref in ("raw", "ext4"):

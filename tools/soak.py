@@ -105,6 +105,7 @@ def ring_client_main(argv: list[str]) -> int:
     mnt, index, seed = argv[0], int(argv[1]), int(argv[2])
     rng = random.Random(seed)
     buf = direct.aligned(max(RING_SIZES))
+    bufs = [direct.aligned(max(RING_SIZES)) for _ in range(3)]
     sources: dict[tuple[str, int], Any] = {}
     while True:
         name = f"r{index}-{rng.randrange(RING_NAMES)}"
@@ -117,11 +118,23 @@ def ring_client_main(argv: list[str]) -> int:
                     src[:size] = ring_content(name, size)
                     sources[name, size] = src
                 direct.write_from(path, memoryview(sources[name, size])[:size])
-            else:
+            elif rng.random() < 0.5:
                 n = direct.read_into(path, buf)
                 if n and (n not in RING_SIZES or buf[:n] != ring_content(name, n)):
                     print(f"WRONG BYTES: {name}: {n} bytes", file=sys.stderr, flush=True)
                     return 3
+            else:  # a batch by path: the daemon opens them
+                names = [f"r{index}-{k}" for k in rng.sample(range(RING_NAMES), 3)]
+                paths = [os.path.join(mnt, RING, x) for x in names]
+                got = direct.read_batch(zip(paths, bufs, strict=True))
+                for x, b, n in zip(names, bufs, got, strict=True):
+                    if (
+                        isinstance(n, int)
+                        and n
+                        and (n not in RING_SIZES or b[:n] != ring_content(x, n))
+                    ):
+                        print(f"WRONG BYTES: {x}: {n} bytes (batch)", file=sys.stderr, flush=True)
+                        return 3
         except (OSError, ValueError):
             time.sleep(0.05)  # evicted, the daemon killed and back: try again
 

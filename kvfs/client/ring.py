@@ -149,21 +149,49 @@ class Ring:
         """Requests ``(op, ticket, buffer, offset, length)`` in one batch, all done when
         it returns: per request the bytes moved, or the OSError it failed with. A
         broken connection raises (EPIPE) and stays broken."""
+        tags = {}
+        messages = []
+        reqs = []
+        for i, (op, ticket, buf, offset, length) in enumerate(items):
+            tag = next(self._tags)
+            tags[tag] = i
+            reqs.append((buf, wire.Request(op, buf.region, tag, ticket, offset, length)))
+        for i in range(0, len(reqs), wire.MAX_BATCH):
+            batch = reqs[i : i + wire.MAX_BATCH]
+            messages.append(([b for b, _ in batch], wire.submit([r for _, r in batch])))
+        return self._exchange(messages, tags)
+
+    def read_paths(self, items: list[tuple[bytes, SharedBuffer, int, int]]) -> list[int | OSError]:
+        """Whole-file reads named by path (from the filesystem's root) into
+        ``(buffer, offset, length)``: the daemon opens each as this process's user,
+        reads and verifies it; per file the bytes read or the OSError."""
+        tags = {}
+        reqs = []
+        for i, (path, buf, offset, length) in enumerate(items):
+            tag = next(self._tags)
+            tags[tag] = i
+            reqs.append(
+                (buf, wire.PathRequest(wire.OP_READ, buf.region, tag, offset, length, path))
+            )
+        messages = []
+        for i in range(0, len(reqs), wire.MAX_PATH_BATCH):
+            batch = reqs[i : i + wire.MAX_PATH_BATCH]
+            messages.append(([b for b, _ in batch], wire.submit_paths([r for _, r in batch])))
+        return self._exchange(messages, tags)
+
+    def _exchange(
+        self, messages: list[tuple[list[SharedBuffer], bytes]], tags: dict[int, int]
+    ) -> list[int | OSError]:
         if self.broken is not None:
             raise self.broken
+        out: list[int | OSError | None] = [None] * len(tags)
         try:
-            tags = {}
-            reqs = []
-            for i, (op, ticket, buf, offset, length) in enumerate(items):
-                self._register(buf)
-                tag = next(self._tags)
-                tags[tag] = i
-                reqs.append(wire.Request(op, buf.region, tag, ticket, offset, length))
-            for i in range(0, len(reqs), wire.MAX_BATCH):
+            for bufs, message in messages:
+                for buf in bufs:
+                    self._register(buf)
                 with self._send:
-                    self._sock.sendall(wire.submit(reqs[i : i + wire.MAX_BATCH]))
-            out: list[int | OSError | None] = [None] * len(items)
-            left = len(items)
+                    self._sock.sendall(message)
+            left = len(tags)
             while left:
                 msg = self._sock.recv(wire.MAX_MESSAGE)
                 if not msg:

@@ -17,8 +17,7 @@ bytes (the page tensor's raw bytes, no header), each file stored under a hidden
 is whole: either backend reads what the other wrote. ``exists``, ``batch_exists``,
 ``batch_exists_v2``, the metadata cache, the optional ``LRUFileEvictor``
 (``max_size``...) and ``clear`` are ``HiCacheFile``'s, unchanged. The other keys of
-the extra config are ``HiCacheFile``'s, plus ``kvfs_threads`` (pages read at once by
-``batch_get``, default 8).
+the extra config are ``HiCacheFile``'s.
 
 Reads: a page is served only if its file holds exactly the page's bytes, each unit
 verified against its checksum. A missing file (never stored, evicted by kvfs or by
@@ -26,7 +25,8 @@ the evictor) is a clean miss: ``None``. Anything else (EIO, a file shorter or lo
 than the page) is a failure, never data: :meth:`get` raises ``OSError``, as
 ``HiCacheFile`` does for a short read; ``batch_get`` logs it and answers ``None`` for
 that page (SGLang takes the pages before the first ``None``; an exception would cost
-the whole batch). Writes: ``batch_set`` stores its new pages with one
+the whole batch). A ``batch_get`` is one :func:`kvfs.client.direct.read_batch`: on
+the aware ring, one message for all its pages. Writes: ``batch_set`` stores its new pages with one
 :func:`kvfs.client.direct.write_many` (durable when it returns, one group commit),
 then renames them into place; a failed batch leaves none of its new pages.
 
@@ -41,20 +41,17 @@ looked up when SGLang asks for :data:`KvfsStorage`.
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib
 import logging
 import os
 import threading
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import kvfs.client.direct
 
 log = logging.getLogger(__name__)
-READ_THREADS = 8
-"""Pages ``batch_get`` reads at once (each one file, read by kvfs.client.direct's
-own workers): a queue of reads across the devices instead of one page at a time."""
 
 Tensor = Any
 """torch.Tensor (a host page: flat, contiguous)."""
@@ -79,9 +76,6 @@ class _Storage:
     def __init__(self, storage_config: Any, kwargs: dict[str, Any] | None = None) -> None:
         """``StorageBackendFactory`` calls ``KvfsStorage(storage_config, kwargs)``."""
         super().__init__(storage_config)  # type: ignore[call-arg]  # HiCacheFile's
-        extra = storage_config.extra_config or {}
-        threads = int(extra.get("kvfs_threads", READ_THREADS))
-        self._readers = ThreadPoolExecutor(threads, thread_name_prefix="kvfs-sglang-get")
         self._lock = threading.Lock()
         self.counters = {"hits": 0, "misses": 0, "failed": 0, "stored": 0, "store_failed": 0}
 
@@ -100,25 +94,48 @@ class _Storage:
     def _load(self, key: str, target: Tensor) -> Tensor | None:
         """Fill ``target`` with ``key``'s page: exactly its bytes, or None if the file
         is not there; raises :class:`PageNotServed` (or the read's OSError) else."""
-        if target is None:
+        return self._loaded_all([key], [target], raising=True)[0]
+
+    def _loaded_all(
+        self, keys: list[str], targets: list[Tensor], raising: bool
+    ) -> list[Tensor | None]:
+        """Every page read into its target as one :func:`kvfs.client.direct.read_batch`
+        (on the ring: one message); per page the target, or None (no such file, or,
+        unless ``raising``, a page not served whole)."""
+        if any(t is None for t in targets):
             raise ValueError("KvfsStorage reads into a target page (a host tensor)")
-        suffixed = self._get_suffixed_key(key)
-        path = os.path.join(self.file_path, f"{suffixed}.bin")
-        expected = target.numel() * target.element_size()
-        dest = target if target.is_contiguous() else target.contiguous()
-        try:
-            got = kvfs.client.direct.read_into(path, dest)
-        except FileNotFoundError:
+        suffixed = [self._get_suffixed_key(k) for k in keys]
+        paths = [os.path.join(self.file_path, f"{s}.bin") for s in suffixed]
+        dests = [t if t.is_contiguous() else t.contiguous() for t in targets]
+        reads = kvfs.client.direct.read_batch(zip(paths, dests, strict=True))
+        out: list[Tensor | None] = []
+        for key, name, path, target, dest, got in zip(
+            keys, suffixed, paths, targets, dests, reads, strict=True
+        ):
+            try:
+                out.append(self._served(name, path, target, dest, got))
+            except OSError as e:
+                if raising:
+                    raise
+                log.warning("kvfs: page %s not served: %s", key, e)
+                out.append(None)
+        return out
+
+    def _served(
+        self, suffixed: str, path: str, target: Tensor, dest: Tensor, got: int | OSError
+    ) -> Tensor | None:
+        """A page's read, checked: the target, None for a missing file; raises else."""
+        if isinstance(got, FileNotFoundError):
             if self.metadata_cache is not None:
                 self.metadata_cache.remove(suffixed)
             self._count("misses")
             return None
-        except ValueError as e:  # a file longer than the page
+        if isinstance(got, OSError):
             self._count("failed")
-            raise PageNotServed(f"{path}: {e}") from None
-        except OSError:
-            self._count("failed")
-            raise
+            if got.errno == errno.EFBIG:  # a file longer than the page
+                raise PageNotServed(f"{path}: {got}")
+            raise got
+        expected = target.numel() * target.element_size()
         if got != expected:
             self._count("failed")
             raise PageNotServed(f"{path}: {got} bytes, the page is {expected}")
@@ -137,19 +154,12 @@ class _Storage:
         raises OSError for a page that cannot be served whole."""
         return self._load(key, target_location)
 
-    def _load_or_none(self, key: str, target: Tensor) -> Tensor | None:
-        try:
-            return self._load(key, target)
-        except (OSError, ValueError) as e:
-            log.warning("kvfs: page %s not served: %s", key, e)
-            return None
-
     def batch_get(
         self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
     ) -> list[Tensor | None]:
         """Each page read into its target at once; None for a page not served."""
         targets = target_locations if target_locations is not None else [None] * len(keys)
-        return list(self._readers.map(self._load_or_none, keys, targets))
+        return self._loaded_all(list(keys), list(targets), raising=False)
 
     # ------------------------------------------------------------ writes
     def set(
@@ -223,7 +233,7 @@ class _Storage:
         return ok
 
     def close(self) -> None:
-        self._readers.shutdown(wait=True)
+        """Nothing to stop: reads are batches of :mod:`kvfs.client.direct`."""
 
 
 _built: type | None = None

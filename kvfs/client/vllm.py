@@ -24,8 +24,8 @@ exists, empty, until its commit). A failed job still publishes its whole blocks 
 removes the rest.
 
 Load: the blocks of a job are read at once (vLLM's tier reads them one after the
-other), each by :func:`kvfs.client.direct.submit_read` into its slot of the CPU tier
-(checksums verified). A missing file (evicted by kvfs, removed) fails
+other), as one :func:`kvfs.client.direct.read_batch` into their slots of the CPU
+tier (checksums verified). A missing file (evicted by kvfs, removed) fails
 that block cleanly: vLLM marks it a miss and recomputes it. A short file is a failure
 and is removed, as vLLM's tier does; a longer one is a failure; a unit failing its
 checksum is EIO: never wrong bytes. As in vLLM's tier, a job that fails keeps the
@@ -52,7 +52,6 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import wait
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -171,23 +170,28 @@ def _publish(tmps: list[str], dests: list[str], block_size: int, check: bool) ->
 def load_blocks(
     paths: Sequence[str], view: memoryview, offsets: Sequence[int], block_size: int
 ) -> None:
-    """Read file ``paths[i]`` into block i of ``view``, all of them in flight at once
-    (:func:`kvfs.client.direct.submit_read`). On a failure raises the OSError of the
-    first failed block with ``num_succeeded`` = the blocks before it (vLLM keeps those),
-    once every read is done and checked."""
+    """Read file ``paths[i]`` into block i of ``view``, all of them at once, one batch
+    (:func:`kvfs.client.direct.read_batch`: on the ring, one message for the job). On
+    a failure raises the OSError of the first failed block with ``num_succeeded`` =
+    the blocks before it (vLLM keeps those), once every read is done and checked."""
     blocks = _blocks(view, offsets, block_size)
-    reads = [kvfs.client.direct.submit_read(p, b) for p, b in zip(paths, blocks, strict=True)]
-    wait(reads)
+    reads = kvfs.client.direct.read_batch(zip(paths, blocks, strict=True))
     first: OSError | None = None
     for i, (path, block, read) in enumerate(zip(paths, blocks, reads, strict=True)):
         try:
-            check_load(path, block, read.result)
+            check_load(path, block, functools.partial(_outcome, read))
         except OSError as e:
             if first is None:
                 e.num_succeeded = i  # type: ignore[attr-defined]  # vLLM's protocol
                 first = e
     if first is not None:
         raise first
+
+
+def _outcome(read: int | OSError) -> int:
+    if isinstance(read, OSError):
+        raise read
+    return read
 
 
 def check_load(path: str, block: memoryview, read: Callable[[], int]) -> None:

@@ -25,6 +25,9 @@ MSG_REGISTER = 2
 MSG_UNREGISTER = 3
 MSG_SUBMIT = 4
 MSG_DONE = 5
+MSG_SUBMIT_PATHS = 6
+"""A batch of whole-file reads named by path (the daemon opens each as the
+connection's user would, :class:`PathRequest`), one completion each."""
 
 OP_READ = 1
 OP_WRITE = 2
@@ -38,9 +41,17 @@ assert _REQUEST.size == 48
 _DONE = struct.Struct("<QiQ")  # tag, errno (0: done), bytes moved
 assert _DONE.size == 20
 
+_PATH_REQUEST = struct.Struct("<BxHIQQQ")  # op, path bytes, region, tag, offset, length
+assert _PATH_REQUEST.size == 32
+MAX_PATH = 4096
+"""The longest path a request may name (PATH_MAX)."""
+
 MAX_BATCH = 1024
 """Requests in one SUBMIT message at most (48 KiB: under any socket's message limit)."""
 MAX_MESSAGE = _HEAD.size + MAX_BATCH * _REQUEST.size
+MAX_PATH_BATCH = 64
+"""Path requests in one SUBMIT_PATHS message at most (under 256 KiB with their paths)."""
+MAX_PATH_MESSAGE = _HEAD.size + MAX_PATH_BATCH * (_PATH_REQUEST.size + MAX_PATH)
 
 
 @dataclass(frozen=True)
@@ -61,6 +72,48 @@ class Done:
     error: int
     """0, or the errno the request failed with (its buffer then holds no result)."""
     nbytes: int
+
+
+@dataclass(frozen=True)
+class PathRequest:
+    op: int
+    region: int
+    tag: int
+    offset: int
+    length: int
+    path: bytes
+    """Relative to the filesystem's root, components separated by ``/``."""
+
+
+def submit_paths(requests: list[PathRequest]) -> bytes:
+    if not 0 < len(requests) <= MAX_PATH_BATCH:
+        raise ValueError(f"a path batch holds 1 to {MAX_PATH_BATCH} requests")
+    out = [_HEAD.pack(MSG_SUBMIT_PATHS, RING_VERSION, 0, len(requests))]
+    for r in requests:
+        if not 0 < len(r.path) <= MAX_PATH:
+            raise ValueError("a path of 1 to 4096 bytes")
+        out.append(_PATH_REQUEST.pack(r.op, len(r.path), r.region, r.tag, r.offset, r.length))
+        out.append(r.path)
+    return b"".join(out)
+
+
+def path_requests_of(message: bytes) -> list[PathRequest]:
+    _, _, count = kind(message)
+    if count > MAX_PATH_BATCH:
+        raise ValueError("a path batch too long")
+    at, out = _HEAD.size, []
+    for _ in range(count):
+        if at + _PATH_REQUEST.size > len(message):
+            raise ValueError("a path batch cut short")
+        op, n, region, tag, offset, length = _PATH_REQUEST.unpack_from(message, at)
+        at += _PATH_REQUEST.size
+        if not 0 < n <= MAX_PATH or at + n > len(message):
+            raise ValueError("a path of the wrong length")
+        out.append(PathRequest(op, region, tag, offset, length, message[at : at + n]))
+        at += n
+    if at != len(message):
+        raise ValueError("a path batch with trailing bytes")
+    return out
 
 
 def hello() -> bytes:

@@ -45,6 +45,34 @@ async def tune_readahead(mountpoint: str, kib: int) -> None:
         await trio.sleep(0.05)
 
 
+PREFAULT_LIMIT = 256 << 20
+"""At most this much of the read cache is faulted in before the mount serves."""
+
+
+def prefault_read_buffers(store: Store, limit: int = PREFAULT_LIMIT) -> int:
+    """Fault in the one-unit buffers the read cache will hold (up to ``limit``
+    bytes) before the first request, and leave them free in the unit-size pool.
+
+    Every unit a read brings in stays in the cache until it is full, so without
+    this every device read of a fresh mount lands in a fresh mapping: an O_DIRECT
+    read into fresh pages costs ~0.5 ms of CPU per MiB (page allocation and
+    zeroing), into pages already there ~0.05 ms (``docs/performance.md``, issue 29
+    item 4: paired 1.13-1.36x on ``bench.py --ceiling``'s cold reads). The pool
+    already keeps the cache's worth of free buffers once a mount has run a while;
+    this only reaches that state at the mount instead of over the first
+    cache-full of reads. Returns the number of buffers faulted in."""
+    unit = store.pool.unit_size
+    pool = store.writer.buffer_pool(unit)
+    count = min(store.cfg.cache_bytes, limit) // unit
+    zeros = bytes(unit)
+    bufs = [pool.take(zeroed=False) for _ in range(count)]
+    for i in range(count):
+        bufs[i][:] = zeros  # the page faults happen here, not inside a device read
+    bufs.clear()  # no reference left: reap() takes every one back as free
+    pool.reap()
+    return count
+
+
 async def serve(
     store: Store,
     mountpoint: str,
@@ -61,10 +89,11 @@ async def serve(
     ``reopen_logs`` runs on SIGHUP; ``stopping`` once, when a signal starts the
     unmount. ``ring_path``: where the aware ring listens (none if None)."""
     ops = Operations(store)
+    prefault_read_buffers(store)
     async with trio.open_nursery() as nursery:
         await nursery.start(store.run)
         pyfuse3.init(ops, mountpoint, options)
-        ring = _start_ring(store, ring_path, ring_threads)
+        ring = _start_ring(store, ring_path, ring_threads, "allow_other" in options)
         try:
             nursery.start_soon(_on_signals, reopen_logs, stopping)
             nursery.start_soon(tune_readahead, mountpoint, readahead_kib)
@@ -83,13 +112,24 @@ async def serve(
                 nursery.cancel_scope.cancel()
 
 
-def _start_ring(store: Store, path: str | None, threads: int) -> RingServer | None:
+def _start_ring(
+    store: Store, path: str | None, threads: int, allow_other: bool
+) -> RingServer | None:
     """Serve the aware ring at ``path`` (:mod:`kvfs.store.ring`); None where it
     cannot listen (the mount still serves every engine through FUSE)."""
     if path is None:
         return None
     fds = [getattr(d, "fd", -1) for d in store.pool.devices]
-    ring = RingServer(store.direct.tickets, fds, path, threads)
+    ring = RingServer(
+        store.direct.tickets,
+        fds,
+        path,
+        threads,
+        opener=store.ring_open_reads,
+        releaser=store.release_all,
+        token=trio.lowlevel.current_trio_token(),
+        allow_other=allow_other,
+    )
     try:
         ring.start()
     except OSError as e:
@@ -118,4 +158,4 @@ async def _on_signals(reopen_logs: Callable[[], None], stopping: Callable[[], ob
                 pyfuse3.terminate()
 
 
-__all__ = ["serve", "tune_readahead"]
+__all__ = ["prefault_read_buffers", "serve", "tune_readahead"]

@@ -65,6 +65,7 @@ from kvfs.store.opened import OpenFiles
 from kvfs.store.posix import ROOT, Caller
 from kvfs.store.reader import Reader
 from kvfs.store.reporting import Reports
+from kvfs.store.tickets import Ticket
 from kvfs.store.truncation import Truncations
 from kvfs.store.types import (
     DeviceSpace,
@@ -406,6 +407,34 @@ class Store:
     async def direct_get(self, ino: int, name: bytes, caller: Caller) -> bytes:
         """A direct-path request (``user.kvfs.direct.*`` read): a map or a reservation."""
         return await self.direct.getxattr(ino, name, caller)
+
+    async def ring_open_reads(self, files: list[bytes], caller: Caller) -> list[Ticket | int]:
+        """For the aware ring's path reads: each path opened for reading as ``caller``
+        (the kernel's permission rules, :func:`paths.readable_file`) and mapped, its
+        read ticket; or the errno it failed with. The ring releases each handle
+        (:meth:`release`) once its read is done."""
+        out: list[Ticket | int] = []
+        for path in files:
+            found = paths.readable_file(self.ns, path, caller)
+            if isinstance(found, int):
+                out.append(found)
+                continue
+            try:
+                fh = await self.open(found.ino, os.O_RDONLY, caller)
+            except KvfsError as e:
+                out.append(e.errno)
+                continue
+            try:
+                out.append(self.direct.read_ticket(found.ino, fh, caller))
+            except KvfsError as e:
+                await self.release(fh)
+                out.append(e.errno)
+        return out
+
+    async def release_all(self, fhs: list[int]) -> None:
+        """Release several handles (the ring's path reads, once read)."""
+        for fh in fhs:
+            await self.release(fh)
 
     async def direct_set(self, ino: int, name: bytes, value: bytes, caller: Caller) -> None:
         """A direct-path commit (``user.kvfs.direct.commit`` set)."""

@@ -288,6 +288,37 @@ class DirectPath:
     def _map(self, ino: int, caller: Caller) -> bytes:
         if self.ns.get(ino).is_dir:  # where a client may write: the members only
             return self._reply(ino)
+        inode, runs, csums = self._mapped(ino)
+        extra = {}
+        fh = self._opener(ino, caller, writable=False)
+        if self.ring is not None and fh is not None:
+            t = self.tickets.issue(
+                READ, fh, ino, caller.uid, inode.size, self.unit, [Run(*r) for r in runs], csums
+            )
+            extra["ticket"] = t.token.hex()
+        reply = self._reply(ino, size=inode.size, runs=runs, csums=csums, **extra)
+        self._leased(inode)
+        return reply
+
+    def read_ticket(self, ino: int, fh: int, caller: Caller) -> Ticket:
+        """A read ticket of open handle ``fh`` (the ring's path reads: the daemon
+        opened the file for ``caller``), the file leased as by a map."""
+        inode, runs, csums = self._mapped(ino)
+        t = self.tickets.issue(
+            READ, fh, ino, caller.uid, inode.size, self.unit, [Run(*r) for r in runs], csums
+        )
+        self._leased(inode)
+        return t
+
+    def _leased(self, inode: Inode) -> None:
+        """Leased from now: to the handles open now, until the file's last close."""
+        self._leases.setdefault(inode.ino, Lease()).upto = self.handles.newest
+        self._maps += 1
+        self._bytes_mapped += inode.size
+
+    def _mapped(self, ino: int) -> tuple[Inode, list[list[int]], list[int]]:
+        """An open file's runs ``[member, offset, bytes, first unit, units]`` and
+        every unit's checksum; Busy while it has bytes in memory only."""
         inode = self._live(ino)
         if not inode.opens:
             raise NotPermitted(f"inode {ino}: a map is leased to an open file only")
@@ -320,19 +351,7 @@ class DirectPath:
             else:
                 runs.append([dev, offset, length, u, 1])
             extendable = not frag
-        extra = {}
-        fh = self._opener(ino, caller, writable=False)
-        if self.ring is not None and fh is not None:
-            t = self.tickets.issue(
-                READ, fh, ino, caller.uid, inode.size, self.unit, [Run(*r) for r in runs], csums
-            )
-            extra["ticket"] = t.token.hex()
-        reply = self._reply(ino, size=inode.size, runs=runs, csums=csums, **extra)
-        # leased from now: to the handles open now, until the file's last close
-        self._leases.setdefault(ino, Lease()).upto = self.handles.newest
-        self._maps += 1
-        self._bytes_mapped += inode.size
-        return reply
+        return inode, runs, csums
 
     def _opener(self, ino: int, caller: Caller, writable: bool) -> int | None:
         """The caller's newest handle of ``ino`` that reads (or writes, if

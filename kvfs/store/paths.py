@@ -4,9 +4,13 @@ files are kvfs-managed. Walks of the namespace, O(depth)."""
 
 from __future__ import annotations
 
+import errno
+import stat
+
 from kvfs.evict.evictor import Evictor
 from kvfs.evict.groups import KVFS_MANAGED
 from kvfs.index.namespace import ROOT_INO, Inode, Namespace
+from kvfs.store.posix import MAY_EXEC, MAY_READ, Caller, permitted
 
 MAX_DEPTH = 4096
 """Deeper than this is no path (a walk never loops, whatever the index holds)."""
@@ -39,6 +43,35 @@ def directories_on(ns: Namespace, path: bytes) -> list[tuple[bytes, Inode]]:
             break
         found.append((b"/".join(parts[:depth]), node))
     return found
+
+
+def readable_file(ns: Namespace, path: bytes, caller: Caller) -> Inode | int:
+    """The regular file at ``path`` (from the root, ``/``-separated) if ``caller``
+    may search every directory on it and read it, as the kernel would have let it
+    open the file; else the errno: ENOENT, EACCES, ENOTDIR, EISDIR, or EINVAL for
+    what the ring does not resolve (``.``, ``..``, empty parts, a symbolic link: the
+    client opens those through the mount instead)."""
+    parts = path.split(b"/")
+    if len(parts) > MAX_DEPTH or any(p in (b"", b".", b"..") for p in parts):
+        return errno.EINVAL
+    node = ns.inodes.get(ROOT_INO)
+    for name in parts:
+        if node is None:
+            return errno.ENOENT
+        if not node.is_dir:
+            return errno.ENOTDIR
+        if not permitted(node.mode, node.uid, node.gid, caller, MAY_EXEC):
+            return errno.EACCES
+        node = ns.find(node.ino, name)
+    if node is None:
+        return errno.ENOENT
+    if node.is_dir:
+        return errno.EISDIR
+    if not stat.S_ISREG(node.mode):
+        return errno.EINVAL
+    if not permitted(node.mode, node.uid, node.gid, caller, MAY_READ):
+        return errno.EACCES
+    return node
 
 
 def managed(ns: Namespace, evictor: Evictor, parent: int) -> bool:

@@ -17,6 +17,8 @@ import stat
 from kvfs.common import procs
 from kvfs.common.errors import InvalidArgument, NotSupported
 
+CAP_DAC_OVERRIDE = 1
+CAP_DAC_READ_SEARCH = 2
 CAP_FSETID = 4
 CAP_SYS_ADMIN = 21
 
@@ -58,6 +60,36 @@ class Caller:
 
 ROOT = Caller(0, 0)
 """A privileged caller (kvfs itself, and tests calling the store directly)."""
+
+
+MAY_EXEC, MAY_WRITE, MAY_READ = 1, 2, 4
+
+
+def permitted(mode: int, uid: int, gid: int, caller: Caller, want: int) -> bool:
+    """The kernel's ``generic_permission`` without ACLs (kvfs keeps none): the
+    owner's bits for the owner, else the group's for a member, else the others';
+    ``CAP_DAC_OVERRIDE`` reads and writes anything and searches any directory (and
+    executes a file with any x bit), ``CAP_DAC_READ_SEARCH`` reads and searches. What
+    ``default_permissions`` has the kernel check before FUSE sees a request, for the
+    requests that reach kvfs another way (the aware ring's paths)."""
+    if caller.uid == uid:
+        bits = (mode >> 6) & 7
+    elif caller.in_group(gid):
+        bits = (mode >> 3) & 7
+    else:
+        bits = mode & 7
+    if want & ~bits == 0:
+        return True
+    is_dir = stat.S_ISDIR(mode)
+    if want & MAY_EXEC and not is_dir and not mode & 0o111:
+        return False  # no x bit at all: not even root executes it
+    if caller.capable(CAP_DAC_OVERRIDE):
+        return True
+    return (
+        not want & MAY_WRITE
+        and (want == MAY_READ or is_dir)
+        and caller.capable(CAP_DAC_READ_SEARCH)
+    )
 
 
 def new_owner(dir_mode: int, dir_gid: int, mode: int, caller: Caller) -> tuple[int, int]:

@@ -34,16 +34,22 @@ import socket
 import stat
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+
+import trio
 
 from kvfs.devices.device import ALIGN
 from kvfs.devices.runs import Piece, pieces, read_piece, write_piece
 from kvfs.format import ring as wire
+from kvfs.store.posix import Caller
 from kvfs.store.tickets import READ, WRITE, Run, Ticket, Tickets
 
 log = logging.getLogger(__name__)
 
+PATH_GROUP = 4
+"""Files of a path batch opened per hop to the trio thread (then their reads start)."""
 MAX_REGIONS = 4096
 """Registered regions per connection at most (each is one mapping in the daemon)."""
 _SEALED = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
@@ -77,6 +83,7 @@ class Connection:
     sock: socket.socket
     uid: int
     pid: int
+    gid: int
     regions: dict[int, Region] = field(default_factory=dict)
     send: threading.Lock = field(default_factory=threading.Lock)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -87,8 +94,20 @@ class RingServer:
     """Serves the ring of one mount: ``start`` on the trio thread (with a way to run a
     callback there), ``stop`` at the unmount."""
 
-    def __init__(self, tickets: Tickets, fds: list[int], socket_path: str, threads: int) -> None:
+    def __init__(
+        self,
+        tickets: Tickets,
+        fds: list[int],
+        socket_path: str,
+        threads: int,
+        opener: Callable[[list[bytes], Caller], Awaitable[list[Ticket | int]]] | None = None,
+        releaser: Callable[[list[int]], Awaitable[None]] | None = None,
+        token: trio.lowlevel.TrioToken | None = None,
+        allow_other: bool = False,
+    ) -> None:
         self.tickets = tickets
+        self.opener, self.releaser, self.token = opener, releaser, token
+        self.allow_other = allow_other
         self.fds = fds
         self.path = socket_path
         self.stats = RingStatistics()
@@ -134,8 +153,8 @@ class RingServer:
             except OSError:
                 return
             creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
-            pid, uid = (int.from_bytes(creds[i : i + 4], "little") for i in (0, 4))
-            conn = Connection(sock, uid, pid)
+            pid, uid, gid = (int.from_bytes(creds[i : i + 4], "little") for i in (0, 4, 8))
+            conn = Connection(sock, uid, pid, gid)
             with self._conns_lock:
                 self._conns.add(conn)
             with self._stats_lock:
@@ -164,7 +183,7 @@ class RingServer:
     @staticmethod
     def _receive(sock: socket.socket) -> tuple[bytes, list[int]]:
         fds = array.array("i")
-        msg, anc, _, _ = sock.recvmsg(wire.MAX_MESSAGE, socket.CMSG_SPACE(4 * 4))
+        msg, anc, _, _ = sock.recvmsg(wire.MAX_PATH_MESSAGE, socket.CMSG_SPACE(4 * 4))
         for level, kind, data in anc:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
@@ -188,6 +207,9 @@ class RingServer:
         if kind == wire.MSG_SUBMIT:
             for r in wire.requests_of(msg):
                 self._start(conn, r)
+            return
+        if kind == wire.MSG_SUBMIT_PATHS:
+            self._paths(conn, wire.path_requests_of(msg))
             return
         raise ValueError(f"unknown ring message {kind}")
 
@@ -258,27 +280,97 @@ class RingServer:
         if kind is None or t is None or t.kind != kind:
             self._refuse(conn, r.tag, errno.EBADF)
             return
+        self._launch(conn, t, r.region, r.offset, r.length, r.tag, inline=True)
+
+    def _launch(
+        self,
+        conn: Connection,
+        t: Ticket,
+        region_id: int,
+        offset: int,
+        length: int,
+        tag: int,
+        inline: bool,
+        finished: Callable[[], None] | None = None,
+    ) -> bool:
+        """Start ticket ``t``'s request into region ``region_id`` at ``offset``; False
+        (and its completion sent) when it may not start."""
         with conn.lock:
-            region = conn.regions.get(r.region)
+            region = conn.regions.get(region_id)
             fits = (
                 region is not None
-                and r.offset % ALIGN == 0
-                and r.length >= t.size
-                and r.offset + t.size <= len(region.mm)
+                and offset % ALIGN == 0
+                and length >= t.size
+                and offset + t.size <= len(region.mm)
             )
             if region is None or not fits:
                 region = None
             else:
                 region.users += 1
         if region is None:
-            self._refuse(conn, r.tag, errno.EINVAL)
-            return
+            self._refuse(conn, tag, errno.EINVAL)
+            return False
         if not t.enter():
             self._release(conn, region)
-            self._refuse(conn, r.tag, errno.EBADF)
+            self._refuse(conn, tag, errno.EBADF)
+            return False
+        _Job(self, conn, region, t, tag, offset, finished).launch(inline)
+        return True
+
+    def _paths(self, conn: Connection, reqs: list[wire.PathRequest]) -> None:
+        """A batch of path reads: the files opened as the connection's user (on the
+        trio thread, PATH_GROUP per hop), each group's reads started at once, and
+        every handle released once the batch's reads are done."""
+        opener, releaser, token = self.opener, self.releaser, self.token
+        if opener is None or releaser is None or token is None:
+            for r in reqs:
+                self._refuse(conn, r.tag, errno.EOPNOTSUPP)
             return
-        job = _Job(self, conn, region, t, r)
-        job.launch()
+        if not self.allow_other and conn.uid not in (0, os.getuid()):
+            for r in reqs:  # as FUSE itself refuses other users without allow_other
+                self._refuse(conn, r.tag, errno.EACCES)
+            return
+        if any(r.op != wire.OP_READ for r in reqs):
+            for r in reqs:
+                self._refuse(conn, r.tag, errno.EINVAL)
+            return
+        caller = Caller(conn.uid, conn.gid, conn.pid)
+        fhs: list[int] = []
+        pending = [0]
+        idle = threading.Condition()
+
+        def finished() -> None:
+            with idle:
+                pending[0] -= 1
+                idle.notify_all()
+
+        # opened a few at a time, each group's reads started before the next group
+        # is opened: the device work of one overlaps the trio thread's of the next
+        for k in range(0, len(reqs), PATH_GROUP):
+            group = reqs[k : k + PATH_GROUP]
+            try:
+                opened = trio.from_thread.run(
+                    opener, [r.path for r in group], caller, trio_token=token
+                )
+            except Exception as e:  # the mount is stopping
+                log.info("aware ring: path reads refused: %r", e)
+                for r in group:
+                    self._refuse(conn, r.tag, errno.EIO)
+                continue
+            fhs += [t.fh for t in opened if isinstance(t, Ticket)]
+            for r, t in zip(group, opened, strict=True):
+                if isinstance(t, int):
+                    self._refuse(conn, r.tag, t)
+                    continue
+                with idle:
+                    pending[0] += 1
+                if not self._launch(conn, t, r.region, r.offset, r.length, r.tag, False, finished):
+                    finished()
+        with idle:
+            idle.wait_for(lambda: pending[0] == 0)
+        if fhs:
+            with contextlib.suppress(Exception):  # the mount stopping closes them all
+                trio.from_thread.run(releaser, fhs, trio_token=token)
 
     def _release(self, conn: Connection, region: Region) -> None:
         with conn.lock:
@@ -307,17 +399,25 @@ class _Job:
     """One request in flight: its pieces on the I/O threads, one completion."""
 
     def __init__(
-        self, server: RingServer, conn: Connection, region: Region, t: Ticket, r: wire.Request
+        self,
+        server: RingServer,
+        conn: Connection,
+        region: Region,
+        t: Ticket,
+        tag: int,
+        offset: int,
+        finished: Callable[[], None] | None,
     ) -> None:
-        self.server, self.conn, self.region, self.t, self.r = server, conn, region, t, r
-        self.view = region.view[r.offset : r.offset + t.size]
-        self.base = region.base + r.offset
+        self.server, self.conn, self.region, self.t = server, conn, region, t
+        self.tag, self.finished = tag, finished
+        self.view = region.view[offset : offset + t.size]
+        self.base = region.base + offset
         self.left = 0
         self.error = 0
         self.seconds = 0.0
         self.lock = threading.Lock()
 
-    def launch(self) -> None:
+    def launch(self, inline: bool) -> None:
         t = self.t
         work = [p for run in t.runs for p in self._pieces(run)]
         if t.kind == READ:
@@ -326,9 +426,10 @@ class _Job:
         if not work:
             self._finish()
             return
-        for p in work[1:]:
+        for p in work[1 if inline else 0 :]:
             self.server._io.submit(self._piece, p)
-        self._piece(work[0])  # on the connection's thread: one hand-off less
+        if inline:
+            self._piece(work[0])  # on the connection's thread: one hand-off less
 
     def _pieces(self, run: Run) -> list[Piece]:
         spec = (run.device, run.offset, run.length, run.first, run.n)
@@ -378,7 +479,9 @@ class _Job:
         self.server._release(self.conn, self.region)
         self.server._count(self.t, not self.error, self.seconds)
         nbytes = 0 if self.error else self.t.size
-        self.server._complete(self.conn, wire.Done(self.r.tag, self.error, nbytes))
+        self.server._complete(self.conn, wire.Done(self.tag, self.error, nbytes))
+        if self.finished is not None:
+            self.finished()
 
 
 def socket_path(directory: str, name: str) -> str:

@@ -315,3 +315,96 @@ def test_clients_killed_mid_request_leave_nothing_reserved_or_half_committed(
     kvfs_mount.remount()
     assert check() == used
     assert kills == 24
+
+
+def test_path_reads_follow_the_kernels_permission_rules(
+    kvfs_mount: KvfsMount, unprivileged_user: pwd.struct_passwd
+) -> None:
+    """A batch read by path (``read_batch``: the daemon opens each file for the
+    connection's user) serves exactly what the user may open through the mount: its
+    own and world-readable files, byte-exact; EACCES for a file it may not read or
+    under a directory it may not search (``..`` included: the kernel's walk); a clean
+    miss for a missing file; an unaligned buffer bounced, the same bytes."""
+    m = kvfs_mount.path
+    os.chmod(m, 0o755)
+    (m / "open").mkdir(mode=0o755)
+    (m / "shut").mkdir(mode=0o700)
+    files = {
+        "open/public": (0o644, pattern("public", 3 * MiB + 1)),
+        "open/secret": (0o600, pattern("secret", MiB)),
+        "shut/inside": (0o644, pattern("inside", MiB)),
+    }
+    for name, (mode, data) in files.items():
+        (m / name).write_bytes(data)
+        os.chmod(m / name, mode)
+    os.chmod(m / "open", 0o777)
+
+    def user() -> None:
+        mine = pattern("mine", 2 * MiB)
+        direct.write_from("open/mine", mine)
+        names = ["open/public", "open/mine", "open/secret", "shut/inside", "open/none"]
+        names.append("shut/../open/./public")  # the kernel's walk: shut/ is not searchable
+        names.append("nodir/none")  # a missing directory: a miss of this file alone
+        bufs = [direct.aligned(4 * MiB) for _ in names]
+        # by path on the ring, but for shut/: the user cannot even list it
+        assert [direct._ring_path_of(n) is not None for n in names[:5]] == [1, 1, 1, 0, 1]
+        got = direct.read_batch(zip(names, bufs, strict=True))
+        assert got[0] == 3 * MiB + 1 and bufs[0][: got[0]] == files["open/public"][1]
+        assert got[1] == 2 * MiB and bufs[1][: 2 * MiB] == mine
+        for i in (2, 3, 5):
+            assert isinstance(got[i], PermissionError), got[i]
+            assert bufs[i][:] == bytes(4 * MiB)  # nothing of it reached the user
+        assert isinstance(got[4], FileNotFoundError)
+        assert isinstance(got[6], FileNotFoundError)
+        unaligned = memoryview(bytearray(2 * MiB + 1))[1:]
+        assert direct.read_many([("open/mine", unaligned)]) == [2 * MiB]
+        assert bytes(unaligned) == mine
+        s = direct.stats()
+        assert s["direct_reads"] == 0 and s["ring_reads"] >= 3, s
+        # a client that names paths itself gets the same rules from the daemon
+        sock = direct._ring_path_of("open/public")
+        assert sock is not None
+        ring = client.connect(sock[0])
+        assert ring is not None
+        raw = client.shared(MiB)
+        got = ring.read_paths([(b"shut/inside", raw, 0, MiB), (b"shut/../open/mine", raw, 0, MiB)])
+        assert [g.errno if isinstance(g, OSError) else g for g in got] == [
+            errno.EACCES,
+            errno.EINVAL,
+        ]
+        assert raw[:] == bytes(MiB)
+
+    _in_child(unprivileged_user, m, user)
+    c = _ring_counters(kvfs_mount)
+    assert c["refused"] >= 4, c  # the daemon's own rules refused them
+    wait_for(lambda: _stats(kvfs_mount)["tickets"] == 0, what="every path read's ticket gone")
+    assert kvfs_mount.stats()["store"]["open_handles"] == 0
+
+
+def test_without_allow_other_no_other_user_reads_by_path(
+    tmp_path: Path, unprivileged_user: pwd.struct_passwd
+) -> None:
+    """A mount without ``--allow-other`` is its owner's alone, through FUSE (the
+    kernel's rule) and through the ring: another user's path reads are EACCES even
+    when it names the socket itself."""
+    from kvfs.testing import harness
+    from tests.conftest import META_SIZE, _finish
+
+    m = KvfsMount(tmp_path / "mnt", [str(harness.make_image(tmp_path / "p.img", 256 * MiB))],
+                  tmp_path / "kvfs.log", [])  # fmt: skip
+    m.start("--format", "--meta-size", META_SIZE)
+    try:
+        (m.path / "f").write_bytes(pattern("f", MiB))
+        sock = json.loads(os.getxattr(m.path, direct.MAP))["ring"]
+
+        def other() -> None:
+            ring = client.connect(sock)
+            assert ring is not None
+            buf = client.shared(MiB)
+            got = ring.read_paths([(b"f", buf, 0, MiB)])[0]
+            assert isinstance(got, OSError) and got.errno == errno.EACCES, got
+            assert buf[:] == bytes(MiB)
+
+        _in_child(unprivileged_user, tmp_path, other)
+    finally:
+        _finish(m)

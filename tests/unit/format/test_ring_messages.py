@@ -38,3 +38,23 @@ def test_malformed_messages_are_refused() -> None:
         wire.submit([])
     with pytest.raises(ValueError):
         wire.done_of(wire.done([wire.Done(1, 0, 0)])[:-3])
+
+
+def test_a_path_batch_round_trips_and_refuses_what_is_malformed() -> None:
+    reqs = [
+        wire.PathRequest(wire.OP_READ, 2, 7, 4096, 2 << 20, b"vllm/a/b.bin"),
+        wire.PathRequest(wire.OP_READ, 2, 8, 0, 1, "é/x".encode()),
+    ]
+    msg = wire.submit_paths(reqs)
+    assert wire.kind(msg) == (wire.MSG_SUBMIT_PATHS, wire.RING_VERSION, 2)
+    assert wire.path_requests_of(msg) == reqs
+    for bad in (msg[:-1], msg + b"x", msg[:40]):
+        with pytest.raises(ValueError):
+            wire.path_requests_of(bad)
+    with pytest.raises(ValueError):
+        wire.submit_paths([wire.PathRequest(wire.OP_READ, 1, 1, 0, 1, b"")])
+    with pytest.raises(ValueError):
+        wire.submit_paths([wire.PathRequest(wire.OP_READ, 1, 1, 0, 1, b"x" * 4097)])
+    too_many = [wire.PathRequest(wire.OP_READ, 1, i, 0, 1, b"p") for i in range(65)]
+    with pytest.raises(ValueError):
+        wire.submit_paths(too_many)

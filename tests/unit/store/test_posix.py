@@ -105,3 +105,27 @@ def test_caller_reads_this_threads_credentials() -> None:
     gone = Caller(1000, 1000, 2**22 + 12345)
     assert not gone.capable(CAP_FSETID) and not gone.in_group(7) and gone.in_group(1000)
     assert Caller(0, 0, 2**22 + 12345).capable(CAP_SYS_ADMIN)  # uid 0 where /proc can't tell
+
+
+def test_permitted_is_the_kernels_generic_permission_without_acls() -> None:
+    """What the aware ring's path reads check (``default_permissions`` has the kernel
+    check it for FUSE requests): owner, then group, then other bits; root reads and
+    searches anything but executes only what has an x bit."""
+    import stat as st
+
+    from kvfs.store.posix import MAY_EXEC, MAY_READ, MAY_WRITE, Caller, permitted
+
+    user, member, other = Caller(1000, 100), Caller(1001, 100), Caller(1002, 200)
+    f = st.S_IFREG | 0o640
+    assert permitted(f, 1000, 100, user, MAY_READ | MAY_WRITE)
+    assert permitted(f, 1000, 100, member, MAY_READ)
+    assert not permitted(f, 1000, 100, member, MAY_WRITE)
+    assert not permitted(f, 1000, 100, other, MAY_READ)
+    owner_shut = st.S_IFREG | 0o066  # the owner's own bits decide for the owner
+    assert not permitted(owner_shut, 1000, 100, user, MAY_READ)
+    d = st.S_IFDIR | 0o700
+    assert not permitted(d, 1000, 100, other, MAY_EXEC)
+    root = Caller(0, 0)
+    assert permitted(d, 1000, 100, root, MAY_EXEC | MAY_READ)
+    assert permitted(st.S_IFREG | 0o000, 1000, 100, root, MAY_READ | MAY_WRITE)
+    assert not permitted(st.S_IFREG | 0o644, 1000, 100, root, MAY_EXEC)
