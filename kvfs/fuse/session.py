@@ -57,7 +57,7 @@ def prefault_read_buffers(store: Store, limit: int = PREFAULT_LIMIT) -> int:
     this every device read of a fresh mount lands in a fresh mapping: an O_DIRECT
     read into fresh pages costs ~0.5 ms of CPU per MiB (page allocation and
     zeroing), into pages already there ~0.05 ms (``docs/performance.md``, issue 29
-    item 4: paired 1.13-1.36x on ``bench.py --ceiling``'s cold reads). The pool
+    item 4: paired 1.09-1.36x on ``bench.py --ceiling``'s cold reads). The pool
     already keeps the cache's worth of free buffers once a mount has run a while;
     this only reaches that state at the mount instead of over the first
     cache-full of reads. Returns the number of buffers faulted in."""
