@@ -23,7 +23,10 @@ of ``--size-mib``:
   files), as engines load a request's blocks (vLLM's jobs, SGLang's ``batch_get``);
 - **fuse**: the same user's ``open/write/close`` and reads through the mount.
 
-Reads are cold (``drop_caches``; kvfs remounted). Repetitions interleave the
+Reads are cold (``drop_caches``; kvfs remounted). ``--gil-hog`` runs a spinning
+Python thread in every client process (all backends alike), as an engine's
+scheduler loop keeps the GIL busy: each return from a system call may then wait
+for the GIL. Repetitions interleave the
 backends; each ratio is taken within a repetition and the median reported. The
 kvfs daemon's CPU seconds per GiB moved (``/proc/PID/stat``, all its threads) are
 recorded for each kvfs phase.
@@ -126,12 +129,25 @@ def worker(backend: str, target: str, op: str, size: int, streams: int, files: i
             errors.append(e)
 
     threads = [threading.Thread(target=guarded, args=(i,)) for i in range(streams)]
+    spinning = [bool(os.environ.get("AWARE_BENCH_GIL_HOG"))]
+
+    def hog() -> None:  # an engine's busy Python thread (its scheduler loop)
+        x = 0
+        while spinning[0]:
+            x += 1
+
+    hogs = [threading.Thread(target=hog)] if spinning[0] else []
+    for h in hogs:
+        h.start()
     t = time.perf_counter()
     for th in threads:
         th.start()
     for th in threads:
         th.join()
     seconds = time.perf_counter() - t
+    spinning[0] = False
+    for h in hogs:
+        h.join()
     if errors:
         raise errors[0]
     print(json.dumps({"MBps": files * size / seconds / 1e6, "stats": direct.stats()}))
@@ -167,8 +183,15 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--members", type=int, default=1, help="kvfs pool members (1 or 2)")
     p.add_argument("--backends", default="raw,ext4,ring,batch,fuse")
+    p.add_argument(
+        "--gil-hog",
+        action="store_true",
+        help="a spinning Python thread in every client process (as an engine's loop)",
+    )
     p.add_argument("--out")
     args = p.parse_args()
+    if args.gil_hog:
+        os.environ["AWARE_BENCH_GIL_HOG"] = "1"
     from kvfs.testing import harness
 
     backends = args.backends.split(",")
