@@ -92,7 +92,6 @@ class _Backend:
             self.fmt = mm.MemoryFormat.KV_MLA_FMT
         threads = int(extra.get("kvfs.threads", 4))
         self._writers = ThreadPoolExecutor(threads, thread_name_prefix="kvfs-lmcache-put")
-        self._readers = ThreadPoolExecutor(threads, thread_name_prefix="kvfs-lmcache-get")
         self._lock = threading.Lock()
         self._known: OrderedDict[Key, _Layout] = OrderedDict()
         """Chunks this process stored, as its memory object described them (the
@@ -235,20 +234,32 @@ class _Backend:
 
     def _load(self, key: Key, obj: MemoryObj | None) -> MemoryObj | None:
         """Fill ``obj`` with ``key``'s file; exactly its bytes or None (a miss)."""
+        return self._load_all([key], [obj])[0]
+
+    def _load_all(self, keys: list[Key], objs: list[MemoryObj | None]) -> list[MemoryObj | None]:
+        """Each ``obj`` filled with its key's file as one
+        :func:`kvfs.client.direct.read_batch` (on the ring: one message for all):
+        exactly its bytes, or None (a miss, its object released)."""
+        pairs = zip(keys, objs, strict=True)
+        wanted = [(self.key_path(k), o.byte_array) for k, o in pairs if o is not None]
+        reads = iter(kvfs.client.direct.read_batch(wanted))
+        return [
+            self._loaded(k, o, next(reads) if o is not None else None)
+            for k, o in zip(keys, objs, strict=True)
+        ]
+
+    def _loaded(
+        self, key: Key, obj: MemoryObj | None, got: int | OSError | None
+    ) -> MemoryObj | None:
         if obj is None:
             self._count("misses")
             return None
-        path = self.key_path(key)
-        try:
-            buf = obj.byte_array
-            ok = kvfs.client.direct.read_into(path, buf) == len(buf)
-        except FileNotFoundError:
-            ok = False
+        ok = isinstance(got, int) and got == len(obj.byte_array)
+        if isinstance(got, FileNotFoundError):
             with self._lock:
                 self._known.pop(key, None)
-        except (OSError, ValueError) as e:  # EIO (a bad unit), a file too long
-            log.warning("kvfs: %s not served: %s", path, e)
-            ok = False
+        elif isinstance(got, OSError):  # EIO (a bad unit), a file too long (EFBIG)
+            log.warning("kvfs: %s not served: %s", self.key_path(key), got)
         if not ok:
             obj.ref_count_down()
             self._count("misses")
@@ -265,7 +276,7 @@ class _Backend:
 
     def batched_get_blocking(self, keys: list[Key]) -> list[MemoryObj | None]:
         objs = [self._allocate(k) for k in keys]  # the allocator is not thread-safe
-        return list(self._readers.map(self._load, keys, objs))
+        return self._load_all(keys, objs)
 
     async def batched_get_non_blocking(
         self, lookup_id: str, keys: list[Key], transfer_spec: Any = None
@@ -298,7 +309,6 @@ class _Backend:
 
     def close(self) -> None:
         self._writers.shutdown(wait=True)
-        self._readers.shutdown(wait=True)
         with self._lock:
             pins, self._pins = self._pins, {}
         for fds in pins.values():
