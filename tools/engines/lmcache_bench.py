@@ -273,6 +273,29 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     return {"median": med, "paired_ratios": ratios}
 
 
+def ext4_and_kvfs(stack: ExitStack, work: Path, image: int) -> tuple[Path, Kvfs]:
+    """Two preallocated images of ``image`` bytes as loop devices under ``work``: one
+    ext4 (mounted at ``work/ext4``), one kvfs pool (mounted at ``work/kvfs``); both
+    unmounted and detached by ``stack``."""
+    devs = {}
+    for name in ("ext4", "kvfs"):
+        img = make_image(work / f"{name}.img", image)
+        preallocate(img, image)
+        devs[name] = stack.enter_context(loop_dev(img))
+    mkfs = ["mkfs.ext4", "-q", "-F", "-E", "nodiscard,lazy_itable_init=0,lazy_journal_init=0"]
+    subprocess.run([*mkfs, devs["ext4"]], check=True, capture_output=True)
+    ext4 = stack.enter_context(fs_mounted(devs["ext4"], work / "ext4"))
+    subprocess.run(
+        [*kvfs_command(), "format", "--force", devs["kvfs"]], check=True, capture_output=True
+    )
+    preallocate(work / "kvfs.img", image)  # fill the holes the format's discard punched
+    kv = Kvfs(devs["kvfs"], work / "kvfs", work / "kvfs.log")
+    stack.callback(unmount, work / "kvfs")
+    stack.callback(kv.unmount)
+    kv.mount()
+    return ext4, kv
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "bench" / "lmcache_plugin.json")
@@ -294,34 +317,7 @@ def main() -> None:
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
     try:
         with ExitStack() as stack:
-            devs = {}
-            for name in ("ext4", "kvfs"):
-                img = make_image(work / f"{name}.img", a.image)
-                preallocate(img, a.image)
-                devs[name] = stack.enter_context(loop_dev(img))
-            subprocess.run(
-                [
-                    "mkfs.ext4",
-                    "-q",
-                    "-F",
-                    "-E",
-                    "nodiscard,lazy_itable_init=0,lazy_journal_init=0",
-                    devs["ext4"],
-                ],
-                check=True,
-                capture_output=True,
-            )
-            ext4 = stack.enter_context(fs_mounted(devs["ext4"], work / "ext4"))
-            subprocess.run(
-                [*kvfs_command(), "format", "--force", devs["kvfs"]],
-                check=True,
-                capture_output=True,
-            )
-            preallocate(work / "kvfs.img", a.image)
-            kv = Kvfs(devs["kvfs"], work / "kvfs", work / "kvfs.log")
-            stack.callback(unmount, work / "kvfs")
-            stack.callback(kv.unmount)
-            kv.mount()
+            ext4, kv = ext4_and_kvfs(stack, work, a.image)
             (work / "kvfs" / "lmcache").mkdir()
             subprocess.run(
                 [

@@ -57,10 +57,10 @@ sys.path.insert(0, str(REPO / "tools" / "engines"))
 sys.path.insert(0, str(REPO / "tools"))
 sys.path.insert(0, str(REPO))
 
-from bench import drop_caches, fs_mounted, loop_dev, preallocate  # noqa: E402
-from lmcache_bench import Kvfs, _tail  # noqa: E402
+from bench import drop_caches  # noqa: E402
+from lmcache_bench import _tail, ext4_and_kvfs  # noqa: E402
 
-from kvfs.testing.harness import kvfs_command, make_image, unmount  # noqa: E402
+from kvfs.testing.harness import kvfs_command  # noqa: E402
 
 ENGINES_PY = Path(os.environ.get("KVFS_ENGINES_VENV", REPO / ".venv-engines")) / "bin" / "python"
 DRIVER = REPO / "tools" / "engines" / "sglang_hicache_driver.py"
@@ -174,34 +174,7 @@ def main() -> None:
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
     try:
         with ExitStack() as stack:
-            devs = {}
-            for name in ("ext4", "kvfs"):
-                img = make_image(work / f"{name}.img", a.image)
-                preallocate(img, a.image)
-                devs[name] = stack.enter_context(loop_dev(img))
-            subprocess.run(
-                [
-                    "mkfs.ext4",
-                    "-q",
-                    "-F",
-                    "-E",
-                    "nodiscard,lazy_itable_init=0,lazy_journal_init=0",
-                    devs["ext4"],
-                ],
-                check=True,
-                capture_output=True,
-            )
-            ext4 = stack.enter_context(fs_mounted(devs["ext4"], work / "ext4"))
-            subprocess.run(
-                [*kvfs_command(), "format", "--force", devs["kvfs"]],
-                check=True,
-                capture_output=True,
-            )
-            preallocate(work / "kvfs.img", a.image)  # fill holes the format's discard punched
-            kv = Kvfs(devs["kvfs"], work / "kvfs", work / "kvfs.log")
-            stack.callback(unmount, work / "kvfs")
-            stack.callback(kv.unmount)
-            kv.mount()
+            ext4, kv = ext4_and_kvfs(stack, work, a.image)
             kvfs_dir(work / "kvfs" / "sglang", "kvfs-managed")
             (ext4 / "sglang").mkdir()
             for rep in range(a.reps):
