@@ -296,16 +296,16 @@ def _ring_move(r: ring.Ring, op: int, info: dict[str, Any], view: memoryview) ->
     thread's staging buffer."""
     size = info["size"]
     ticket = bytes.fromhex(info["ticket"])
-    where = ring.locate(addr, size) if (addr := ring.address(view)) is not None else None
-    if where is not None and where[1] % ALIGN == 0:
+    where = _shared_at_page(view)
+    if where is not None:
         _done(r.run([(op, ticket, where[0], where[1], size)])[0])
         return
-    stage = ring.staging(size)
-    if op == wire.OP_WRITE:
-        stage[:size] = view[:size]
-    _done(r.run([(op, ticket, stage, 0, size)])[0])
-    if op == wire.OP_READ:
-        view[:size] = stage[:size]
+    with ring.staging(size) as stage:
+        if op == wire.OP_WRITE:
+            stage[:size] = view[:size]
+        _done(r.run([(op, ticket, stage, 0, size)])[0])
+        if op == wire.OP_READ:
+            view[:size] = stage[:size]
     _count(bounced_bytes=size)
 
 
@@ -373,38 +373,44 @@ def _ring_read_paths(
 ) -> None:
     """Read ``(index, path, view)`` by path through ``r`` into ``out``; in place where
     a view is shared memory, else through one staging buffer for the batch."""
-    jobs: list[tuple[bytes, ring.SharedBuffer, int, int]] = []
-    bounce: list[tuple[int, str, memoryview, int]] = []
-    staged = sum(-(-len(v) // ALIGN) * ALIGN for _, _, v in items)
-    stage = None
-    at = 0
-    for i, path, view in items:
-        fs_path = _fs_path(path)
-        assert fs_path is not None
-        where = ring.locate(addr, len(view)) if (addr := ring.address(view)) is not None else None
-        if where is not None and where[1] % ALIGN == 0:
-            jobs.append((fs_path, where[0], where[1], len(view)))
-            bounce.append((i, path, view, -1))
-            continue
-        if stage is None:
-            stage = ring.staging(staged)
-        jobs.append((fs_path, stage, at, len(view)))
-        bounce.append((i, path, view, at))
-        at += -(-len(view) // ALIGN) * ALIGN
-    results = r.read_paths(jobs)
-    for (i, path, view, at_), got in zip(bounce, results, strict=True):
-        if isinstance(got, OSError):
-            if got.errno == errno.ENOENT:
-                out[i] = FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
-            elif got.errno not in _FALL_BACK:
-                out[i] = got
-            continue  # the other route
-        if at_ >= 0:
+    bounced = [v for _, _, v in items if not _shared_at_page(v)]
+    size = sum(-(-len(v) // ALIGN) * ALIGN for v in bounced)
+    with ring.staging(size) if bounced else contextlib.nullcontext() as stage:
+        jobs: list[tuple[bytes, ring.SharedBuffer, int, int]] = []
+        bounce: list[tuple[int, str, memoryview, int]] = []
+        at = 0
+        for i, path, view in items:
+            fs_path = _fs_path(path)
+            assert fs_path is not None
+            where = _shared_at_page(view)
+            if where is not None:
+                jobs.append((fs_path, where[0], where[1], len(view)))
+                bounce.append((i, path, view, -1))
+                continue
             assert stage is not None
-            view[:got] = stage[at_ : at_ + got]
-            _count(bounced_bytes=got)
-        _count(ring_reads=1, ring_bytes_read=got)
-        out[i] = got
+            jobs.append((fs_path, stage, at, len(view)))
+            bounce.append((i, path, view, at))
+            at += -(-len(view) // ALIGN) * ALIGN
+        results = r.read_paths(jobs)
+        for (i, path, view, at_), got in zip(bounce, results, strict=True):
+            if isinstance(got, OSError):
+                if got.errno == errno.ENOENT:
+                    out[i] = FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
+                elif got.errno not in _FALL_BACK:
+                    out[i] = got
+                continue  # the other route
+            if at_ >= 0:
+                assert stage is not None
+                view[:got] = stage[at_ : at_ + got]
+                _count(bounced_bytes=got)
+            _count(ring_reads=1, ring_bytes_read=got)
+            out[i] = got
+
+
+def _shared_at_page(view: memoryview) -> tuple[ring.SharedBuffer, int] | None:
+    """The shared buffer and page-aligned offset ``view`` lies at, if it does."""
+    where = ring.locate(addr, len(view)) if (addr := ring.address(view)) is not None else None
+    return where if where is not None and where[1] % ALIGN == 0 else None
 
 
 _MOUNTS: list[tuple[float, list[tuple[str, str]]]] = []
