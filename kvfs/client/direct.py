@@ -456,17 +456,36 @@ def _fs_path(path: str) -> bytes | None:
     return None
 
 
+def _mount_point(path: str) -> str | None:
+    """The kvfs mount point ``path`` lies under, if any (``/proc/self/mountinfo``)."""
+    full = os.path.abspath(path)
+    for point, _ in _kvfs_mounts():
+        if full == point or full.startswith(point.rstrip("/") + "/"):
+            return point
+    return None
+
+
+def _route_map(path: str, point: str | None, fresh: bool = False) -> dict[str, Any] | None:
+    """The members and ring of the mount ``path`` is on: its root's map (one per
+    mount, remembered), else its directory's, named as the caller names it (the way
+    to the root may not be searchable by this user: a mount reached through its
+    working directory). Raises what opening that directory raises."""
+    if point is not None:
+        with contextlib.suppress(OSError):
+            info = _directory_map(point, fresh)
+            if info is not None:
+                return info
+    return _directory_map(os.path.dirname(path) or ".", fresh)
+
+
 def _ring_path_of(path: str) -> tuple[str, str] | None:
     """(ring socket, mount point) for a file under a kvfs mount this process reads
     through the ring (not its devices); None otherwise."""
-    if _cap() > 1 or _fs_path(path) is None:
+    point = _mount_point(path)
+    if _cap() > 1 or point is None or _fs_path(path) is None:
         return None
-    full = os.path.abspath(path)
-    point = next(p for p, _ in _kvfs_mounts() if full == p or full.startswith(p.rstrip("/") + "/"))
-    # the directory as the caller names it: the way to it may not be searchable by
-    # this user from the root (a mount reached through its working directory)
     try:
-        info = _directory_map(os.path.dirname(path) or ".")
+        info = _route_map(path, point)
     except OSError:  # no such directory...: read_into says so, for this file alone
         return None
     if info is None or not info.get("ring") or _devices(info, write=False) is not None:
@@ -526,11 +545,11 @@ def write_from(path: str | os.PathLike[str], buf: Any, mode: int = 0o644) -> int
     written. A failure leaves no partial file behind."""
     view = _bytes_view(buf)
     size = len(view)
-    parent = os.path.dirname(os.fspath(path)) or "."
     fds: list[int] | None = None
     rng: ring.Ring | None = None
+    point = _mount_point(os.fspath(path))
     for fresh in (False, True) if size else ():
-        info = _directory_map(parent, fresh)
+        info = _route_map(os.fspath(path), point, fresh)
         fds = _devices(info, write=True) if info is not None else None
         # the ring only once it is reachable: after the reservation a failure fails the file
         rng = _ring(info) if fds is None else None
@@ -547,7 +566,7 @@ def write_from(path: str | os.PathLike[str], buf: Any, mode: int = 0o644) -> int
             plan = json.loads(os.getxattr(fd, f"{RESERVE}{size}.{nonce}"))
             assert info is not None  # a route was found in it
             if plan.get("devices") != info.get("devices") or plan.get("ring") != info.get("ring"):
-                _DIRECTORIES.pop(parent, None)  # remounted meanwhile: ask again next time
+                _DIRECTORIES.clear()  # remounted meanwhile: ask again next time
                 if fds is not None:
                     fds = _devices(plan, write=True)
                     if fds is None:

@@ -45,7 +45,10 @@ class SharedBuffer(mmap.mmap):
 
 
 _ids = itertools.count(1)
-_lock = threading.Lock()
+_lock = threading.RLock()
+"""Guards the registries below. Reentrant: a buffer's finalizer (:func:`_forget`)
+takes it, and runs wherever the buffer's last reference goes, which may be a
+thread that holds it already."""
 _buffers: dict[int, weakref.ref[SharedBuffer]] = {}  # by address
 _starts: list[int] = []  # sorted addresses of _buffers
 _all_rings: weakref.WeakSet[Ring] = weakref.WeakSet()
@@ -129,10 +132,14 @@ def staging(nbytes: int) -> Iterator[SharedBuffer]:
     try:
         yield buf
     finally:
+        dropped = None
         with _lock:
             _staging_free.append(buf)
             if len(_staging_free) > STAGING_KEPT:
-                _staging_free.remove(min(_staging_free, key=len))  # freed when unused
+                dropped = min(_staging_free, key=len)
+                _staging_free.remove(dropped)
+        # its last reference goes here, outside the lock: its finalizer takes the lock
+        del dropped
 
 
 class Ring:
@@ -268,7 +275,7 @@ def _forked() -> None:
     """A forked child shares its parent's sockets but has no receiver thread: it
     starts its own rings (the parent's stay the parent's)."""
     global _lock
-    _lock = threading.Lock()
+    _lock = threading.RLock()
     _all_rings.clear()
     _local.__dict__.clear()
     _staging_free.clear()

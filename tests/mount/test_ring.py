@@ -21,6 +21,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -408,3 +409,41 @@ def test_without_allow_other_no_other_user_reads_by_path(
         _in_child(unprivileged_user, tmp_path, other)
     finally:
         _finish(m)
+
+
+def test_bounced_requests_of_many_sizes_from_many_threads(kvfs_mount: KvfsMount) -> None:
+    """Buffers that are not shared memory go through the process's staging buffers,
+    which threads share and drop once more sizes than it keeps were used: a buffer's
+    finalizer then runs inside the staging code (it once deadlocked a real vLLM
+    engine's store threads). Every request completes, every byte exact."""
+    os.environ["KVFS_DIRECT_ROUTE"] = "ring"
+    try:
+        sizes = [(1 << k) + 3 for k in range(10, 25)]  # 15 staging sizes, 1 KiB..16 MiB
+        for size in sizes:
+            direct.write_from(kvfs_mount.path / f"s{size}", pattern(("s", size), size))
+        errors: list[BaseException] = []
+
+        def worker(k: int) -> None:
+            try:
+                for size in sizes[k % 3 :: 2] + sizes[::-3]:
+                    buf = memoryview(bytearray(size + 1))[1:]  # never shared: bounced
+                    assert direct.read_into(kvfs_mount.path / f"s{size}", buf) == size
+                    assert bytes(buf) == pattern(("s", size), size)
+                    direct.write_from(kvfs_mount.path / f"w{k}-{size}", bytes(buf))
+                got = direct.read_batch(
+                    (kvfs_mount.path / f"s{size}", bytearray(size)) for size in sizes
+                )
+                assert got == sizes, got
+            except BaseException as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert not any(t.is_alive() for t in threads), "a ring request never completed"
+        assert not errors, errors
+        assert direct.stats()["bounced_bytes"] > 0
+    finally:
+        os.environ.pop("KVFS_DIRECT_ROUTE", None)
