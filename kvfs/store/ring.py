@@ -491,9 +491,4 @@ class _Job:
             self.finished()
 
 
-def socket_path(directory: str, name: str) -> str:
-    """Where a mount's ring listens: one socket per daemon in ``directory``."""
-    return os.path.join(directory, f"{name}.sock")
-
-
-__all__ = ["RingServer", "RingStatistics", "socket_path"]
+__all__ = ["RingServer", "RingStatistics"]

@@ -130,6 +130,12 @@ def one_run(root: Path, variant: str, chunks: int, cold: Any) -> dict[str, Any]:
     env.pop("PYTHONPATH", None)
     if mode == "ring":  # the plugin as a process that may not open the devices gets it
         env["KVFS_DIRECT_ROUTE"] = "ring"
+    return run_paused(cmd, env, variant, cold)
+
+
+def run_paused(cmd: list[str], env: dict[str, str], variant: str, cold: Any) -> dict[str, Any]:
+    """Run a driver that stores, says STORED and waits: make the read cold
+    (``cold()``), let it go on, and return the JSON of its last line."""
     with tempfile.TemporaryFile() as err:  # the driver's stderr: shown if it fails
         p = subprocess.Popen(
             cmd,

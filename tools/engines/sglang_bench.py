@@ -58,7 +58,7 @@ sys.path.insert(0, str(REPO / "tools"))
 sys.path.insert(0, str(REPO))
 
 from bench import drop_caches  # noqa: E402
-from lmcache_bench import _tail, ext4_and_kvfs  # noqa: E402
+from lmcache_bench import ext4_and_kvfs, run_paused  # noqa: E402
 
 from kvfs.testing.harness import kvfs_command  # noqa: E402
 
@@ -105,29 +105,7 @@ def one_run(root: Path, variant: str, a: argparse.Namespace, cold: Any) -> dict[
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     env.pop("PYTHONPATH", None)
     env.pop("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", None)
-    with tempfile.TemporaryFile() as err:  # the driver's stderr: shown if it fails
-        p = subprocess.Popen(
-            cmd,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=err,
-            text=True,
-            env=env,
-            cwd="/",
-        )
-        assert p.stdin and p.stdout
-        line = p.stdout.readline()
-        if line.strip() != "STORED":
-            p.kill()
-            p.wait()
-            raise RuntimeError(f"{variant}: driver said {line!r}{_tail(err)}")
-        cold()
-        p.stdin.write("go\n")
-        p.stdin.flush()
-        out = p.stdout.read()
-        if p.wait() != 0:
-            raise RuntimeError(f"{variant}: driver exited {p.returncode}{_tail(err)}")
-    res: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    res = run_paused(cmd, env, variant, cold)
     if not all(res["identical"]):
         raise RuntimeError(f"{variant}: a prefetched page differs from the stored one")
     return res
