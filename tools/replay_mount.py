@@ -36,7 +36,7 @@ META = 16 << 20
 
 
 def run_one(
-    workload: str, fraction: float, policy: str, scale: float, seed: int, grace: float = 0.0
+    workload: str, fraction: float, policy: str, scale: float, seed: int, grace: float | None = None
 ) -> dict[str, object]:
     if workload in kvtrace.WORKLOADS:
         trace = kvtrace.make_trace(workload, scale=scale, seed=seed)
@@ -49,6 +49,10 @@ def run_one(
     with tempfile.TemporaryDirectory(prefix="kvreplay-") as tmp:
         img = make_image(Path(tmp) / "dev.img", size)
         mnt = Path(tmp) / "mnt"
+        # the mount's default grace unless one is named: 5 s of this replay's writes
+        # exceed the whole (16-64 MiB) pool, and the grace's byte bound (a 64th of
+        # the pool) is what keeps the order the policy's (docs/eviction.md)
+        options = [] if grace is None else ["--fresh-grace", str(grace)]
         with mounted(
             mnt,
             [img],
@@ -59,11 +63,7 @@ def run_one(
             str(META),
             "--eviction",
             policy,
-            # 5 s of this replay's writes exceed the whole (16-64 MiB) pool, so the
-            # default grace would leave only fresh files, evicted oldest closed first
-            # (FIFO), whatever the policy; a real pool holds hours of writes
-            "--fresh-grace",
-            str(grace),
+            *options,
             log_file=Path(tmp) / "kvfs.log",
         ):
             root = mnt / "kv"
@@ -75,6 +75,7 @@ def run_one(
         "workload": workload,
         "capacity_fraction": fraction,
         "policy": policy,
+        "fresh_grace": "default" if grace is None else grace,
         "capacity_chunks": units,
         "footprint_chunks": chunks,
         "mount_hit_rate": round(result.hit_tokens / result.prompt_tokens, 4),
@@ -96,7 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scale", type=float, default=0.5)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--fresh-grace", type=float, default=0.0, help="the mount's (default 0)")
+    ap.add_argument(
+        "--fresh-grace", type=float, default=None, help="the mount's (default: its own, 5 s)"
+    )
     args = ap.parse_args(argv)
     rows = []
     for workload in args.workloads.split(","):

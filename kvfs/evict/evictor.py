@@ -61,6 +61,14 @@ FRESH_GRACE = 5.0
 """Seconds after its commit (close) during which a file is evicted only as a last
 resort, before ENOSPC: the moment between a writer's close and its first use of the
 file (vLLM's ``os.replace`` of its tmp file) must not lose it (``docs/eviction.md``)."""
+FRESH_GRACE_SHARE = 1 / 64
+"""The most of the pool's data capacity the grace protects at once: when files in
+their grace hold more, the longest-closed lose it first (the newest file always
+keeps it). The grace covers the moment between a close and a rename, never the
+cache: 1/64 of a 245 TB drive is ~3.8 TB, far over what engines write in 5 s, so a
+large pool keeps the whole time bound; on a small pool, where 5 s of writes can
+exceed the whole pool, the eviction order stays the policy's (``docs/eviction.md``,
+"The grace's byte bound")."""
 
 
 GONE_MIN = 1024
@@ -96,6 +104,7 @@ class Evictor:
         alive: Callable[[int], int | None] = procs.start_time,
         thread_group: Callable[[int], int | None] = procs.thread_group,
         grace: float = FRESH_GRACE,
+        grace_bytes: int = 0,
     ) -> None:
         if default_policy not in POLICIES:
             raise ValueError(f"default policy must be one of {POLICIES}")
@@ -117,7 +126,10 @@ class Evictor:
         self.orphans = OrphanList()
         self._starts: dict[int, int] = {}
         self.grace = grace
-        self._fresh: dict[int, float] = {}  # ino -> end of its grace, in commit order
+        self.grace_bytes = grace_bytes
+        """The most bytes files in their grace may hold (0: no bound)."""
+        self._fresh: dict[int, tuple[float, int]] = {}  # ino -> (end of grace, size), commit order
+        self._fresh_bytes = 0
         self._gone: dict[int, int] = {}  # hash((parent, name)) -> a gone file's ghost
         self.evictions = self.orphan_evictions = 0
 
@@ -322,20 +334,41 @@ class Evictor:
             if ghost is not None:
                 self.policy.put_ghost(inode.ino, ghost)
         self.policy.track(inode.ino, inode.size, (pid, inode.parent))
-        self._fresh.pop(inode.ino, None)
-        self._fresh[inode.ino] = time.monotonic() + self.grace
+        self._unfresh(inode.ino)
+        if self.grace > 0:
+            self._fresh[inode.ino] = (time.monotonic() + self.grace, inode.size)
+            self._fresh_bytes += inode.size
+            self._bound_fresh()
+
+    def _unfresh(self, ino: int) -> None:
+        entry = self._fresh.pop(ino, None)
+        if entry is not None:
+            self._fresh_bytes -= entry[1]
+
+    def _bound_fresh(self) -> None:
+        """The longest-closed files lose their grace while the files in it hold
+        more than ``grace_bytes`` (the newest keeps it)."""
+        if not self.grace_bytes:
+            return
+        fresh = self._fresh
+        while self._fresh_bytes > self.grace_bytes and len(fresh) > 1:
+            self._fresh_bytes -= fresh.pop(next(iter(fresh)))[1]
 
     def fresh(self) -> int:
         """Files still in their grace (expired ones are forgotten first)."""
         now = time.monotonic()
         expired = []
-        for ino, deadline in self._fresh.items():
+        for ino, (deadline, _) in self._fresh.items():
             if deadline > now:
                 break
             expired.append(ino)
         for ino in expired:
-            del self._fresh[ino]
+            self._unfresh(ino)
         return len(self._fresh)
+
+    def fresh_bytes(self) -> int:
+        """Bytes of the files in their grace (as of their close)."""
+        return self._fresh_bytes
 
     def created(self, inode: Inode, pid: int) -> None:
         self.orphans.pop(inode.ino, None)
@@ -354,7 +387,7 @@ class Evictor:
             while len(gone) > max(GONE_MIN, len(self.policy)):
                 del gone[next(iter(gone))]
         self.orphans.pop(ino, None)
-        self._fresh.pop(ino, None)
+        self._unfresh(ino)
         self.forget_owner(ino)
 
     def _start_of(self, pid: int) -> int | None:

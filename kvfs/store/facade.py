@@ -43,7 +43,7 @@ from kvfs.common.timing import Histogram
 from kvfs.devices.alloc import Allocator
 from kvfs.devices.pool import Pool
 from kvfs.evict.driver import EvictionDriver
-from kvfs.evict.evictor import Evictor
+from kvfs.evict.evictor import FRESH_GRACE_SHARE, Evictor
 from kvfs.evict.space import Space
 from kvfs.format.records import (
     Op,
@@ -116,7 +116,11 @@ class Store:
         self.traffic = Traffic()
         self.on_vanish: Callable[[int, bytes, int], None] = lambda parent, name, ino: None
         self.evictor = Evictor(
-            self.ns, self.cfg.eviction_policy, self.cfg.default_policy, grace=self.cfg.fresh_grace
+            self.ns,
+            self.cfg.eviction_policy,
+            self.cfg.default_policy,
+            grace=self.cfg.fresh_grace,
+            grace_bytes=max(1, int(self.alloc.total_units * self.unit * FRESH_GRACE_SHARE)),
         )
         self._missing = frozenset(pool.missing)  # members absent from a degraded mount
         for dev in self._missing:

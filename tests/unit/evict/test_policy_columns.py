@@ -508,7 +508,7 @@ def test_remount_drops_gone_files_and_adopts_new_ones(name: str) -> None:
     for ino in range(3000, 3100):
         saved.track(ino, 7, None)
     assert order(again.policy) == order(saved)
-    assert again.policy.persist() == saved.persist() or name == "adaptive"
+    assert again.policy.persist() == saved.persist()
     owned = {ino for ino in range(2, 3000, 7) if ino in left}
     assert list(again.orphans) == sorted(left - owned)  # mtime order (= inode here)
     assert all(again.owner_of(ino) == (1000, 7) for ino in owned)

@@ -1087,3 +1087,21 @@ async def test_a_kernel_read_past_a_size_it_has_not_seen_shrink_is_eio() -> None
         for h in (fh, buffered, direct):
             await store.release(h)
         await store.close()
+
+
+async def test_the_grace_protects_at_most_a_64th_of_the_pool() -> None:
+    """A replay writes faster than 5 s of grace allows on a small pool: the grace
+    may not protect more than FRESH_GRACE_SHARE of the capacity, so eviction stays
+    the policy's (issue 30), and every file still reads back whole."""
+    from kvfs.evict.evictor import FRESH_GRACE_SHARE
+
+    async with serving(memory_pool(size=16 << 20)) as store:
+        capacity = store.alloc.total_units * store.unit
+        assert store.evictor.grace_bytes == int(capacity * FRESH_GRACE_SHARE)
+        data = {b"f%d" % i: bytes([i]) * (3 * UNIT) for i in range(40)}
+        for name, body in data.items():
+            await put(store, name, body)
+            assert store.evictor.fresh_bytes() <= max(store.evictor.grace_bytes, 3 * UNIT)
+        assert 1 <= store.evictor.fresh() < len(data)
+        for name, ino in files(store).items():
+            assert await get(store, ino) == data[name]
