@@ -63,8 +63,8 @@ resort, before ENOSPC: the moment between a writer's close and its first use of 
 file (vLLM's ``os.replace`` of its tmp file) must not lose it (``docs/eviction.md``)."""
 FRESH_GRACE_SHARE = 1 / 64
 """The most of the pool's data capacity the grace protects at once: when files in
-their grace hold more, the longest-closed lose it first (the newest file always
-keeps it). The grace covers the moment between a close and a rename, never the
+their grace hold more, the longest-closed lose it first (each writer's newest file
+always keeps it). The grace covers the moment between a close and a rename, never the
 cache: 1/64 of a 245 TB drive is ~3.8 TB, far over what engines write in 5 s, so a
 large pool keeps the whole time bound; on a small pool, where 5 s of writes can
 exceed the whole pool, the eviction order stays the policy's (``docs/eviction.md``,
@@ -128,8 +128,10 @@ class Evictor:
         self.grace = grace
         self.grace_bytes = grace_bytes
         """The most bytes files in their grace may hold (0: no bound)."""
-        self._fresh: dict[int, tuple[float, int]] = {}  # ino -> (end of grace, size), commit order
+        # ino -> (end of its grace, size, writer's thread id), in commit order
+        self._fresh: dict[int, tuple[float, int, int]] = {}
         self._fresh_bytes = 0
+        self._newest: dict[int, int] = {}  # writer -> its newest file in its grace
         self._gone: dict[int, int] = {}  # hash((parent, name)) -> a gone file's ghost
         self.evictions = self.orphan_evictions = 0
 
@@ -336,29 +338,42 @@ class Evictor:
         self.policy.track(inode.ino, inode.size, (pid, inode.parent))
         self._unfresh(inode.ino)
         if self.grace > 0:
-            self._fresh[inode.ino] = (time.monotonic() + self.grace, inode.size)
+            self._fresh[inode.ino] = (time.monotonic() + self.grace, inode.size, pid)
             self._fresh_bytes += inode.size
+            self._newest[pid] = inode.ino
             self._bound_fresh()
 
     def _unfresh(self, ino: int) -> None:
         entry = self._fresh.pop(ino, None)
         if entry is not None:
             self._fresh_bytes -= entry[1]
+            if self._newest.get(entry[2]) == ino:
+                del self._newest[entry[2]]
 
     def _bound_fresh(self) -> None:
-        """The longest-closed files lose their grace while the files in it hold
-        more than ``grace_bytes`` (the newest keeps it)."""
-        if not self.grace_bytes:
+        """While the files in their grace hold more than ``grace_bytes``, the
+        longest closed lose it -- but never a writer's newest file: a writer (vLLM's
+        fs tier, LMCache) renames or reads the file it just closed before it writes
+        the next, so that file must survive whatever the other writers close."""
+        over = self._fresh_bytes - self.grace_bytes
+        if not self.grace_bytes or over <= 0:
             return
-        fresh = self._fresh
-        while self._fresh_bytes > self.grace_bytes and len(fresh) > 1:
-            self._fresh_bytes -= fresh.pop(next(iter(fresh)))[1]
+        newest = self._newest
+        drop = []
+        for ino, (_, size, writer) in self._fresh.items():
+            if over <= 0:
+                break
+            if newest.get(writer) != ino:
+                drop.append(ino)
+                over -= size
+        for ino in drop:
+            self._unfresh(ino)
 
     def fresh(self) -> int:
         """Files still in their grace (expired ones are forgotten first)."""
         now = time.monotonic()
         expired = []
-        for ino, (deadline, _) in self._fresh.items():
+        for ino, (deadline, _, _) in self._fresh.items():
             if deadline > now:
                 break
             expired.append(ino)
@@ -548,7 +563,7 @@ class Evictor:
     ) -> Iterator[tuple[Inode, bool]]:
         """(inode, is_orphan) in eviction order; the caller evicts or skips each one
         and must call :meth:`forget` for every inode it evicts. Files in their grace
-        are passed over; ``include_fresh`` (the last resort before ENOSPC) yields
+        are passed over unless orphans; ``include_fresh`` (the last resort before ENOSPC) yields
         only them, the longest closed first: the file a writer closed a moment ago
         and is about to rename goes last. ``owners``: only files of these uids."""
         if owners is not None:
@@ -560,13 +575,8 @@ class Evictor:
         if include_fresh:
             yield from self._fresh_candidates(evictable, group)
             return
-        if self.fresh():
-            fresh = self._fresh
-            inner = evictable
-
-            def evictable(inode: Inode) -> bool:
-                return inode.ino not in fresh and inner(inode)
-
+        # orphans first, in their grace or not: the grace keeps a file for its
+        # writer's rename, and an orphan's writer is gone
         for ino in list(itertools.islice(self.orphans, ORPHAN_SCAN)):
             inode = self.ns.inodes.get(ino)
             if inode is None:
@@ -574,6 +584,13 @@ class Evictor:
                 continue
             if evictable(inode) and (group is None or self.group_of(inode) == group):
                 yield inode, True
+        if self.fresh():
+            fresh = self._fresh
+            inner = evictable
+
+            def evictable(inode: Inode) -> bool:
+                return inode.ino not in fresh and inner(inode)
+
         yield from self._in_order(self.policy.victims(), evictable, group, orphans=False)
 
     def _fresh_candidates(

@@ -711,6 +711,13 @@ def test_the_grace_protects_at_most_its_byte_bound_longest_closed_first() -> Non
     big.committed(ns.inodes[5], 0)
     big.committed(ns.inodes[6], 0)
     assert big.fresh() == 1  # a file over the bound alone keeps its grace
+    for ino in range(7, 15):  # eight writers, one file each: each keeps its newest
+        big.committed(ns.inodes[ino], ino)
+    big.committed(ns.inodes[15], 7)  # writer 7's second: its first loses the grace
+    assert set(big._fresh) == {6, *range(8, 15), 15}  # writer 0's 6 too
+    big.forget(15)
+    big.committed(ns.inodes[16], 99)
+    assert set(big._fresh) == {6, *range(8, 15), 16}  # writer 7 has none left
     unbounded = Evictor(ns, policy="lru", alive=lambda pid: None, thread_group=lambda t: t)
     for ino in range(5, 25):
         unbounded.committed(ns.inodes[ino], 0)
