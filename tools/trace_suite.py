@@ -1,6 +1,6 @@
 """Score every eviction policy on the trace suite; write the table, JSON and a plot.
 
-    .venv/bin/python tools/trace_suite.py [--mooncake DIR] [--ablation]
+    .venv/bin/python tools/trace_suite.py [--mooncake DIR] [--ablation | --adaptive-ablation]
         [--traces a,b] [--capacities 0.1,0.2,0.3,0.5] [--out docs/bench]
 
 For each trace of ``tools/traces.py`` (train and held-out splits; Mooncake's real
@@ -10,7 +10,8 @@ chunks), simulate each policy with ``kvtrace.simulate`` (prefix rule, one engine
 writing every request) and Belady with ``kvtrace.simulate_belady``.  Prints a
 Markdown table per trace; writes ``trace_suite.json`` (rows) and ``trace_suite.svg``
 (hit rate vs capacity per policy, Belady dashed) under ``--out``.  ``--ablation``
-scores ``KvfsPolicy`` with each of its rules switched off instead.
+scores ``KvfsPolicy`` with each of its rules switched off instead, ``--adaptive-ablation``
+the adaptive policy with other margins and without its shadows' prefix rule.
 
 Chunks are 1000 bytes each here (eviction decisions do not depend on the size when
 every chunk has the same one). Exit codes: 0 success, 2 bad arguments.
@@ -32,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kvtrace
 import traces
 
-from kvfs.evict.policy import EvictionPolicy, KvfsPolicy, make_policy
+from kvfs.evict.policy import AdaptivePolicy, EvictionPolicy, KvfsPolicy, make_policy
 from kvfs.evict.policy.prefix import RULES
 
 CHUNK = 1000
@@ -47,8 +48,15 @@ COLOURS = {
 }
 
 
-def factories(ablation: bool) -> dict[str, Callable[[], EvictionPolicy]]:
-    """The policies to score: the registered ones, or KvfsPolicy's ablations."""
+def factories(ablation: bool, adaptive: bool = False) -> dict[str, Callable[[], EvictionPolicy]]:
+    """The policies to score: the registered ones, KvfsPolicy's ablations, or the
+    adaptive policy's (its margin, its shadows' prefix rule)."""
+    if adaptive:
+        out = {"lru": lambda: make_policy("lru"), "adaptive": lambda: make_policy("adaptive")}
+        for margin in (1.0, 1.25, 2.0):
+            out[f"adaptive-margin-{margin}"] = lambda m=margin: AdaptivePolicy(margin=m)
+        out["adaptive-no-prefix-rule"] = lambda: AdaptivePolicy(prefix_rule=False)
+        return out
     if not ablation:
         return {name: (lambda name=name: make_policy(name)) for name in POLICIES}
     out: dict[str, Callable[[], EvictionPolicy]] = {"lru": lambda: make_policy("lru")}
@@ -196,6 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--traces", default="", help="comma-separated names (default: all)")
     ap.add_argument("--capacities", default="0.1,0.2,0.3,0.5")
     ap.add_argument("--ablation", action="store_true")
+    ap.add_argument("--adaptive-ablation", action="store_true")
     ap.add_argument("--out", type=Path, default=None, help="write JSON and SVG here")
     args = ap.parse_args(argv)
     try:
@@ -208,13 +217,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     wanted = [name for name in args.traces.split(",") if name] or None
     mooncake = Path(args.mooncake) if args.mooncake else None
     suite = traces.suite(mooncake, wanted)
-    policies = factories(args.ablation)
+    policies = factories(args.ablation, args.adaptive_ablation)
     rows = score(suite, policies, fractions)
     names = list(policies)
     print(table(rows, names))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        stem = "trace_ablation" if args.ablation else "trace_suite"
+        stem = "trace_suite"
+        if args.ablation or args.adaptive_ablation:
+            stem = "trace_adaptive_ablation" if args.adaptive_ablation else "trace_ablation"
         (args.out / f"{stem}.json").write_text(json.dumps(rows, indent=1) + "\n")
         (args.out / f"{stem}.svg").write_text(svg(rows, names))
     return 0

@@ -92,6 +92,16 @@ _ALIVE = bytes(int(not b & F_DEAD) for b in range(256))
 """Inode flags -> 1 unless dropped."""
 
 
+def _chunk_id(inode: Inode) -> int:
+    """What a file holds, as the policy may know it across rewrites: its name in
+    its directory (a chunk written again after its eviction is a new inode under
+    the same name), as a non-negative int (this process's hash)."""
+    return hash((inode.parent, inode.name)) & _ID_MASK
+
+
+_ID_MASK = (1 << 62) - 1
+
+
 class Evictor:
     """Ownership, orphans and eviction order over one namespace."""
 
@@ -320,6 +330,7 @@ class Evictor:
         Returns the opener as (process id, start time), None if unknown."""
         self.orphans.pop(inode.ino, None)
         owner = self._set_owner(inode.ino, pid)
+        self.policy.identify(inode.ino, _chunk_id(inode))
         self.policy.touch(inode.ino, (pid, inode.parent))
         return owner
 
@@ -335,6 +346,7 @@ class Evictor:
             ghost = self._gone.pop(hash((inode.parent, inode.name)), None) if self._gone else None
             if ghost is not None:
                 self.policy.put_ghost(inode.ino, ghost)
+        self.policy.identify(inode.ino, _chunk_id(inode))
         self.policy.track(inode.ino, inode.size, (pid, inode.parent))
         self._unfresh(inode.ino)
         if self.grace > 0:

@@ -263,9 +263,9 @@ def test_suite_generators_share_prefixes_and_are_seeded(name: str) -> None:
 @pytest.mark.parametrize("name", sorted(SMALL_SUITE))
 def test_prefix_policies_against_lru_and_belady(name: str) -> None:
     """On a small trace of each generator: prefix-lru never below LRU (within 0.5
-    point), adaptive within 4 points of LRU in each cell (its measured worst case
-    on these small traces is vllm-qa 30 %, 3.6 points under: docs/eviction.md) and
-    at least LRU over the three capacities, every policy under Belady."""
+    point), the default policy never more than 0.3 point under LRU in any cell
+    (issue 30's target) and at least LRU over the three capacities, every policy
+    under Belady."""
     trace = SMALL_SUITE[name]()
     sums = {"lru": 0.0, "adaptive": 0.0}
     for fraction in (0.1, 0.3, 0.5):
@@ -277,7 +277,7 @@ def test_prefix_policies_against_lru_and_belady(name: str) -> None:
         }
         assert max(rate.values()) <= best + 0.005, (fraction, rate, best)
         assert rate["prefix-lru"] >= rate["lru"] - 0.005, (fraction, rate)
-        assert rate["adaptive"] >= rate["lru"] - 0.04, (fraction, rate)
+        assert rate["adaptive"] >= rate["lru"] - 0.003, (fraction, rate)
         for policy in sums:
             sums[policy] += rate[policy]
     assert sums["adaptive"] >= sums["lru"], sums

@@ -1,4 +1,4 @@
-"""The adaptive policy ("adaptive"): learns online which of two experts to follow.
+"""The adaptive policy ("adaptive", the default): follows the better of two experts.
 
 Two experts see every event and keep their own order over the same resident keys:
 
@@ -10,49 +10,46 @@ Two experts see every event and keep their own order over the same resident keys
   files), which keeps a fixed subset of conversations when they come back after a
   round longer than the cache (multi-round QA), where LRU keeps none.
 
-Eviction follows the expert with the larger weight. Learning is LeCaR's (Vietri et
-al., HotStorage'18): every eviction is remembered (key, the expert that chose it,
-the eviction count) in a history as long as the cache holds keys -- unless the
-other expert's first victim was the same key: both would have evicted it, so a
-later miss on it is nobody's regret (LeCaR's rule; without it the followed expert
-collects all the regrets and the weights swing, landing between the experts).
-When a remembered key is written again -- a miss the other expert might have
-avoided -- the other expert's weight grows by
-``exp(learning_rate * 0.005 ** (age / resident keys))`` (a regret that fades with
-the time since the eviction), and the weights are normalised -- once per run of
-rewrites of a stream: under the prefix rule the chunks after a missing one are
-misses whatever is cached, so only the first rewrite after a hit is a mistake.
-O(1) per event (each expert is), plus O(1) history work and a bounded look at the
-other expert's order.
+Eviction follows the expert whose *shadow* leads (:mod:`~kvfs.evict.policy.duel`):
+each expert also runs alone as a small cache over a sample of the chunks, its hits
+counted under the prefix rule, and the policy turns to the other expert only when
+that one's decayed hit score is ``margin`` (1.5) times the followed one's. Until
+issue 30 the choice was LeCaR's regret weights (Vietri et al., HotStorage '18),
+which learn only from the real cache's misses and followed the loop expert into
+4.5 points under LRU on docqa-mix-h; the shadows measure each expert on its own
+(docs/eviction.md, "The adaptive policy follows shadow caches"). O(1) per event
+for the experts, plus the shadows' O(1) work for a sampled chunk.
 
-Memory: the history is no dict. A remembered eviction is a note kept with the
-loop expert's ghost of the key (``KvfsPolicy.note_ghost``: the ghost's gap column,
-unused while it is no resident), so it lives exactly as long as that ghost (the
-newest ``max(1024, resident)`` evictions). The recency expert's table has the loop
-expert's geometry (the same sentinels, its list where the loop expert's probation
-is), so after a mount's bulk adoption both hold the same links, owners and sizes;
-chunks that hold the same rows are one array, copy-on-write for both
-(``slots.share_equal_chunks``: at adoption and recovery, and a bounded number per
-checkpoint), and the second expert costs what has diverged.
+A chunk written again after its eviction is a new inode on a mount: the evictor
+tells the policy each file's identity (its name's hash, ``identify``) before each
+event, and the shadows key chunks by it, so a chunk that comes back after any gap
+is the same chunk to them (an entry per sampled file only).
+
+The recency expert's table has the loop expert's geometry (the same sentinels, its
+list where the loop expert's probation is), so after a mount's bulk adoption both
+hold the same links, owners and sizes; chunks that hold the same rows are one array,
+copy-on-write for both (``slots.share_equal_chunks``: at adoption and recovery, and
+a bounded number per checkpoint), and the second expert costs what has diverged.
 
 Persisted as a version 3 image of kind 3 in two tables (``docs/format.md``): table
-0 the loop expert's (its lists, ghosts and notes), table 1 the recency expert's,
-whose scalars carry the weights, the eviction count and the regret counters. Both
-are frozen in O(chunks), as the other policies' are. Older images still load: the
-0.3 release's one-piece version 1 adaptive image (weights start even, no history),
-a ``kvfs`` image (adopted whole by the loop expert, the recency expert taking its
-residents in order) and any other policy's residents.
+0 the loop expert's (its lists and ghosts), table 1 the recency expert's, whose
+scalars carry the shadows' scores as two shares (the image's two weights), the
+eviction count and how often the policy turned to each expert (the two counters
+that held LeCaR's regrets before). Shadows are not persisted: they restart empty
+and the scores resume from the shares. Older images still load: LeCaR's (its
+weights read as shares), the 0.3 release's one-piece version 1 adaptive image
+(even shares), a ``kvfs`` image (adopted whole by the loop expert, the recency
+expert taking its residents in order) and any other policy's residents.
 """
 
 from __future__ import annotations
 
-import math
 from array import array
-from collections import OrderedDict
 from collections.abc import Hashable, Iterator
 from itertools import chain
 
-from kvfs.evict.policy.prefix import _GHOST, _PROBATION, _STREAM_MEMORY, KvfsPolicy
+from kvfs.evict.policy.duel import MARGIN, Duel
+from kvfs.evict.policy.prefix import _GHOST, _PROBATION, KvfsPolicy
 from kvfs.evict.policy.prefix_lru import PrefixLRUPolicy
 from kvfs.evict.policy.protocol import Policy, PolicyStatistics
 from kvfs.evict.slots import FREE, LOOSE, SHIFT, SlotTable, share_equal_chunks
@@ -61,9 +58,8 @@ from kvfs.format.policy_image import Image
 
 RECENCY = 0
 LOOP = 1
-_DISCOUNT = 0.005  # LeCaR: a regret one cache-turnover old counts 0.5 %
 _LOOP_LISTS = 3
-_PEEK = 64  # how far victims() looks into the other expert's order for agreement
+_RESUMED = 64.0  # scores a recovered policy resumes with (the shares times this)
 _SHARE_STEP = 256  # chunks per column compared for sharing at each checkpoint
 _RECENCY_LIST = 1  # the recency expert's list: where the loop expert's probation is
 assert _RECENCY_LIST == _PROBATION
@@ -158,66 +154,91 @@ class AdaptivePolicy(Policy):
     name = "adaptive"
     _kind = img.KIND_ADAPTIVE
 
-    def __init__(self, learning_rate: float = 0.45) -> None:
-        if learning_rate <= 0:
-            raise ValueError("learning_rate must be > 0")
-        self.learning_rate = learning_rate
+    def __init__(self, margin: float = MARGIN, prefix_rule: bool = True) -> None:
+        if margin < 1.0:
+            raise ValueError("margin must be >= 1")
+        self.margin = margin
+        self.prefix_rule = prefix_rule
         self.recency = _Recency()
         self.loop = KvfsPolicy(without=frozenset({"dead-first"}))
         self._experts: tuple[PrefixLRUPolicy, KvfsPolicy] = (self.recency, self.loop)
-        self.weights = [0.5, 0.5]
+        self.duel = Duel(
+            (PrefixLRUPolicy, lambda: KvfsPolicy(without=frozenset({"dead-first"}))), prefix_rule
+        )
+        self._chosen = RECENCY
         self._evictions = 0
         self._yielded = -1
-        self._agreed = False
-        self._chosen = RECENCY
-        self.regrets = [0, 0]
-        self._missing: OrderedDict[Hashable, None] = OrderedDict()  # last access a write
+        self.switches = [0, 0]  # how often the policy turned to each expert
+        self._chunks: dict[int, int] = {}  # key -> its chunk's identity (sampled only)
+        self._named = False  # identities are told (a mount): keys without one unsampled
+        self._recovered: list[float] | None = None
         self._share_from = 0  # the next chunk the checkpoint's sharing pass compares
+
+    @property
+    def weights(self) -> list[float]:
+        """The shadows' scores as shares (persisted; even before any hit; exactly
+        the recovered ones until the next access)."""
+        if self._recovered is not None:
+            return list(self._recovered)
+        total = sum(self.duel.scores)
+        if total <= 0.0:
+            return [0.5, 0.5]
+        return [max(score / total, 1e-9) for score in self.duel.scores]
 
     # -- verbs -----------------------------------------------------------------------
 
+    def identify(self, key: int, chunk: int) -> None:
+        """Key the shadows' view of ``key`` by ``chunk`` (kept only for a sampled
+        chunk: ``_chunk`` answers None, no shadow access, for the others). Once a
+        policy is told any identity, keys never identified are not sampled."""
+        self._named = True
+        if chunk % self.duel.sample == 0:
+            self._chunks[key] = chunk
+        else:
+            self._chunks.pop(key, None)
+
+    def _chunk(self, key: int) -> int | None:
+        """The chunk id the shadows see for ``key``: its identity on a mount (None
+        if unsampled or unknown), the key itself in a simulation (content keys)."""
+        if self._named:
+            return self._chunks.get(key)
+        return key
+
     def track(self, key: int, size: int, stream: Hashable) -> None:
-        """Record a write; a write of a key evicted recently is a regret, unless the
-        stream's previous access was a write too: under the prefix rule a chunk after
-        a missing one is a miss whatever is cached, so a request's run of rewritten
-        chunks is one mistake, not one per chunk (on a mount a batch of evictions
-        takes a whole chain at once, and per-chunk regrets swung the weights)."""
-        note = self.loop.take_note(key)  # only a ghost (no resident) has one
-        after_miss = stream in self._missing
-        self._missing[stream] = None
-        self._missing.move_to_end(stream)
-        if len(self._missing) > _STREAM_MEMORY:
-            self._missing.popitem(last=False)
-        if note and not after_miss and (note - 1) >> 1 <= self._evictions:
-            self._regret(note - 1)  # (a note from past the count: not this policy's)
+        """Record a write (the shadows see it first, at the cache's size before it)."""
+        resident, nbytes = len(self.recency), self.recency._bytes
+        if key not in self.recency:  # (the cache's bytes once it is written)
+            resident, nbytes = resident + 1, nbytes + size
+        self._recovered = None
+        self.duel.resize(resident)
+        chunk = self._chunk(key)
+        if chunk is not None:
+            self.duel.access(chunk, size, stream, resident, nbytes)
         for expert in self._experts:
             expert.track(key, size, stream)
 
     def touch(self, key: int, stream: Hashable) -> None:
-        """Record a read; a hit ends the stream's run of misses. (A mount also
-        touches a file it is about to create: an unknown key ends nothing.)"""
-        if key in self.recency:
-            self._missing.pop(stream, None)
+        """Record a read of a resident key (a mount also touches a file it is about
+        to create: an unknown key is no access of a chunk)."""
+        size = self.recency.size_of(key)
+        chunk = self._chunk(key)
+        if key in self.recency and chunk is not None:
+            self._recovered = None
+            self.duel.access(chunk, size, stream, len(self.recency), self.recency._bytes)
         for expert in self._experts:
             expert.touch(key, stream)
 
     def remove(self, key: int) -> None:
-        """Forget ``key``; if it is the victim just yielded, remember the eviction
-        (with the loop expert's ghost of it) unless both experts chose it."""
-        evicted = key == self._yielded and key in self.recency
+        """Forget ``key`` and its identity; the victim just yielded counts as an
+        eviction."""
+        if key == self._yielded and key in self.recency:
+            self._evictions += 1
+        self._chunks.pop(key, None)
         for expert in self._experts:
             expert.remove(key)
-        if evicted:
-            self._evictions += 1
-            if not self._agreed:
-                self.loop.note_ghost(key, (self._evictions << 1 | self._chosen) + 1)
-
-    def remembers(self, key: int) -> bool:
-        """Whether an eviction of ``key`` is remembered: writing it would be a regret."""
-        return self.loop.note(key) != 0
 
     def take_ghost(self, key: int) -> int | None:
-        """The loop expert's ghost of ``key`` (its remembered eviction included)."""
+        """The loop expert's ghost of ``key``."""
         return None if key in self.recency else self.loop.take_ghost(key)
 
     def put_ghost(self, key: int, ghost: int) -> None:
@@ -226,20 +247,13 @@ class AdaptivePolicy(Policy):
             self.loop.put_ghost(key, ghost)
 
     def victims(self) -> Iterator[int]:
-        """The victims of the expert with the larger weight (ties: recency).
-
-        Each key yielded is marked *agreed* when the other expert's first victim
-        (passing over the keys the caller skipped) is the same key: both would
-        have evicted it, so a later miss on it is nobody's regret (LeCaR)."""
-        self._chosen = LOOP if self.weights[LOOP] > self.weights[RECENCY] else RECENCY
-        other = self._experts[1 - self._chosen]
-        skipped: set[int] = set()
-        self._yielded = -1
-        for key in self._experts[self._chosen].victims():
-            if self._yielded in self.recency:  # the caller kept the previous key
-                skipped.add(self._yielded)
+        """The victims of the expert whose shadow leads (``Duel.leader``)."""
+        chosen = self.duel.leader(self._chosen, self.margin)
+        if chosen != self._chosen:
+            self._chosen = chosen
+            self.switches[chosen] += 1
+        for key in self._experts[chosen].victims():
             self._yielded = key
-            self._agreed = _first_victim(other, skipped) == key
             yield key
         self._yielded = -1
 
@@ -273,17 +287,7 @@ class AdaptivePolicy(Policy):
         )
 
     def reset(self) -> None:
-        self.__init__(self.learning_rate)  # type: ignore[misc]
-
-    def _regret(self, record: int) -> None:
-        """LeCaR's update: the expert that did not evict the key gains weight."""
-        age = max(0, self._evictions - (record >> 1))
-        reward = _DISCOUNT ** (age / max(len(self.recency), 1))
-        other = 1 - (record & 1)
-        self.regrets[record & 1] += 1
-        self.weights[other] *= math.exp(self.learning_rate * reward)
-        total = sum(self.weights)
-        self.weights = [weight / total for weight in self.weights]
+        self.__init__(self.margin, self.prefix_rule)  # type: ignore[misc]
 
     # -- sharing the experts' chunks ---------------------------------------------------
 
@@ -313,7 +317,7 @@ class AdaptivePolicy(Policy):
             self._evictions,
             img.float_bits(self.weights[RECENCY]),
             img.float_bits(self.weights[LOOP]),
-            *self.regrets,
+            *self.switches,
         ]
         loop = self.loop._pieces(self._kind, 0)
         recency = self.recency._pieces(self._kind, 1)
@@ -332,16 +336,21 @@ class AdaptivePolicy(Policy):
         carried = recency.carried
         if len(carried) != 5:
             raise ValueError("adaptive policy image: wrong scalar count")
-        evictions, w_recency, w_loop, *regrets = carried
+        evictions, w_recency, w_loop, *switches = carried
         weights = [img.bits_float(w_recency), img.bits_float(w_loop)]
-        if not all(0.0 < w <= 1.0 for w in weights) or evictions < 0 or min(regrets) < 0:
+        if not all(0.0 < w <= 1.0 for w in weights) or evictions < 0 or min(switches) < 0:
             raise ValueError("adaptive policy image: scalars out of range")
         if len(loop) != len(recency) or not _same_keys(loop, recency):
             raise ValueError("adaptive policy image: the experts hold different keys")
         self.reset()
         self.loop, self.recency = loop, recency
         self._experts = (recency, loop)
-        self._evictions, self.weights, self.regrets = evictions, weights, regrets
+        self._evictions, self.switches = evictions, switches
+        # the shadows restart empty; their scores resume as the persisted shares,
+        # worth one floor turnover of hits, and the expert followed is the leader
+        self.duel.scores = [w * _RESUMED for w in weights]
+        self._recovered = weights
+        self._chosen = self.duel.leader(RECENCY, self.margin)
 
     def recover(self, data: bytes) -> None:
         """Replace the state by an image of this policy; ValueError changes nothing."""
@@ -395,11 +404,6 @@ class AdaptivePolicy(Policy):
             except ValueError:
                 self.reset()
                 return False
-            # notes a kvfs policy carried over from an adaptive one count from
-            # another eviction count: start this one past them, four cache
-            # turnovers on, where a regret weighs 0.005**4 (nothing)
-            turnover = max(len(self.loop), 1024)
-            self._evictions = (self.loop.note_ceiling() >> 1) + 4 * turnover
             if not self.recency.follow(self.loop):
                 order = array("q", self.loop.keys_in_image_order())
                 self.recency.adopt(order, array("q", map(self.loop.size_of, order)))
@@ -429,13 +433,3 @@ def _same_keys(a: KvfsPolicy, b: PrefixLRUPolicy) -> bool:
     if a._slots.direct and b._slots.direct and None not in masks:
         return masks[0] == masks[1]
     return a.keys() == b.keys()
-
-
-def _first_victim(expert: KvfsPolicy | PrefixLRUPolicy, skipped: set[int]) -> int | None:
-    """``expert``'s first victim not in ``skipped``; None if none within ``_PEEK``."""
-    for index, key in enumerate(expert.victims()):
-        if key not in skipped:
-            return key
-        if index >= _PEEK:
-            break
-    return None

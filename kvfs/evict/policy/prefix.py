@@ -272,31 +272,6 @@ class KvfsPolicy(LinkedPolicy):
         table.append(_GHOST, slot)
         self._trim_ghosts()
 
-    def note_ghost(self, key: int, note: int) -> None:
-        """Keep ``note`` (an int >= 0) with ghost ``key`` for as long as the ghost
-        lives (the ghost's gap column, unused while it is no resident); no-op if
-        ``key`` is no ghost. The adaptive policy keeps its eviction history here:
-        no dict entry per remembered eviction."""
-        slot = self._ghost_slot(key)
-        if slot is not None:
-            self._info[slot] = note << 1  # the chain flag stays clear (chain_links)
-
-    def note(self, key: int) -> int:
-        """The note kept with ghost ``key`` (0 if none)."""
-        slot = self._ghost_slot(key)
-        return 0 if slot is None else self._info[slot] >> 1
-
-    def take_note(self, key: int) -> int:
-        """The note kept with ghost ``key`` (0 if none), forgotten here."""
-        note = self.note(key)
-        if note:
-            self._info[self._ghost_slot(key)] = 0  # type: ignore[index]
-        return note
-
-    def note_ceiling(self) -> int:
-        """No note kept is larger (C-level maxima of the gap column's chunks)."""
-        return max((max(c) for c in self._info.chunks if c is not None), default=0) >> 1
-
     def _ghost_slot(self, key: int) -> int | None:
         table = self._slots
         slot = table.find(key) if key >= 0 else None

@@ -130,6 +130,13 @@ class Policy(EvictionPolicy):
         for key in [k for k in self.victims() if k in keys]:
             self.remove(key)
 
+    def identify(self, key: int, chunk: int) -> None:
+        """The file ``key`` holds chunk ``chunk`` now (a non-negative id that stays
+        the same when the chunk is written again as another inode: on a mount, its
+        name's hash), told before each ``track`` and ``touch`` of a mounted file.
+        A policy that compares what other orders would have held across rewrites
+        keys that comparison by it (``adaptive``'s shadows); here: nothing."""
+
     def take_ghost(self, key: int) -> int | None:
         """Hand over what the policy remembers of the gone ``key`` (its ghost, a
         remembered eviction) as one opaque int, and forget it under ``key``; None if

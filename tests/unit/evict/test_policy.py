@@ -20,6 +20,7 @@ from kvfs.evict.policy import (
     LRUPolicy,
     make_policy,
 )
+from kvfs.evict.policy.duel import Duel
 from kvfs.format import policy_image as img
 from kvfs.format.owners import PART_POLICY, POLICY_BLOB
 from kvfs.format.records import Dentry, InodeRecord
@@ -413,7 +414,8 @@ def _loop(policy: EvictionPolicy, rounds: int = 6) -> int:
 def test_adaptive_follows_the_loop_expert_on_a_loop_and_recency_on_recency() -> None:
     loop = AdaptivePolicy()
     assert _loop(loop) >= 2 * 5 * 10  # like kvfs, unlike LRU (0 hits)
-    assert loop.weights[1] > loop.weights[0] and loop.regrets[0] > 0
+    assert loop.weights[1] > 1.5 * loop.weights[0]  # its shadow leads by the margin
+    assert loop._chosen == 1 and loop.switches[1] > 0
     recent = AdaptivePolicy()
     rng = random.Random(4)
     hits = {"adaptive": 0, "lru": 0}
@@ -523,17 +525,36 @@ def test_a_ghost_handed_over_lets_a_rewritten_file_hit_it() -> None:
     lru.remove(2)
     assert lru.take_ghost(2) is None  # no ghosts kept
     adaptive = AdaptivePolicy()
-    _loop(adaptive, rounds=3)  # the experts disagree on a loop
-    before = sum(adaptive.regrets)
+    _loop(adaptive, rounds=3)
     victim = next(adaptive.victims())
     adaptive.remove(victim)
-    assert adaptive.remembers(victim)  # the other expert would have kept it
     ghost = adaptive.take_ghost(victim)
-    assert ghost is not None and not adaptive.remembers(victim)
+    assert ghost is not None
     adaptive.put_ghost(5000, ghost)
-    adaptive.touch(next(iter(adaptive.keys())), 3)  # a hit first: the rewrite starts a run
-    adaptive.track(5000, SIZE, 3)
-    assert sum(adaptive.regrets) == before + 1
+    assert adaptive.loop.statistics().ghost_keys > 0 and 5000 not in adaptive
+
+
+def test_shadows_know_a_rewritten_chunk_by_its_identity() -> None:
+    """On a mount a chunk written again is a new inode: the shadows key it by the
+    identity the evictor tells (its name), so a shadow that still holds the chunk
+    scores a hit however long ago the real cache lost it (no ghost needed)."""
+    adaptive = AdaptivePolicy()
+    for ino in range(2, 12):  # ten chunks, identities 100 + ino
+        adaptive.identify(ino, 100 + ino)
+        adaptive.track(ino, SIZE, "s")
+    assert adaptive._chunk(5) == 105 and adaptive._chunk(99) is None  # never named
+    adaptive.remove(5)  # evicted (no ghost handed over)
+    assert adaptive._chunk(5) is None
+    held = [105 in shadow for shadow in adaptive.duel.shadows]
+    assert held == [True, True]  # the shadows are caches of their own
+    before = list(adaptive.duel.scores)
+    adaptive.identify(40, 105)  # the chunk written again, as inode 40
+    adaptive.track(40, SIZE, "t")
+    assert all(a > b for a, b in zip(adaptive.duel.scores, before, strict=True))
+    adaptive.identify(41, 999)  # another chunk: a miss in both shadows
+    before = list(adaptive.duel.scores)
+    adaptive.track(41, SIZE, "u")
+    assert all(a < b for a, b in zip(adaptive.duel.scores, before, strict=True))
 
 
 def test_a_reused_number_drops_the_ghost_it_held() -> None:
@@ -549,83 +570,64 @@ def test_a_reused_number_drops_the_ghost_it_held() -> None:
     assert 6 in policy
     policy.track(5, SIZE, "t")
     assert policy.statistics().main_keys == 0  # an ordinary newcomer (probation)
-    adaptive = AdaptivePolicy()
-    _loop(adaptive, rounds=3)
-    victim = next(adaptive.victims())
-    adaptive.remove(victim)
-    before = list(adaptive.regrets)
-    adaptive.take_ghost(victim)
-    adaptive.track(victim, SIZE, 99)
-    assert adaptive.regrets == before
 
 
-def test_adaptive_counts_one_regret_per_run_of_rewrites() -> None:
-    """Under the prefix rule a chunk after a missing one is a miss whatever is
-    cached: a stream rewriting a chain it lost is one mistake, not one per chunk."""
-    counts = []
-    for hit_between in (False, True):
-        adaptive = AdaptivePolicy()
-        _loop(adaptive, rounds=3)
-        taken: list[int] = []
-        while len(taken) < 3:
-            victim = next(adaptive.victims())
-            adaptive.remove(victim)
-            if adaptive.remembers(victim):
-                taken.append(victim)
-        resident = next(iter(adaptive.keys()))
-        adaptive.touch(resident, "u")  # a hit: the stream's next write starts a run
-        before = sum(adaptive.regrets)
-        for key in taken:
-            if hit_between:
-                adaptive.touch(resident, "u")
-            adaptive.track(key, SIZE, "u")
-        counts.append(sum(adaptive.regrets) - before)
-    assert counts == [1, 3]
+def test_shadows_count_hits_under_the_prefix_rule() -> None:
+    """A shadow hit on a chunk that continues its stream's chain counts only if the
+    chain's earlier chunk was a hit in that shadow too."""
+    duel = Duel((lambda: make_policy("lru"), lambda: make_policy("fifo")))  # type: ignore[arg-type, return-value]
+    for key in (1, 2, 3):  # a prompt's chain, written
+        duel.access(key, SIZE, "s", 3, 3 * SIZE)
+    assert duel.scores == [0.0, 0.0]
+    for key in (1, 2, 3):  # read again: three hits in both
+        duel.access(key, SIZE, "s", 3, 3 * SIZE)
+    assert duel.scores[0] > 2.9 and duel.scores[1] > 2.9
+    duel.shadows[0].remove(1)  # shadow 0 lost the head of the chain
+    before = list(duel.scores)
+    for key in (1, 2, 3):
+        duel.access(key, SIZE, "s", 3, 3 * SIZE)
+    assert duel.scores[0] < before[0]  # no hit counted (only decay)
+    assert duel.scores[1] > before[1] + 2.5  # three hits, less the decay
 
 
-def test_adaptive_eviction_both_experts_agree_on_is_nobodys_regret() -> None:
-    """LeCaR's rule: a key both experts would evict goes to no history, so its
-    rewrite moves no weight; one only the followed expert picks does."""
-    adaptive = AdaptivePolicy()
-    for key in range(2, 12):
-        adaptive.track(key, SIZE, "s")
-    first = next(adaptive.recency.victims())
-    assert first == next(adaptive.loop.victims())
-    assert next(adaptive.victims()) == first
-    adaptive.remove(first)
-    adaptive.track(first, SIZE, "s")
-    assert adaptive.regrets == [0, 0] and adaptive.weights == [0.5, 0.5]
-    _loop(adaptive, rounds=3)
-    disagreed = 0
-    for _ in range(20):
-        victim = next(adaptive.victims())
-        other = 1 - adaptive._chosen
-        agreed = next(adaptive._experts[other].victims()) == victim
-        adaptive.remove(victim)
-        assert adaptive.remembers(victim) is not agreed
-        disagreed += not agreed
-    assert disagreed > 0
+def test_shadows_are_counterfactual_and_pick_the_leader_with_a_margin() -> None:
+    """Each shadow holds what its expert alone would hold; the leader changes only
+    when the other's score is ``margin`` times the current one's."""
+    duel = Duel((lambda: make_policy("lru"), lambda: make_policy("fifo")))  # type: ignore[arg-type, return-value]
+    for step in range(200):  # one hot key among a scan: LRU always keeps it, FIFO not
+        duel.access(0, SIZE, None, 8, 8 * SIZE)
+        duel.access(1000 + step, SIZE, None, 8, 8 * SIZE)
+    assert 0 in duel.shadows[0] and duel.scores[0] > duel.scores[1]
+    assert duel.leader(0) == 0
+    duel.scores = [1.0, 1.4]
+    assert duel.leader(0) == 0  # within the margin: keep following
+    duel.scores = [1.0, 1.6]
+    assert duel.leader(0) == 1 and duel.leader(1) == 1
+    assert all(shadow._bytes <= 8 * SIZE for shadow in duel.shadows)
 
 
-def test_adaptive_agreement_passes_over_keys_the_caller_skips() -> None:
-    """The store skips open files: agreement is judged on the first victim the
-    caller could take, in both experts' orders."""
-    adaptive = AdaptivePolicy()
-    for key in range(2, 12):
-        adaptive.track(key, SIZE, "s")
-    walk = adaptive.victims()
-    skipped = next(walk)  # kept by the caller (an open file)
-    taken = next(walk)
-    adaptive.remove(taken)
-    assert skipped in adaptive and not adaptive.remembers(taken)
+def test_shadows_sample_a_large_cache_and_stay_small() -> None:
+    """Past twice SHADOW_KEYS resident keys the sample doubles (the shadows
+    restart, the scores stay); a shadow holds 1/sample of the cache's bytes."""
+    from kvfs.evict.policy import duel as duel_mod
+
+    duel = Duel((lambda: make_policy("lru"), lambda: make_policy("lru")))  # type: ignore[arg-type, return-value]
+    resident = 8 * duel_mod.SHADOW_KEYS
+    duel.resize(resident)
+    assert duel.sample == 4
+    for key in range(40_000):
+        duel.access(key, SIZE, None, resident, resident * SIZE)
+    assert len(duel.shadows[0]) == 10_000  # every 4th chunk: all fit in 1/4 of the cache
+    duel.scores = [5.0, 5.0]
+    duel.resize(4 * resident)
+    assert duel.sample == 16 and len(duel.shadows[0]) == 0 and duel.scores == [5.0, 5.0]
+    duel.resize(resident)
+    assert duel.sample == 16  # never finer
 
 
-def test_evictor_rekeys_a_file_written_under_a_gone_files_name(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # two files: both experts would evict the same one (no regret, LeCaR's rule);
-    # this test is about the evictor's plumbing, so the experts never agree here
-    monkeypatch.setattr("kvfs.evict.policy.adaptive._first_victim", lambda expert, skipped: None)
+def test_evictor_tells_a_files_identity_by_its_name() -> None:
+    """A chunk written again under its gone file's name is a new inode: the
+    evictor tells the adaptive policy the same identity; another name another."""
     ns = Namespace(lambda ops: None)
     ns.init_root(0, 0)
     _add_file(ns, 5, 100, b"chunk-a")
@@ -636,17 +638,17 @@ def test_evictor_rekeys_a_file_written_under_a_gone_files_name(
     for ino in (5, 6):
         evictor.committed(ns.inodes[ino], 0)
     victim = next(policy.victims())
-    evictor.forget(victim)  # evicted: its name is remembered
-    _add_file(ns, 9, 100, ns.inodes[victim].name)  # the same name, a new inode
-    again = ns.inodes[9]
-    evictor.opened(ns.inodes[11 - victim], 0)  # a hit, then the miss: a regret
-    evictor.committed(again, 0)
-    assert sum(policy.regrets) == 1
-    evictor.forget(9)
+    chunk = policy._chunk(victim)
+    assert chunk is not None  # (one in one is sampled: a small cache)
+    name = ns.inodes[victim].name
+    ns.remove(ROOT_INO, name, want_dir=False)
+    evictor.forget(victim)
+    _add_file(ns, 9, 100, name)  # the same name, a new inode
+    evictor.committed(ns.inodes[9], 0)
+    assert policy._chunk(9) == chunk
     _add_file(ns, 10, 100, b"unrelated")
-    other = ns.inodes[10]
-    evictor.committed(other, 0)
-    assert sum(policy.regrets) == 1  # another name: no regret
+    evictor.committed(ns.inodes[10], 0)
+    assert policy._chunk(10) not in (None, chunk)  # another name: another chunk
 
 
 def test_evictor_keeps_a_ghost_with_the_name_not_the_reused_inode_number() -> None:

@@ -144,8 +144,8 @@ def test_version_2_round_trip_continues_exactly(name: str) -> None:
             assert isinstance(copy, AdaptivePolicy)
             assert order(copy.loop) == order(policy.loop)
             assert order(copy.recency) == order(policy.recency)
-            assert copy.weights == policy.weights and copy.regrets == policy.regrets
-            assert all(copy.remembers(k) == policy.remembers(k) for k in range(80))
+            assert copy.weights == pytest.approx(policy.weights)
+            assert copy.switches == policy.switches and copy._chosen == policy._chosen
         assert order(copy) == order(policy)
         assert copy.statistics().bytes == policy.statistics().bytes
         assert copy.persist() == image
@@ -178,8 +178,8 @@ def _adaptive_state(policy: AdaptivePolicy) -> tuple[object, ...]:
     return (
         order(policy.loop),
         order(policy.recency),
-        policy.weights,
-        policy.regrets,
+        [round(w, 12) for w in policy.weights],
+        policy.switches,
         policy.statistics(),
     )
 
@@ -209,8 +209,9 @@ def test_adaptive_experts_share_chunks_until_they_diverge() -> None:
     same = sum(a.prev.chunks[c] is b.prev.chunks[c] for c in range(chunks))
     assert same >= chunks - 2  # all but the sentinels' and the last key's chunk
     # + the recency expert's predecessor column (a byte per key here) and its
-    # own copies of the first chunk (the sentinels: ~30 KiB whatever the keys)
-    assert adaptive_bytes < kvfs_bytes + 2 * len(keys) + (32 << 10)
+    # own copies of the first chunk (the sentinels: ~30 KiB whatever the keys), and
+    # the two shadows' empty tables (as much each, whatever the keys)
+    assert adaptive_bytes < kvfs_bytes + 2 * len(keys) + 3 * (32 << 10)
 
     plain = AdaptivePolicy()
     for key, size in zip(keys, sizes, strict=True):
@@ -283,12 +284,10 @@ def test_adaptive_takes_a_kvfs_image_whole_in_chunk_steps(keys: int) -> None:
         assert state(again)[0] == state(fast)[0]
 
 
-def test_adaptive_notes_carried_through_a_kvfs_mount_weigh_nothing() -> None:
-    """A pool mounted with ``adaptive``, then ``kvfs`` (which keeps the loop
-    expert's ghosts, notes and all), then ``adaptive`` again: the notes count from
-    another eviction count. Writing such a key must neither raise (a regret from a
-    negative age overflowed) nor move the weights; a note from past the count (a
-    crafted image) is no regret at all."""
+def test_adaptive_recovers_through_a_kvfs_image_and_resumes_its_leader() -> None:
+    """``adaptive`` -> ``kvfs`` (its loop expert's table whole) -> ``adaptive``
+    again: the keys and the loop expert's order survive; the shadows restart, the
+    scores resume from the persisted shares and pick the same leader."""
     rng = random.Random(2)
     first = AdaptivePolicy()
     for _ in range(60_000):
@@ -297,21 +296,16 @@ def test_adaptive_notes_carried_through_a_kvfs_mount_weigh_nothing() -> None:
             first.remove(next(first.victims()))
         if key not in first:
             first.track(key, 10, None if rng.random() < 0.5 else stream)
-    noted = [key for key in range(400) if first.remembers(key)]
-    assert noted and first._evictions > 50_000
     kvfs = make_policy("kvfs")
     assert kvfs.recover_foreign(first.persist())
     again = AdaptivePolicy()
     assert again.recover_foreign(kvfs.persist())
-    for key in noted[:20]:
-        again.track(key, 10, "s")
-        assert abs(again.weights[0] - 0.5) < 1e-6
-    fresh = AdaptivePolicy()  # an eviction number the count never reached
-    fresh.track(1, 10, "s")
-    fresh.remove(next(fresh.victims()))
-    fresh.loop.note_ghost(1, (10**6 << 1 | 1) + 1)
-    fresh.track(1, 10, "t")
-    assert fresh.weights == [0.5, 0.5] and fresh.regrets == [0, 0]
+    assert again.keys() == first.keys() and order(again.loop) == order(first.loop)
+    assert again.weights == [0.5, 0.5]  # (a kvfs image keeps no scores)
+    copy = AdaptivePolicy()
+    copy.recover(first.persist())
+    assert copy.weights == pytest.approx(first.weights)
+    assert copy._chosen == copy.duel.leader(0, copy.margin)
 
 
 def test_adaptive_image_whose_last_chunks_hold_only_ghosts_recovers() -> None:
@@ -365,7 +359,10 @@ def test_adaptive_reads_the_one_piece_image_of_release_0_3() -> None:
     for load in ("recover", "recover_pieces"):
         new = AdaptivePolicy()
         new.recover(v1) if load == "recover" else new.recover_pieces([v1])
-        assert order(new.loop) == order(old.loop) and order(new.recency) == order(old.recency)
+        # the lists, each in order (a version 1 image keeps no thresholds: the
+        # loop expert's share restarts, which may move probation in its order)
+        assert new.loop.keys_in_image_order() == old.loop.keys_in_image_order()
+        assert order(new.recency) == order(old.recency)
         assert new.weights == [0.5, 0.5] and new.keys() == old.keys()
         assert img.version_of(new.persist()) == 3
 
