@@ -400,7 +400,9 @@ def test_vllm_fs_tier_never_evicts_kvfs_does(engine_mount: MountFactory) -> None
     assert r["load_corrupt"] == 0
     assert r["loaded_ok"] + r["load_clean_miss"] == min(64, r["present"])
     assert r["loaded_ok"] >= min(64, r["present"]) - 4
-    assert r["newest_present"] == 8
+    # the grace protects at most a 64th of the pool (issue 30), and always the
+    # writer's newest file; older fresh pages go in the policy's order
+    assert r["newest_present"] >= 1
     stats = mount.stats()["store"]
     assert stats["evictions"] >= 200 - r["present"] and stats["corruptions"] == 0
 
@@ -448,5 +450,7 @@ def test_sglang_hicache_file_without_evictor_kvfs_evicts(engine_mount: MountFact
     # kvfs keeps evicting in the background down to its low watermark, so a page seen
     # by exists() may be gone by get(): that must be a clean miss (None), never bytes
     assert r["got_ok"] >= r["present"] - 4
-    assert r["newest_present"] == 4
+    # the grace protects at most a 64th of the pool (issue 30), and always the
+    # writer's newest file; older fresh pages go in the policy's order
+    assert r["newest_present"] >= 1
     assert mount.stats()["store"]["corruptions"] == 0

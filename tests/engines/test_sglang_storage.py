@@ -168,7 +168,9 @@ def test_kvfs_storage_under_pressure_kvfs_evicts(pool: Any) -> None:
     assert r["scandir_matches_exists"]
     assert r["got_corrupt"] == 0 and r["got_ok"] + r["got_miss"] == r["present"]
     assert r["got_ok"] >= r["present"] - 4
-    assert r["newest_present"] == 4
+    # the grace protects at most a 64th of the pool (issue 30), and always the
+    # writer's newest file; older fresh pages go in the policy's order
+    assert r["newest_present"] >= 1
     s = mount.stats()
     assert s["store"]["evictions"] > 0 and s["store"]["corruptions"] == 0
     assert s["direct"]["commits"] == 40 and s["direct"]["aborts"] == 0
