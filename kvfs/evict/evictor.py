@@ -142,7 +142,7 @@ class Evictor:
         self._fresh: dict[int, tuple[float, int, int]] = {}
         self._fresh_bytes = 0
         self._newest: dict[int, int] = {}  # writer -> its newest file in its grace
-        self._gone: dict[int, int] = {}  # hash((parent, name)) -> a gone file's ghost
+        self._gone: dict[int, int] = {}  # _chunk_id (its name) -> a gone file's ghost
         self.evictions = self.orphan_evictions = 0
 
     # ------------------------------------------------------------------ events
@@ -343,7 +343,7 @@ class Evictor:
             # one was another file's (dropped); what it remembers of this name is this
             # file's
             self.policy.take_ghost(inode.ino)
-            ghost = self._gone.pop(hash((inode.parent, inode.name)), None) if self._gone else None
+            ghost = self._gone.pop(_chunk_id(inode), None) if self._gone else None
             if ghost is not None:
                 self.policy.put_ghost(inode.ino, ghost)
         self.policy.identify(inode.ino, _chunk_id(inode))
@@ -405,7 +405,7 @@ class Evictor:
         inode = self.ns.inodes.get(ino)
         name = None  # a tracked file's (parent, name): its ghost is kept under it
         if inode is not None and ino in self.policy:
-            name = hash((inode.parent, inode.name))
+            name = _chunk_id(inode)
         self.policy.remove(ino)
         ghost = None if name is None else self.policy.take_ghost(ino)
         if name is not None and ghost is not None:

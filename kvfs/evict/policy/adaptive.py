@@ -220,10 +220,10 @@ class AdaptivePolicy(Policy):
     def touch(self, key: int, stream: Hashable) -> None:
         """Record a read of a resident key (a mount also touches a file it is about
         to create: an unknown key is no access of a chunk)."""
-        size = self.recency.size_of(key)
-        chunk = self._chunk(key)
-        if key in self.recency and chunk is not None:
+        chunk = self._chunk(key) if key in self.recency else None
+        if chunk is not None:
             self._recovered = None
+            size = self.recency.size_of(key)
             self.duel.access(chunk, size, stream, len(self.recency), self.recency._bytes)
         for expert in self._experts:
             expert.touch(key, stream)
