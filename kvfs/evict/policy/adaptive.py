@@ -318,6 +318,7 @@ class AdaptivePolicy(Policy):
             img.float_bits(self.weights[RECENCY]),
             img.float_bits(self.weights[LOOP]),
             *self.switches,
+            self._chosen,
         ]
         loop = self.loop._pieces(self._kind, 0)
         recency = self.recency._pieces(self._kind, 1)
@@ -334,11 +335,17 @@ class AdaptivePolicy(Policy):
         loop._load_pieces(pieces, self._kind, 0)
         recency._load_pieces(pieces, self._kind, 1, loop._slots)  # sharing as it reads
         carried = recency.carried
-        if len(carried) != 5:
+        if len(carried) not in (5, 6):  # (5: written before the expert followed was kept)
             raise ValueError("adaptive policy image: wrong scalar count")
-        evictions, w_recency, w_loop, *switches = carried
+        evictions, w_recency, w_loop, *switches = carried[:5]
+        followed = carried[5] if len(carried) == 6 else None
         weights = [img.bits_float(w_recency), img.bits_float(w_loop)]
-        if not all(0.0 < w <= 1.0 for w in weights) or evictions < 0 or min(switches) < 0:
+        if (
+            not all(0.0 < w <= 1.0 for w in weights)
+            or evictions < 0
+            or min(switches) < 0
+            or followed not in (None, RECENCY, LOOP)
+        ):
             raise ValueError("adaptive policy image: scalars out of range")
         if len(loop) != len(recency) or not _same_keys(loop, recency):
             raise ValueError("adaptive policy image: the experts hold different keys")
@@ -347,10 +354,11 @@ class AdaptivePolicy(Policy):
         self._experts = (recency, loop)
         self._evictions, self.switches = evictions, switches
         # the shadows restart empty; their scores resume as the persisted shares,
-        # worth one floor turnover of hits, and the expert followed is the leader
+        # worth one floor turnover of hits, and the expert followed is the one the
+        # image names (an older image: the leader)
         self.duel.scores = [w * _RESUMED for w in weights]
         self._recovered = weights
-        self._chosen = self.duel.leader(RECENCY, self.margin)
+        self._chosen = self.duel.leader(RECENCY, self.margin) if followed is None else followed
 
     def recover(self, data: bytes) -> None:
         """Replace the state by an image of this policy; ValueError changes nothing."""

@@ -8,10 +8,15 @@ predecessor instead of at the newest end: a prompt's chain is ordered deepest
 (oldest) .. chunk 0 (newest) and leaves tail first.
 
 The predecessor of a key is the key its stream accessed just before it. For a new
-key that is always taken (the engine writes a prompt's missing chunks in order,
-right after reading its cached prefix); for a re-use only if it is the same
-predecessor as last time, so the first chunk of a prompt is not filed behind the
-last chunk of the previous prompt of the same stream (a request boundary).
+key it is taken when the stream's run of accesses began with a read: the engine
+writes a prompt's missing chunks in order, right after reading its cached prefix.
+A run of writes that no read began (a prompt with nothing cached, a writer that
+never reads) is filed like LRU, each new key the newest: no request boundary can be
+seen inside it, and chaining it would file everything one process writes behind its
+first file -- the newest written would leave first (most recently used). For a
+re-use the predecessor is taken only if it is the same as last time, so the first
+chunk of a prompt is not filed behind the last chunk of the previous prompt of the
+same stream (a request boundary).
 """
 
 from __future__ import annotations
@@ -41,7 +46,8 @@ class PrefixLRUPolicy(FIFOPolicy):
     def __init__(self) -> None:
         super().__init__()
         self._bind_columns()
-        self._streams: OrderedDict[Hashable, int] = OrderedDict()
+        # stream -> (its last key, whether its run of accesses began with a read)
+        self._streams: OrderedDict[Hashable, tuple[int, bool]] = OrderedDict()
 
     def track(self, key: int, size: int, stream: Hashable) -> None:
         """Record a write; it counts as a use."""
@@ -50,35 +56,42 @@ class PrefixLRUPolicy(FIFOPolicy):
         if slot is None:
             slot = self._add(key, size)
             self._pred[slot] = 0
-            self._place(slot, self._anchor(slot, stream, new=True))
+            self._place(slot, self._anchor(slot, stream, new=True, read=False))
         else:
             self._resize(slot, size)
             self._slots.unlink(slot)
-            self._place(slot, self._anchor(slot, stream, new=False))
+            self._place(slot, self._anchor(slot, stream, new=False, read=False))
 
     def touch(self, key: int, stream: Hashable) -> None:
         """Record a read: ``key`` becomes the newest, or just older than its predecessor."""
         slot = self._slot(key)
         if slot is not None:
             self._touches += 1
-            anchor = self._anchor(slot, stream, new=False)
+            anchor = self._anchor(slot, stream, new=False, read=True)
             self._slots.unlink(slot)
             self._place(slot, anchor)
 
-    def _anchor(self, slot: int, stream: Hashable, new: bool) -> int | None:
-        """Return the slot to file ``slot`` before (its predecessor), or None."""
+    def _anchor(self, slot: int, stream: Hashable, new: bool, read: bool) -> int | None:
+        """Return the slot to file ``slot`` before (its predecessor), or None. A new
+        key is chained only in a run that a read began (module docstring)."""
         if stream is None:  # no stream (e.g. files adopted at mount): no chain
             return None
         key = self._slots.key_of(slot)
-        prev = self._streams.pop(stream, None)
-        self._streams[stream] = key
-        if len(self._streams) > STREAM_MEMORY:
-            self._streams.popitem(last=False)
+        prev, began_with_read = self._streams.pop(stream, (None, False))
         if prev is None or prev == key:
+            self._streams[stream] = (key, read or (began_with_read and prev == key))
+            self._trim()
             return None
         known = self._pred[slot] == prev + 1
         self._pred[slot] = prev + 1
-        return self._slot(prev) if new or known else None
+        chained = (new and began_with_read) or (not new and known)
+        self._streams[stream] = (key, read or chained)
+        self._trim()
+        return self._slot(prev) if chained else None
+
+    def _trim(self) -> None:
+        if len(self._streams) > STREAM_MEMORY:
+            self._streams.popitem(last=False)
 
     def _place(self, slot: int, anchor: int | None) -> None:
         if anchor is not None and anchor != slot:

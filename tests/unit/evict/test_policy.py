@@ -377,7 +377,9 @@ def test_evictor_resumes_from_a_release_image_or_starts_fresh(name: str) -> None
 
 def test_prefix_lru_files_a_prompt_tail_first_and_sees_request_boundaries() -> None:
     policy = make_policy("prefix-lru")
-    for key in (1, 2, 3):  # a prompt's chunks written in order by one engine
+    policy.track(1, SIZE, "e")
+    policy.touch(1, "e")  # a prompt's cached prefix read by one engine,
+    for key in (2, 3):  # then its missing chunks written in order
         policy.track(key, SIZE, "e")
     assert order(policy) == [3, 2, 1]  # LRU would evict 1 first and lose 2 and 3 with it
     policy.track(9, SIZE, "e")  # the next prompt starts with a new chunk
@@ -388,6 +390,20 @@ def test_prefix_lru_files_a_prompt_tail_first_and_sees_request_boundaries() -> N
     for key in (1, 2, 3, 9):
         lru.track(key, SIZE, "e")
     assert order(lru) == [1, 2, 3, 9]
+
+
+def test_prefix_lru_files_a_writer_that_never_reads_like_lru() -> None:
+    """A run of writes that no read began has no request boundary to see: chained,
+    everything the process writes would be filed behind its first file and the
+    newest written would leave first. It is filed like LRU (oldest leaves first)."""
+    policy = make_policy("prefix-lru")
+    for key in (1, 2, 3, 4):
+        policy.track(key, SIZE, "w")
+    assert order(policy) == [1, 2, 3, 4]
+    policy.touch(2, "w")  # a read begins a run: what the stream writes next is chained
+    policy.track(5, SIZE, "w")
+    policy.track(6, SIZE, "w")
+    assert order(policy) == [1, 3, 4, 6, 5, 2]
 
 
 def _loop(policy: EvictionPolicy, rounds: int = 6) -> int:

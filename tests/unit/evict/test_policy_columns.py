@@ -18,6 +18,7 @@ from kvfs.evict.evictor import Evictor
 from kvfs.evict.orphans import OrphanList
 from kvfs.evict.policy import POLICY_NAMES, make_policy
 from kvfs.evict.policy.adaptive import AdaptivePolicy
+from kvfs.evict.policy.prefix_lru import PrefixLRUPolicy
 from kvfs.evict.slots import DIRECT, FREE, LOOSE, ROWS, SlotColumn, SlotTable, runs
 from kvfs.format import policy_image as img
 from kvfs.format.owners import OWNERS_BLOB, PART_OWNERS, PART_POLICY, POLICY_BLOB
@@ -174,6 +175,45 @@ def test_pieces_are_the_state_when_frozen_while_the_policy_changes(name: str) ->
     assert later.keys() == set(range(2, 5000))
 
 
+def test_adaptive_image_keeps_the_expert_followed_and_reads_images_without_it() -> None:
+    """Within the margin the expert followed depends on history (hysteresis), so the
+    image keeps it; an image written before it was kept (five scalars) loads with
+    the leader of its weights followed."""
+    policy = AdaptivePolicy()
+    for key in range(2, 200):
+        policy.track(key, SIZE, key % 3)
+    policy.duel.scores = [1.0, 1.4]  # the loop expert leads, but not by the margin 1.5
+    for chosen in (0, 1):
+        policy._chosen = chosen
+        copy = AdaptivePolicy()
+        copy.recover(policy.persist())
+        assert copy._chosen == chosen and copy.weights == pytest.approx(policy.weights)
+        assert copy.persist() == policy.persist()
+    policy.duel.scores = [1.0, 2.0]  # the loop expert leads by the margin
+
+    def five_scalar_image(followed: int) -> bytes:
+        policy._chosen = followed
+        b"".join(policy.persist_pieces())  # sets the carried scalars
+        policy.recency.carried = policy.recency.carried[:5]
+        return b"".join(
+            [*policy.loop._pieces(policy._kind, 0), *policy.recency._pieces(policy._kind, 1)]
+        )
+
+    old = AdaptivePolicy()
+    old.recover(five_scalar_image(0))
+    assert old._chosen == 1 and old.keys() == policy.keys()
+    bad = AdaptivePolicy()
+    policy._chosen = 0
+    b"".join(policy.persist_pieces())
+    policy.recency.carried[5] = 7  # no such expert
+    image = b"".join(
+        [*policy.loop._pieces(policy._kind, 0), *policy.recency._pieces(policy._kind, 1)]
+    )
+    with pytest.raises(ValueError):
+        bad.recover(image)
+    assert len(bad) == 0
+
+
 def _adaptive_state(policy: AdaptivePolicy) -> tuple[object, ...]:
     return (
         order(policy.loop),
@@ -222,7 +262,9 @@ def test_adaptive_experts_share_chunks_until_they_diverge() -> None:
         pieces = shared.persist_pieces()  # frozen here; a sharing pass ran first
         expected = plain.persist()
         for _ in range(200):
-            key, op, stream = rng.randrange(2, 9_000), rng.random(), rng.randrange(6)
+            # keys 5000-8000 are left alone: the chunks of their links still agree
+            key = rng.choice((rng.randrange(2, 5_000), rng.randrange(8_000, 9_000)))
+            op, stream = rng.random(), rng.randrange(6)
             for policy in (shared, plain):
                 if op < 0.4:
                     policy.track(key, SIZE, stream)
@@ -632,6 +674,17 @@ def _policy_v2_images() -> tuple[object, dict[str, bytes]]:
     return maker, images
 
 
+class _ChainsEveryWrite(PrefixLRUPolicy):
+    """prefix-lru as the release that wrote the images filed new keys: each one
+    chained to its stream's previous key, whether a read began the run or not (since
+    issue 30 only a run a read began is chained)."""
+
+    def _anchor(self, slot: int, stream: object, new: bool, read: bool) -> int | None:
+        if stream in self._streams:  # every run counts as begun by a read
+            self._streams[stream] = (self._streams[stream][0], True)
+        return super()._anchor(slot, stream, new, read)
+
+
 @pytest.mark.parametrize("name", ["kvfs", "lru", "prefix-lru"])
 def test_a_version_2_policy_image_of_the_previous_release_recovers_the_same_state(
     name: str,
@@ -644,7 +697,7 @@ def test_a_version_2_policy_image_of_the_previous_release_recovers_the_same_stat
     maker, images = _policy_v2_images()
     old = images[name]
     assert img.version_of(old) == 2
-    live = make_policy(name)
+    live = _ChainsEveryWrite() if name == "prefix-lru" else make_policy(name)
     maker.workload(live)  # type: ignore[attr-defined]
     got, today = make_policy(name), make_policy(name)
     got.recover(old)
