@@ -48,7 +48,7 @@ test: test-banner install engines-env test-deps
 	KVFS_ENGINES_VENV=$(CURDIR)/.venv-engines $(PY) -m pytest -q
 
 test-banner:
-	@echo "make test: ~700 tests (unit, real mounts, crash torture, the real engines), ~20-30 min$$( \
+	@echo "make test: ~800 tests (unit, real mounts, crash torture, the real engines), ~25-35 min$$( \
 	  [ -f .venv-engines/.kvfs-engines ] || echo '; first it builds .venv-engines: ~4 min, 3.7 GB')"
 
 lint: install

@@ -13,7 +13,9 @@
   is the same without the grace list (every grace over).
 
 ``--speed`` times a track + evict pair per policy instead (5 000 resident keys);
-``--upgrade`` times ``adaptive`` taking a ``kvfs`` image of ``--files`` keys.
+``--upgrade`` times ``adaptive`` taking a ``kvfs`` image of ``--files`` keys;
+``--turnover`` measures the evictor's whole state per file (policy, owners, grace
+list, gone files' ghosts) after a first fill and after a full turnover.
 
 Set ``KVFS_SRC`` to another checkout to measure its code (the "before" numbers in
 docs/eviction.md come from the parent commit run this way). Prints JSON.
@@ -145,6 +147,55 @@ def evictor_bytes(n: int) -> dict[str, float]:
     }
 
 
+def turnover_bytes(n: int, policy: str = "adaptive") -> dict[str, float]:
+    """The evictor's whole state (policy, owners, grace list, gone files' ghosts) per
+    resident file: after N files were written by 64 writer threads, and after N more
+    were written while the oldest by the policy's order were evicted (a full
+    turnover: every resident file written since, every evicted one's ghost kept
+    under its name, ``Evictor._gone``). A quarter of the writes follow a read of a
+    random resident file (touches, chains). The namespace (2N files, made first)
+    is not counted."""
+    ns = Namespace(lambda ops: None)
+    ns.init_root(0, 0)
+    first = ns.add_files(
+        ROOT_INO,
+        [b"f%d" % i for i in range(2 * n)],
+        stat.S_IFREG | 0o644,
+        (0, 0),
+        1 << 21,
+        array("q", range(2 * n)),
+        array("Q", [0]) * (2 * n),
+    )
+    rng = random.Random(3)
+
+    def run(turn: bool) -> Any:
+        evictor = Evictor(
+            ns,
+            policy=policy,
+            alive=lambda pid: 7,
+            thread_group=lambda tid: tid,
+            grace_bytes=(n << 21) // 64,
+        )
+        for index in range(2 * n if turn else n):
+            pid = 1000 + (index & 63)
+            if index >= n:
+                if index & 3 == 0:  # a read of a resident file first
+                    evictor.opened(ns.inodes[first + rng.randrange(index - n, n)], pid)
+                victim = next(evictor.policy.victims())
+                evictor.forget(victim)
+            inode = ns.inodes[first + index]
+            evictor.created(inode, pid)
+            evictor.committed(inode, pid)
+        return evictor
+
+    fill = _measure(lambda: run(False))
+    turned = _measure(lambda: run(True))
+    return {
+        "first_fill_per_file": round(fill / n, 1),
+        "after_turnover_per_file": round(turned / n, 1),
+    }
+
+
 def _fifo(inos: range) -> Any:
     policy = make_policy("fifo")
     for ino in inos:
@@ -201,7 +252,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-churn", action="store_true", help="skip the ghost-list measurement")
     ap.add_argument("--speed", action="store_true", help="time track + evict instead")
     ap.add_argument("--upgrade", action="store_true", help="time adopting a kvfs image (adaptive)")
+    ap.add_argument(
+        "--turnover",
+        action="store_true",
+        help="the evictor's whole state per file before and after a full turnover",
+    )
     args = ap.parse_args(argv)
+    if args.turnover:
+        rows = {name: turnover_bytes(args.files, name) for name in args.policies.split(",")}
+        print(json.dumps({"files": args.files, "evictor_state": rows}, indent=1))
+        return 0
     if args.upgrade:
         print(json.dumps({"files": args.files, "seconds": upgrade(args.files)}, indent=1))
         return 0

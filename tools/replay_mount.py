@@ -8,7 +8,8 @@ hit rate under the prefix rule, evictions and device bytes written, next to the
 simulator's numbers for the same policy and capacity.
 
     .venv/bin/python tools/replay_mount.py [--workloads qa,agentic] [--capacities 0.3]
-        [--policies kvfs,lru] [--scale 0.5] [--json]
+        [--policies kvfs,lru] [--scale 0.5] [--json] [--fresh-grace S]
+        [--mount-options "--high-watermark 0.995 --low-watermark 0.99"]
 
 Chunks are 64 KiB files on a pool with 64 KiB units (one unit per chunk), so a run
 moves a few hundred MiB instead of the hundreds of GiB of real 32 MiB chunks; the
@@ -36,7 +37,13 @@ META = 16 << 20
 
 
 def run_one(
-    workload: str, fraction: float, policy: str, scale: float, seed: int, grace: float | None = None
+    workload: str,
+    fraction: float,
+    policy: str,
+    scale: float,
+    seed: int,
+    grace: float | None = None,
+    extra: tuple[str, ...] = (),
 ) -> dict[str, object]:
     if workload in kvtrace.WORKLOADS:
         trace = kvtrace.make_trace(workload, scale=scale, seed=seed)
@@ -53,6 +60,7 @@ def run_one(
         # exceed the whole (16-64 MiB) pool, and the grace's byte bound (a 64th of
         # the pool) is what keeps the order the policy's (docs/eviction.md)
         options = [] if grace is None else ["--fresh-grace", str(grace)]
+        options += extra
         with mounted(
             mnt,
             [img],
@@ -76,6 +84,7 @@ def run_one(
         "capacity_fraction": fraction,
         "policy": policy,
         "fresh_grace": "default" if grace is None else grace,
+        "mount_options": " ".join(extra),
         "capacity_chunks": units,
         "footprint_chunks": chunks,
         "mount_hit_rate": round(result.hit_tokens / result.prompt_tokens, 4),
@@ -100,12 +109,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--fresh-grace", type=float, default=None, help="the mount's (default: its own, 5 s)"
     )
+    ap.add_argument(
+        "--mount-options",
+        default="",
+        help='more options for `kvfs mount`, e.g. "--high-watermark 0.99 --low-watermark 0.98"',
+    )
     args = ap.parse_args(argv)
+    extra = tuple(args.mount_options.split())
     rows = []
     for workload in args.workloads.split(","):
         for fraction in map(float, args.capacities.split(",")):
             for policy in args.policies.split(","):
-                row = run_one(workload, fraction, policy, args.scale, args.seed, args.fresh_grace)
+                row = run_one(
+                    workload, fraction, policy, args.scale, args.seed, args.fresh_grace, extra
+                )
                 rows.append(row)
                 if not args.json:
                     print(
