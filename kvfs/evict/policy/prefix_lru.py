@@ -78,20 +78,19 @@ class PrefixLRUPolicy(FIFOPolicy):
             return None
         key = self._slots.key_of(slot)
         prev, began_with_read = self._streams.pop(stream, (None, False))
+        anchor = None
         if prev is None or prev == key:
-            self._streams[stream] = (key, read or (began_with_read and prev == key))
-            self._trim()
-            return None
-        known = self._pred[slot] == prev + 1
-        self._pred[slot] = prev + 1
-        chained = (new and began_with_read) or (not new and known)
-        self._streams[stream] = (key, read or chained)
-        self._trim()
-        return self._slot(prev) if chained else None
-
-    def _trim(self) -> None:
+            run_read = read or (began_with_read and prev == key)
+        else:
+            known = self._pred[slot] == prev + 1
+            self._pred[slot] = prev + 1
+            chained = (new and began_with_read) or (not new and known)
+            run_read = read or chained
+            anchor = self._slot(prev) if chained else None
+        self._streams[stream] = (key, run_read)
         if len(self._streams) > STREAM_MEMORY:
             self._streams.popitem(last=False)
+        return anchor
 
     def _place(self, slot: int, anchor: int | None) -> None:
         if anchor is not None and anchor != slot:
