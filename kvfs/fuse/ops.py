@@ -81,6 +81,19 @@ def _errors(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
     return wrapper
 
 
+def _file_info(fh: int, flags: int) -> pyfuse3.FileInfo:
+    """The open's answer: the kernel keeps its cached pages (nothing changes a file
+    behind it but a truncate, which drops them). An O_DIRECT open that may read is
+    answered ``direct_io`` (FOPEN_DIRECT_IO): its reads then never touch the page
+    cache. Without it, the kernel reads the rest of a short direct read through the
+    page cache, on this handle, up to the size *it* holds; while it holds a size a
+    truncate has not yet shrunk there, the short answers made it zero-fill those
+    pages and return the old length with zeros past the cut (``docs/design.md``,
+    "Reads beside a truncate", rule 6)."""
+    direct_reader = bool(flags & os.O_DIRECT) and flags & os.O_ACCMODE != os.O_WRONLY
+    return pyfuse3.FileInfo(fh=fh, keep_cache=True, direct_io=direct_reader)
+
+
 def _caller(ctx: Any) -> Caller:
     return Caller(ctx.uid, ctx.gid, ctx.pid)
 
@@ -228,7 +241,7 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
     @_errors
     async def open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
         fh = await self.store.open(inode, flags, _caller(ctx))
-        return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+        return _file_info(fh, flags)
 
     @_errors
     async def create(
@@ -239,7 +252,7 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
             parent_inode, name, stat.S_IFREG | stat.S_IMODE(mode), caller
         )
         fh = await self.store.open(inode.ino, flags & ~os.O_TRUNC, caller)
-        return pyfuse3.FileInfo(fh=fh, keep_cache=True), self._entry(inode)
+        return _file_info(fh, flags), self._entry(inode)
 
     @_errors
     async def read(self, fh: int, off: int, size: int) -> Any:

@@ -1,6 +1,6 @@
 """Reads beside a truncate: what keeps a reader off bytes the file never held while
 another caller shrinks it (``docs/design.md``, "Reads beside a truncate", rules 2, 3
-and 5; rule 1 is the reader's, rule 4 the cache's).
+and 5; rule 1 is the reader's, rule 4 the cache's, rule 6 the FUSE adapter's).
 
 - A shrinking truncate runs inside :meth:`Truncations.shrinking`; reads of the file
   wait (:meth:`Truncations.settle`) until none is unanswered (rule 3).
@@ -105,8 +105,9 @@ class Truncations:
     def check_kernel_read(self, fh: int, off: int, size: int, got: int) -> None:
         """The kernel's READ of ``size`` bytes at ``off`` is about to be answered with
         ``got`` bytes. If it asked past the file's end by more than its page rounding
-        (a buffered handle; O_DIRECT asks in whole requests), it still holds a larger
-        size: a shrink it has not applied yet (another process's ``O_TRUNC`` open or
+        (a buffered handle: an O_DIRECT one that reads is answered ``direct_io``, rule
+        6, and asked the caller's whole count), it still holds a larger size: a
+        shrink it has not applied yet (another process's ``O_TRUNC`` open or
         truncate answered a moment ago, a direct write that replaced the file). A
         short answer would make it zero-fill the rest of its pages and copy them out
         as the file's bytes (``docs/design.md``, "Reads beside a truncate", rule 5):

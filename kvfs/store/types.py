@@ -160,8 +160,9 @@ class Handle:
     uid: int = 0
     """The opener's user: what it holds open, it pins (bounded per user)."""
     direct: bool = False
-    """Opened with O_DIRECT: the kernel may ask its reads past EOF (rounded up to a
-    whole request), so a short answer there is no sign of a stale size."""
+    """Opened with O_DIRECT: answered ``direct_io`` if it may read, so the kernel asks
+    its reads up to the caller's count, past EOF, never through the page cache; a
+    short answer there is no sign of a stale size (``docs/design.md``, rule 6)."""
     shrinks: int = 0
     """The file's ``FileState.shrinks`` when this handle was opened (or when it, or
     the thread that opened it, last shrank the file): once another thread's truncate

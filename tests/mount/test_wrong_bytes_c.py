@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -155,12 +158,35 @@ def test_descriptor_opened_before_another_truncate_reads_eio_until_reopened(
     assert read_whole(path, direct=False) == CONTENTS[1][: 2 * MiB]
 
 
-def test_reader_beside_a_truncate_by_path_never_gets_zeros(kvfs_mount: KvfsMount) -> None:
-    """A SETATTR shrink is answered only after its commit; a read the daemon answered
-    short meanwhile reached a kernel that still held the old size, which zero-filled
-    the rest of the pages and cached them as the file's bytes: O_DIRECT reads (whose
-    tail falls back to the page cache) then got the old length with zeros past the
-    cut (17 of 267 reads). Reads now wait until no shrink of the file is unanswered."""
+@contextmanager
+def cpu_hogs(n: int) -> Iterator[None]:
+    """``n`` CPU-bound processes (``yes``) for the duration: a thread at the lowest
+    priority beside them waits long for a CPU each time it blocks and wakes."""
+    hogs = [subprocess.Popen(["yes"], stdout=subprocess.DEVNULL) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for p in hogs:
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.parametrize(
+    "rounds,slow_truncator", [(40, False), (100, True)], ids=["plain", "slow-truncator"]
+)
+def test_reader_beside_a_truncate_by_path_never_gets_zeros(
+    kvfs_mount: KvfsMount, rounds: int, slow_truncator: bool
+) -> None:
+    """A truncate's new size is set in the kernel by the truncating thread, once it
+    runs again after kvfs answered. Meanwhile an O_DIRECT read, asked up to the old
+    size, got the new, shorter content; the kernel read the rest through the page
+    cache (on the same handle), kvfs answered that short too, and the kernel zero-
+    filled the pages and returned the old length with zeros past the cut: 17 of 267
+    reads before rule 3 (reads wait until the shrink is answered), then 2 of 903 in a
+    loaded CI run, and 7, 13 and 20 of ~60 000 in three runs of ``slow-truncator``
+    (the truncating thread at the lowest priority beside two CPU-bound processes,
+    which widens the window after the answer). O_DIRECT opens that read are now answered
+    ``direct_io``, so no direct read falls back to the page cache (rule 6)."""
     path = kvfs_mount.path / "chunk.pt"
     full = CONTENTS[1]  # 8 MiB
     cut = 4 * MiB + 5
@@ -181,13 +207,21 @@ def test_reader_beside_a_truncate_by_path_never_gets_zeros(kvfs_mount: KvfsMount
                 zeros = not got[cut:].strip(b"\0")
                 bad.append(f"{len(got)} bytes, not a prefix (zeros past the cut: {zeros})")
 
-    threads = [threading.Thread(target=reader) for _ in range(2)]
+    def truncator() -> None:
+        if slow_truncator:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        for _ in range(rounds):
+            path.write_bytes(full)
+            os.truncate(path, cut)
+
+    threads = [threading.Thread(target=reader) for _ in range(3 if slow_truncator else 2)]
     for t in threads:
         t.start()
     try:
-        for _ in range(40):
-            path.write_bytes(full)
-            os.truncate(path, cut)
+        with cpu_hogs(2 if slow_truncator else 0):
+            writer = threading.Thread(target=truncator)
+            writer.start()
+            writer.join()
     finally:
         stop.set()
         for t in threads:
