@@ -31,6 +31,7 @@ from itertools import compress, islice
 from operator import le
 
 from kvfs.common import procs
+from kvfs.evict.gone import GoneNames
 from kvfs.evict.groups import (
     GROUP_XATTRS,
     KVFS_MANAGED,
@@ -142,7 +143,7 @@ class Evictor:
         self._fresh: dict[int, tuple[float, int, int]] = {}
         self._fresh_bytes = 0
         self._newest: dict[int, int] = {}  # writer -> its newest file in its grace
-        self._gone: dict[int, int] = {}  # _chunk_id (its name) -> a gone file's ghost
+        self._gone = GoneNames()  # _chunk_id (its name) -> a gone file's ghost
         self.evictions = self.orphan_evictions = 0
 
     # ------------------------------------------------------------------ events
@@ -343,7 +344,7 @@ class Evictor:
             # one was another file's (dropped); what it remembers of this name is this
             # file's
             self.policy.take_ghost(inode.ino)
-            ghost = self._gone.pop(_chunk_id(inode), None) if self._gone else None
+            ghost = self._gone.pop(_chunk_id(inode)) if self._gone else None
             if ghost is not None:
                 self.policy.put_ghost(inode.ino, ghost)
         self.policy.identify(inode.ino, _chunk_id(inode))
@@ -409,10 +410,7 @@ class Evictor:
         self.policy.remove(ino)
         ghost = None if name is None else self.policy.take_ghost(ino)
         if name is not None and ghost is not None:
-            gone = self._gone
-            gone[name] = ghost
-            while len(gone) > max(GONE_MIN, len(self.policy)):
-                del gone[next(iter(gone))]
+            self._gone.put(name, ghost, max(GONE_MIN, len(self.policy)))
         self.orphans.pop(ino, None)
         self._unfresh(ino)
         self.forget_owner(ino)

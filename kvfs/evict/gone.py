@@ -1,0 +1,205 @@
+"""The ghosts of gone files, by name: what the policy remembered of a file evicted or
+removed, kept so that the chunk written again under its name inherits it
+(``Evictor.forget`` / ``Evictor.committed``).
+
+There are as many as files are tracked, so their cost per entry is the evictor's
+cost per file after the cache has turned over (issue 30: ~130 B each as a dict of
+Python ints). Here they are spread by name over :data:`SHARDS` small tables, each
+flat arrays in insertion order (the name, and the ghost's four 64-bit fields narrowed
+to 32 bits each: 24 B a slot; a ghost with a wider field is kept whole beside them)
+and an open-addressing index of slot numbers (4 B a slot, at most 70 % full, linear
+probing): 40-60 B per name, depending on where a table is between two rebuilds. A
+table is rebuilt whole (its live entries compacted, its index sized anew) in Python,
+so the shards keep one rebuild short: 10^8 gone names are ~25 000 per shard, tens of
+ms.
+"""
+
+from __future__ import annotations
+
+from array import array
+
+_EMPTY = 0
+_TOMB = -1
+"""Index values: no slot ever here / a slot that was here (probes go on past it);
+otherwise the slot's position + 1 in the arrays."""
+_MIN_CAPACITY = 16
+_SHARD_BITS = 12
+SHARDS = 1 << _SHARD_BITS
+"""Tables, by a name's low bits; each keeps its oldest-first order, so the oldest
+dropped is the oldest of its table (names are hashes: the tables fill evenly)."""
+_SHARD_MIN = 8
+"""Entries a table may keep whatever the bound: a small total is not split 4096 ways
+(the total may exceed the bound by at most SHARDS * _SHARD_MIN)."""
+
+
+def _capacity(live: int) -> int:
+    """The index size for ``live`` names: a power of two, at least twice as many."""
+    cap = _MIN_CAPACITY
+    while cap < 2 * live:
+        cap *= 2
+    return cap
+
+
+_U32 = 0xFFFFFFFF
+_U64 = (1 << 64) - 1
+_WIDE = _U64
+"""Both halves of a slot's ghost when it is kept whole (in ``_Shard._wide``): no
+narrowed ghost has them, its fields being below 2**32 - 1."""
+
+
+def _narrow(ghost: int) -> tuple[int, int] | None:
+    """A ghost's four 64-bit fields (bits 0, 64, 128, 192) as 32-bit ones in two
+    64-bit halves, or None if one of them does not fit."""
+    f0, f1, f2, f3 = ghost & _U64, ghost >> 64 & _U64, ghost >> 128 & _U64, ghost >> 192
+    if max(f0, f1, f2, f3) >= _U32:
+        return None
+    return f0 | f1 << 32, f2 | f3 << 32
+
+
+def _widen(lo: int, hi: int) -> int:
+    return (lo & _U32) | (lo >> 32) << 64 | (hi & _U32) << 128 | (hi >> 32) << 192
+
+
+class GoneNames:
+    """Name (a non-negative int below 2**63) -> ghost (a policy's ``take_ghost``: four
+    unsigned 64-bit fields at bits 0, 64, 128 and 192), at most about ``most`` of
+    them (:meth:`put`), the oldest dropped first; an entry put again moves to the
+    newest end."""
+
+    def __init__(self) -> None:
+        self._shards: list[_Shard | None] = [None] * SHARDS
+        self._live = 0
+
+    def __len__(self) -> int:
+        return self._live
+
+    def pop(self, name: int) -> int | None:
+        """The ghost kept under ``name``, forgotten; None if there is none."""
+        shard = self._shards[name & (SHARDS - 1)]
+        if shard is None:
+            return None
+        ghost = shard.pop(name >> _SHARD_BITS)
+        if ghost is not None:
+            self._live -= 1
+        return ghost
+
+    def put(self, name: int, ghost: int, most: int) -> None:
+        """Keep ``ghost`` under ``name`` as the newest entry, then drop the oldest of
+        its table while the table holds more than its share of ``most``."""
+        if not 0 <= name < 1 << 63 or not 0 <= ghost < 1 << 256:
+            raise ValueError(f"a name below 2**63 and a 256-bit ghost, not {name}, {ghost}")
+        i = name & (SHARDS - 1)
+        shard = self._shards[i]
+        if shard is None:
+            shard = self._shards[i] = _Shard()
+        before = len(shard)
+        shard.put(name >> _SHARD_BITS, ghost)
+        shard.trim(max(_SHARD_MIN, -(-most // SHARDS)))
+        self._live += len(shard) - before
+
+    def nbytes(self) -> int:
+        """The bytes the tables' arrays hold (not counting over-allocation)."""
+        return sum(s.nbytes() for s in self._shards if s is not None)
+
+
+class _Shard:
+    """One table: names (a GoneNames name's high bits) -> ghosts, oldest first."""
+
+    def __init__(self) -> None:
+        self._names = array("q")
+        """By age, oldest first from ``_head``; -1: an entry popped from the middle."""
+        self._lo = array("Q")
+        self._hi = array("Q")
+        self._wide: dict[int, int] = {}  # name -> a ghost a field of which is too wide
+        self._head = 0
+        self._live = 0
+        self._used = 0  # index slots that are not _EMPTY (live ones and tombstones)
+        self._index = array("i", bytes(4 * _MIN_CAPACITY))
+        self._mask = _MIN_CAPACITY - 1
+
+    def __len__(self) -> int:
+        return self._live
+
+    def _find(self, name: int) -> int:
+        """The index slot that holds ``name``, or -1."""
+        index, names, mask = self._index, self._names, self._mask
+        i = name & mask
+        while True:
+            at = index[i]
+            if at == _EMPTY:
+                return -1
+            if at > 0 and names[at - 1] == name:
+                return i
+            i = (i + 1) & mask
+
+    def _drop(self, slot: int) -> None:
+        """Forget the entry at index slot ``slot`` (its array slot becomes -1)."""
+        at = self._index[slot] - 1
+        self._index[slot] = _TOMB
+        if self._wide and self._lo[at] == _WIDE == self._hi[at]:
+            del self._wide[self._names[at]]
+        self._names[at] = -1
+        self._live -= 1
+
+    def pop(self, name: int) -> int | None:
+        slot = self._find(name)
+        if slot < 0:
+            return None
+        at = self._index[slot] - 1
+        lo, hi = self._lo[at], self._hi[at]
+        ghost = self._wide[name] if lo == _WIDE == hi else _widen(lo, hi)
+        self._drop(slot)
+        return ghost
+
+    def put(self, name: int, ghost: int) -> None:
+        slot = self._find(name)
+        if slot >= 0:
+            self._drop(slot)
+        if (
+            self._used + 1 > self._mask * 7 // 10
+            or len(self._names) >= 2 * self._live + _MIN_CAPACITY
+        ):
+            self._rebuild(self._live + 1)
+        halves = _narrow(ghost)
+        if halves is None:
+            self._wide[name] = ghost
+            halves = (_WIDE, _WIDE)
+        self._names.append(name)
+        self._lo.append(halves[0])
+        self._hi.append(halves[1])
+        self._place(name, len(self._names))
+        self._live += 1
+
+    def _place(self, name: int, at: int) -> None:
+        index, mask = self._index, self._mask
+        i = name & mask
+        while index[i] != _EMPTY:
+            i = (i + 1) & mask
+        index[i] = at
+        self._used += 1
+
+    def trim(self, most: int) -> None:
+        """Drop the oldest entries until at most ``most`` are left."""
+        names = self._names
+        while self._live > most:
+            name = names[self._head]
+            self._head += 1
+            if name >= 0:
+                self._drop(self._find(name))
+
+    def _rebuild(self, live: int) -> None:
+        """The live entries, oldest first, in fresh arrays; an index sized for ``live``."""
+        keep = [i for i in range(self._head, len(self._names)) if self._names[i] >= 0]
+        self._names = array("q", (self._names[i] for i in keep))
+        self._lo = array("Q", (self._lo[i] for i in keep))
+        self._hi = array("Q", (self._hi[i] for i in keep))
+        self._head = 0
+        cap = _capacity(live)
+        self._index = array("i", bytes(4 * cap))
+        self._mask = cap - 1
+        self._used = 0
+        for at, name in enumerate(self._names, 1):
+            self._place(name, at)
+
+    def nbytes(self) -> int:
+        return sum(a.itemsize * len(a) for a in (self._names, self._lo, self._hi, self._index))
