@@ -4,19 +4,20 @@ removed, kept so that the chunk written again under its name inherits it
 
 There are as many as files are tracked, so their cost per entry is the evictor's
 cost per file after the cache has turned over (issue 30: ~130 B each as a dict of
-Python ints). Here they are spread by name over :data:`SHARDS` small tables, each
-flat arrays in insertion order (the name, and the ghost's four 64-bit fields narrowed
-to 32 bits each: 24 B a slot; a ghost with a wider field is kept whole beside them)
-and an open-addressing index of slot numbers (4 B a slot, at most 70 % full, linear
-probing): 40-60 B per name, depending on where a table is between two rebuilds. A
-table is rebuilt whole (its live entries compacted, its index sized anew) in Python,
-so the shards keep one rebuild short: 10^8 gone names are ~25 000 per shard, tens of
-ms.
+Python ints). Here they are spread by name over :data:`SHARDS` small tables (one
+while there are few), each flat arrays in insertion order (the name, and the ghost's
+four 64-bit fields narrowed to 32 bits each: 24 B a slot; a ghost with a wider field
+is kept whole beside them) and an open-addressing index of slot numbers (4 B a slot,
+at most 70 % full, linear probing): 40-60 B per name, depending on where a table is
+between two rebuilds. A table is rebuilt whole (its live entries compacted, its
+index sized anew) in Python, so the shards keep one rebuild short: 10^8 gone names
+are ~25 000 per shard, tens of ms.
 """
 
 from __future__ import annotations
 
 from array import array
+from collections.abc import Iterator
 
 _EMPTY = 0
 _TOMB = -1
@@ -27,9 +28,12 @@ _SHARD_BITS = 12
 SHARDS = 1 << _SHARD_BITS
 """Tables, by a name's low bits; each keeps its oldest-first order, so the oldest
 dropped is the oldest of its table (names are hashes: the tables fill evenly)."""
+SPLIT_AT = 16384
+"""The bound beyond which the names are split into SHARDS tables: below it one table
+keeps the bound exactly, and its rebuild is a few ms."""
 _SHARD_MIN = 8
-"""Entries a table may keep whatever the bound: a small total is not split 4096 ways
-(the total may exceed the bound by at most SHARDS * _SHARD_MIN)."""
+"""Entries a table may keep whatever its share of the bound (a pool that shrank after
+the split keeps at most SHARDS * _SHARD_MIN)."""
 
 
 def _capacity(live: int) -> int:
@@ -62,12 +66,15 @@ def _widen(lo: int, hi: int) -> int:
 
 class GoneNames:
     """Name (a non-negative int below 2**63) -> ghost (a policy's ``take_ghost``: four
-    unsigned 64-bit fields at bits 0, 64, 128 and 192), at most about ``most`` of
-    them (:meth:`put`), the oldest dropped first; an entry put again moves to the
-    newest end."""
+    unsigned 64-bit fields at bits 0, 64, 128 and 192), at most ``most`` of them
+    (:meth:`put`), the oldest dropped first; an entry put again moves to the newest
+    end. One table, so exactly that, until ``most`` first exceeds :data:`SPLIT_AT`;
+    then :data:`SHARDS` tables, each holding its share of ``most`` (at least
+    :data:`_SHARD_MIN`), so the oldest dropped is the oldest of its table."""
 
     def __init__(self) -> None:
-        self._shards: list[_Shard | None] = [None] * SHARDS
+        self._shards: list[_Shard | None] = [None]
+        self._bits = 0  # then _SHARD_BITS: a name's low bits pick its table
         self._live = 0
 
     def __len__(self) -> int:
@@ -75,27 +82,39 @@ class GoneNames:
 
     def pop(self, name: int) -> int | None:
         """The ghost kept under ``name``, forgotten; None if there is none."""
-        shard = self._shards[name & (SHARDS - 1)]
+        shard = self._shards[name & ((1 << self._bits) - 1)]
         if shard is None:
             return None
-        ghost = shard.pop(name >> _SHARD_BITS)
+        ghost = shard.pop(name >> self._bits)
         if ghost is not None:
             self._live -= 1
         return ghost
 
     def put(self, name: int, ghost: int, most: int) -> None:
-        """Keep ``ghost`` under ``name`` as the newest entry, then drop the oldest of
-        its table while the table holds more than its share of ``most``."""
+        """Keep ``ghost`` under ``name`` as the newest entry, then drop the oldest
+        while more than ``most`` are kept (in a table: more than its share)."""
         if not 0 <= name < 1 << 63 or not 0 <= ghost < 1 << 256:
             raise ValueError(f"a name below 2**63 and a 256-bit ghost, not {name}, {ghost}")
-        i = name & (SHARDS - 1)
+        if most > SPLIT_AT and not self._bits:
+            self._split()
+        bits = self._bits
+        i = name & ((1 << bits) - 1)
         shard = self._shards[i]
         if shard is None:
             shard = self._shards[i] = _Shard()
         before = len(shard)
-        shard.put(name >> _SHARD_BITS, ghost)
-        shard.trim(max(_SHARD_MIN, -(-most // SHARDS)))
+        shard.put(name >> bits, ghost)
+        shard.trim(max(_SHARD_MIN, -(-most // SHARDS)) if bits else most)
         self._live += len(shard) - before
+
+    def _split(self) -> None:
+        """From one table to :data:`SHARDS`, each entry put again oldest first."""
+        one = self._shards[0]
+        self._shards = [None] * SHARDS
+        self._bits = _SHARD_BITS
+        self._live = 0
+        for name, ghost in one.items() if one is not None else ():
+            self.put(name, ghost, 1 << 62)
 
     def nbytes(self) -> int:
         """The bytes the tables' arrays hold (not counting over-allocation)."""
@@ -200,6 +219,14 @@ class _Shard:
         self._used = 0
         for at, name in enumerate(self._names, 1):
             self._place(name, at)
+
+    def items(self) -> Iterator[tuple[int, int]]:
+        """(name, ghost), oldest first."""
+        for at in range(self._head, len(self._names)):
+            name = self._names[at]
+            if name >= 0:
+                lo, hi = self._lo[at], self._hi[at]
+                yield name, self._wide[name] if lo == _WIDE == hi else _widen(lo, hi)
 
     def nbytes(self) -> int:
         return sum(a.itemsize * len(a) for a in (self._names, self._lo, self._hi, self._index))

@@ -1,5 +1,6 @@
 """The ghosts of gone files by name (``kvfs.evict.gone``): the same answers as a dict
-with oldest-first trimming per table, through rebuilds, wide ghosts and re-puts."""
+with oldest-first trimming (exact in one table, per table once split), through
+rebuilds, wide ghosts, re-puts and the split."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections import OrderedDict
 
 import pytest
 
-from kvfs.evict.gone import _SHARD_MIN, SHARDS, GoneNames
+from kvfs.evict.gone import _SHARD_MIN, SHARDS, SPLIT_AT, GoneNames
 
 
 def ghost_of(rng: random.Random, wide: bool) -> int:
@@ -20,20 +21,22 @@ def ghost_of(rng: random.Random, wide: bool) -> int:
 
 
 class Model:
-    """The contract, as a dict per table: oldest first, trimmed to the table's share."""
+    """The contract, as a dict per table: oldest first, trimmed to the bound (one
+    table) or to the table's share of it (``split``: SHARDS tables)."""
 
-    def __init__(self) -> None:
+    def __init__(self, split: bool) -> None:
         self.tables: dict[int, OrderedDict[int, int]] = {}
+        self.split = split
 
     def put(self, name: int, ghost: int, most: int) -> None:
-        table = self.tables.setdefault(name % SHARDS, OrderedDict())
+        table = self.tables.setdefault(name % SHARDS if self.split else 0, OrderedDict())
         table.pop(name, None)
         table[name] = ghost
-        while len(table) > max(_SHARD_MIN, -(-most // SHARDS)):
+        while len(table) > (max(_SHARD_MIN, -(-most // SHARDS)) if self.split else most):
             table.popitem(last=False)
 
     def pop(self, name: int) -> int | None:
-        table = self.tables.get(name % SHARDS)
+        table = self.tables.get(name % SHARDS if self.split else 0)
         return None if table is None else table.pop(name, None)
 
     def __len__(self) -> int:
@@ -41,13 +44,15 @@ class Model:
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_gone_names_answer_as_the_model_through_churn(seed: int) -> None:
+@pytest.mark.parametrize("split", [False, True], ids=["one-table", "split"])
+def test_gone_names_answer_as_the_model_through_churn(seed: int, split: bool) -> None:
     rng = random.Random(seed)
-    gone, model = GoneNames(), Model()
-    # few tables' worth of names (names sharing their low bits share a table), so
-    # each table fills, trims, rebuilds and re-puts many times
-    names = [rng.randrange(1 << 62) & ~(SHARDS - 1) | rng.randrange(4) for _ in range(3000)]
-    most = 600 * SHARDS  # 600 per table, of ~750 names each
+    gone, model = GoneNames(), Model(split)
+    # split: few tables' worth of names (names sharing their low bits share a table),
+    # so each table fills, trims, rebuilds and re-puts many times
+    tables = 4 if split else SHARDS
+    names = [rng.randrange(1 << 62) & ~(SHARDS - 1) | rng.randrange(tables) for _ in range(3000)]
+    most = 600 * SHARDS if split else 2400  # 600 per table, of ~750 names each
     for step in range(60_000):
         name = rng.choice(names)
         if rng.random() < 0.55:
@@ -63,8 +68,37 @@ def test_gone_names_answer_as_the_model_through_churn(seed: int) -> None:
     assert len(gone) == 0
 
 
+def test_gone_names_keep_exactly_the_newest_in_one_table() -> None:
+    gone = GoneNames()
+    names = [n * 7919 for n in range(1, 3001)]  # spread over the would-be tables
+    for i, name in enumerate(names):
+        gone.put(name, i, most=1024)
+    assert len(gone) == 1024
+    assert [gone.pop(n) for n in names[:-1024]] == [None] * (3000 - 1024)
+    assert [gone.pop(n) for n in names[-1024:]] == list(range(3000 - 1024, 3000))
+
+
+def test_gone_names_split_keeps_every_entry_and_its_age() -> None:
+    gone = GoneNames()
+    names = [n * 7919 for n in range(1, 10_001)]
+    for i, name in enumerate(names):
+        gone.put(name, i << 192 | i, most=SPLIT_AT)  # one table: all kept
+    assert len(gone) == 10_000
+    gone.put(1, 1, most=SPLIT_AT + 1)  # the split
+    assert len(gone) == 10_001
+    assert gone.pop(1) == 1
+    assert [gone.pop(n) for n in names] == [i << 192 | i for i in range(10_000)]
+    same_table = [k * SHARDS + 5 for k in range(1, 41)]
+    for i, name in enumerate(same_table):  # after the split: a table's share
+        gone.put(name, i, most=SPLIT_AT + 1)
+    assert len(gone) == _SHARD_MIN  # this table's share (SPLIT_AT + 1 is 5 per table)
+    assert [gone.pop(n) for n in same_table[-_SHARD_MIN:]] == list(range(40 - _SHARD_MIN, 40))
+
+
 def test_gone_names_keep_the_newest_and_drop_the_oldest_of_a_table() -> None:
     gone = GoneNames()
+    gone.put(0, 0, most=SPLIT_AT + 1)  # split from the start
+    assert gone.pop(0) == 0
     same_table = [k * SHARDS + 7 for k in range(1, 101)]
     for i, name in enumerate(same_table):
         gone.put(name, i, most=50 * SHARDS)  # 50 per table
