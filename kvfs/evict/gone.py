@@ -20,9 +20,9 @@ from array import array
 from collections.abc import Iterator
 
 _EMPTY = 0
-_TOMB = -1
-"""Index values: no slot ever here / a slot that was here (probes go on past it);
-otherwise the slot's position + 1 in the arrays."""
+"""An index value: no slot ever here; otherwise the slot's position + 1 in the arrays.
+A dropped entry keeps its index value (its array name is -1, which no name matches):
+probes go on past it, and the next rebuild leaves it out."""
 _MIN_CAPACITY = 16
 _SHARD_BITS = 12
 SHARDS = 1 << _SHARD_BITS
@@ -116,10 +116,6 @@ class GoneNames:
         for name, ghost in one.items() if one is not None else ():
             self.put(name, ghost, 1 << 62)
 
-    def nbytes(self) -> int:
-        """The bytes the tables' arrays hold (not counting over-allocation)."""
-        return sum(s.nbytes() for s in self._shards if s is not None)
-
 
 class _Shard:
     """One table: names (a GoneNames name's high bits) -> ghosts, oldest first."""
@@ -132,7 +128,7 @@ class _Shard:
         self._wide: dict[int, int] = {}  # name -> a ghost a field of which is too wide
         self._head = 0
         self._live = 0
-        self._used = 0  # index slots that are not _EMPTY (live ones and tombstones)
+        self._used = 0  # index slots that are not _EMPTY (live and dropped entries)
         self._index = array("i", bytes(4 * _MIN_CAPACITY))
         self._mask = _MIN_CAPACITY - 1
 
@@ -140,40 +136,37 @@ class _Shard:
         return self._live
 
     def _find(self, name: int) -> int:
-        """The index slot that holds ``name``, or -1."""
+        """The array position of ``name``'s entry, or -1."""
         index, names, mask = self._index, self._names, self._mask
         i = name & mask
         while True:
             at = index[i]
             if at == _EMPTY:
                 return -1
-            if at > 0 and names[at - 1] == name:
-                return i
+            if names[at - 1] == name:
+                return at - 1
             i = (i + 1) & mask
 
-    def _drop(self, slot: int) -> None:
-        """Forget the entry at index slot ``slot`` (its array slot becomes -1)."""
-        at = self._index[slot] - 1
-        self._index[slot] = _TOMB
+    def _drop(self, at: int) -> None:
+        """Forget the entry at array position ``at``."""
         if self._wide and self._lo[at] == _WIDE == self._hi[at]:
             del self._wide[self._names[at]]
         self._names[at] = -1
         self._live -= 1
 
     def pop(self, name: int) -> int | None:
-        slot = self._find(name)
-        if slot < 0:
+        at = self._find(name)
+        if at < 0:
             return None
-        at = self._index[slot] - 1
         lo, hi = self._lo[at], self._hi[at]
         ghost = self._wide[name] if lo == _WIDE == hi else _widen(lo, hi)
-        self._drop(slot)
+        self._drop(at)
         return ghost
 
     def put(self, name: int, ghost: int) -> None:
-        slot = self._find(name)
-        if slot >= 0:
-            self._drop(slot)
+        at = self._find(name)
+        if at >= 0:
+            self._drop(at)
         if (
             self._used + 1 > self._mask * 7 // 10
             or len(self._names) >= 2 * self._live + _MIN_CAPACITY
@@ -201,10 +194,9 @@ class _Shard:
         """Drop the oldest entries until at most ``most`` are left."""
         names = self._names
         while self._live > most:
-            name = names[self._head]
+            if names[self._head] >= 0:
+                self._drop(self._head)
             self._head += 1
-            if name >= 0:
-                self._drop(self._find(name))
 
     def _rebuild(self, live: int) -> None:
         """The live entries, oldest first, in fresh arrays; an index sized for ``live``."""
@@ -227,6 +219,3 @@ class _Shard:
             if name >= 0:
                 lo, hi = self._lo[at], self._hi[at]
                 yield name, self._wide[name] if lo == _WIDE == hi else _widen(lo, hi)
-
-    def nbytes(self) -> int:
-        return sum(a.itemsize * len(a) for a in (self._names, self._lo, self._hi, self._index))

@@ -82,14 +82,13 @@ def _errors(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
 
 
 def _file_info(fh: int, flags: int) -> pyfuse3.FileInfo:
-    """The open's answer: the kernel keeps its cached pages (nothing changes a file
-    behind it but a truncate, which drops them). An O_DIRECT open that may read is
-    answered ``direct_io`` (FOPEN_DIRECT_IO): its reads then never touch the page
-    cache. Without it, the kernel reads the rest of a short direct read through the
-    page cache, on this handle, up to the size *it* holds; while it holds a size a
-    truncate has not yet shrunk there, the short answers made it zero-fill those
-    pages and return the old length with zeros past the cut (``docs/design.md``,
-    "Reads beside a truncate", rule 6)."""
+    """The open's answer: the kernel keeps the file's cached pages across opens. An
+    O_DIRECT open that may read is answered ``direct_io`` (FOPEN_DIRECT_IO): its
+    reads then never touch the page cache. Without it, the kernel reads the rest of
+    a short direct read through the page cache, on this handle, up to the size *it*
+    holds; while it holds a size a truncate has not yet shrunk there, the short
+    answers made it zero-fill those pages and return the old length with zeros past
+    the cut (``docs/design.md``, "Reads beside a truncate", rule 6)."""
     direct_reader = bool(flags & os.O_DIRECT) and flags & os.O_ACCMODE != os.O_WRONLY
     return pyfuse3.FileInfo(fh=fh, keep_cache=True, direct_io=direct_reader)
 
