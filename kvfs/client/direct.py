@@ -255,6 +255,24 @@ def read_into(path: str | os.PathLike[str], buf: Any) -> int:
     view = _bytes_view(buf)
     if view.readonly:
         raise ValueError("read_into needs a writable buffer")
+    by_path = _ring_path_of(os.fspath(path))
+    r = ring.connect(by_path[0]) if by_path is not None else None
+    if r is not None:  # one message: the daemon opens, reads, verifies and closes it
+        out: list[int | OSError | None] = [None]
+        with contextlib.suppress(OSError):  # the ring broke: the mount's way
+            _ring_read_paths(r, [(0, os.fspath(path), view)], out)
+        if isinstance(out[0], OSError):
+            raise out[0]
+        if out[0] is not None:
+            return out[0]
+    return _read_by_open(path, view)
+
+
+def _read_by_open(path: str | os.PathLike[str], view: memoryview) -> int:
+    """:func:`read_into` through the caller's own open of the file: its map, then
+    the devices or the ring's ticket, or ordinary reads."""
+    if view.readonly:
+        raise ValueError("read_into needs a writable buffer")
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         try:
@@ -349,7 +367,8 @@ def read_batch(items: Iterable[tuple[str | os.PathLike[str], Any]]) -> list[int 
         with contextlib.suppress(OSError):  # the ring broke: the rest goes the other way
             _ring_read_paths(r, [(i, *pairs[i]) for i in idx], out)
     rest = [i for i, got in enumerate(out) if got is None]
-    futs = {i: submit_read(*pairs[i]) for i in rest}
+    # not by path again: each one's own open decides (a checksum failure: the mount)
+    futs = {i: _files().submit(_read_by_open, *pairs[i]) for i in rest}
     wait(list(futs.values()))
     for i, fut in futs.items():
         exc = fut.exception()
@@ -416,11 +435,12 @@ def _shared_at_page(view: memoryview) -> tuple[ring.SharedBuffer, int] | None:
 _MOUNTS: list[tuple[float, list[tuple[str, str]]]] = []
 
 
-def _kvfs_mounts() -> list[tuple[str, str]]:
+def _kvfs_mounts(fresh: bool = False) -> list[tuple[str, str]]:
     """(mount point, root inside the filesystem) of each kvfs mount this process
-    sees, longest mount point first (``/proc/self/mountinfo``, read every 5 s)."""
+    sees, longest mount point first (``/proc/self/mountinfo``, read every 5 s, or
+    now if ``fresh``)."""
     now = time.monotonic()
-    if _MOUNTS and now - _MOUNTS[0][0] < DIRECTORY_TTL:
+    if _MOUNTS and now - _MOUNTS[0][0] < DIRECTORY_TTL and not fresh:
         return _MOUNTS[0][1]
     found = []
     with contextlib.suppress(OSError), open("/proc/self/mountinfo", "rb") as f:
@@ -447,21 +467,29 @@ def _fs_path(path: str) -> bytes | None:
     directory it leaves, which no lexical shortcut may skip)."""
     if ".." in path.split("/"):
         return None
-    full = os.path.abspath(path)
-    for point, root in _kvfs_mounts():
-        if full == point or full.startswith(point.rstrip("/") + "/"):
-            inside = full[len(point) :].strip("/")
-            joined = "/".join(p for p in (root.strip("/"), inside) if p)
-            return os.fsencode(joined) if joined else None
-    return None
+    found = _mount_of(path)
+    if found is None:
+        return None
+    point, root = found
+    inside = os.path.abspath(path)[len(point) :].strip("/")
+    joined = "/".join(p for p in (root.strip("/"), inside) if p)
+    return os.fsencode(joined) if joined else None
 
 
 def _mount_point(path: str) -> str | None:
     """The kvfs mount point ``path`` lies under, if any (``/proc/self/mountinfo``)."""
+    found = _mount_of(path)
+    return found[0] if found is not None else None
+
+
+def _mount_of(path: str) -> tuple[str, str] | None:
+    """(mount point, root inside the filesystem) of the kvfs mount ``path`` lies
+    under; ``/proc/self/mountinfo`` read again on a miss (a mount made since)."""
     full = os.path.abspath(path)
-    for point, _ in _kvfs_mounts():
-        if full == point or full.startswith(point.rstrip("/") + "/"):
-            return point
+    for fresh in (False, True):
+        for point, root in _kvfs_mounts(fresh):
+            if full == point or full.startswith(point.rstrip("/") + "/"):
+                return point, root
     return None
 
 
@@ -478,9 +506,10 @@ def _route_map(path: str, point: str | None, fresh: bool = False) -> dict[str, A
     return _directory_map(os.path.dirname(path) or ".", fresh)
 
 
-def _ring_path_of(path: str) -> tuple[str, str] | None:
+def _ring_path_of(path: str, write: bool = False) -> tuple[str, str] | None:
     """(ring socket, mount point) for a file under a kvfs mount this process reads
-    through the ring (not its devices); None otherwise."""
+    (or, ``write``, creates) through the ring by path (not its devices); None
+    otherwise."""
     point = _mount_point(path)
     if _cap() > 1 or point is None or _fs_path(path) is None:
         return None
@@ -488,7 +517,9 @@ def _ring_path_of(path: str) -> tuple[str, str] | None:
         info = _route_map(path, point)
     except OSError:  # no such directory...: read_into says so, for this file alone
         return None
-    if info is None or not info.get("ring") or _devices(info, write=False) is not None:
+    if info is None or not info.get("ring") or (write and not info.get("ring_writes")):
+        return None
+    if _devices(info, write=write) is not None:
         return None
     return str(info["ring"]), point
 
@@ -555,6 +586,10 @@ def write_from(path: str | os.PathLike[str], buf: Any, mode: int = 0o644) -> int
         rng = _ring(info) if fds is None else None
         if fds is not None or rng is not None or info is None or not info.get("ring"):
             break  # else a remembered ring is gone (a remount): ask the mount again
+    if rng is not None and info is not None and info.get("ring_writes"):
+        made = _ring_write_new(rng, os.fspath(path), view, mode)
+        if made is not None:
+            return made
     # the mount binds a reservation to the handle this thread opened: one file's
     # create, reserve and commit stay on one thread
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
@@ -602,6 +637,82 @@ def write_from(path: str | os.PathLike[str], buf: Any, mode: int = 0o644) -> int
     return n
 
 
+_WRITE_FALL_BACK = {
+    errno.EEXIST,
+    errno.EINVAL,
+    errno.EOPNOTSUPP,
+    errno.EBUSY,
+    errno.EBADF,
+    errno.EIO,
+    errno.EPROTO,
+}
+"""Path-write answers that send a file the mount's way (``open(O_TRUNC)``, then a
+reservation): a name in use is replaced there; anything else the mount decides."""
+STAGED_BATCH = 256 << 20
+"""Bytes of one path-write message at most when they are bounced through staging."""
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (``/proc/self/status``)."""
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status", "rb") as f:
+        for line in f:
+            if line.startswith(b"Umask:"):
+                return int(line.split()[1], 8)
+    return 0o022
+
+
+def _ring_write_new(r: ring.Ring, path: str, view: memoryview, mode: int) -> int | None:
+    """Store ``view`` as the new file ``path`` by one path write on ``r`` (the daemon
+    creates, writes and commits it); the bytes written, or None where the mount's
+    way must do it (a name in use, a broken ring...). Raises what creating the file
+    through the mount would raise (ENOENT, EACCES, ENOSPC...)."""
+    fs_path = _fs_path(path)
+    if fs_path is None:
+        return None
+    try:
+        got = _ring_write_paths(r, [(fs_path, view, mode & ~_umask())])[0]
+    except OSError:
+        return None
+    if isinstance(got, int):
+        return got
+    if got.errno in _WRITE_FALL_BACK:
+        return None
+    raise _error(got, path)
+
+
+def _error(got: OSError, path: str) -> OSError:
+    """``got`` as the mount would raise it for ``path`` (FileNotFoundError...)."""
+    code = got.errno or errno.EIO
+    return OSError(code, os.strerror(code), path)
+
+
+def _ring_write_paths(
+    r: ring.Ring, items: list[tuple[bytes, memoryview, int]]
+) -> list[int | OSError]:
+    """New files ``(path in the filesystem, view, mode)`` written by path through
+    ``r``: in place where a view is shared memory, else copied into one staging
+    buffer for the batch; per file the bytes written or the OSError."""
+    bounced = [v for _, v, _ in items if _shared_at_page(v) is None]
+    size = sum(-(-len(v) // ALIGN) * ALIGN for v in bounced)
+    with ring.staging(size) if bounced else contextlib.nullcontext() as stage:
+        jobs: list[tuple[bytes, ring.SharedBuffer, int, int, int]] = []
+        at = 0
+        for fs_path, view, mode in items:
+            where = _shared_at_page(view)
+            if where is None:
+                assert stage is not None
+                stage[at : at + len(view)] = view
+                where = (stage, at)
+                at += -(-len(view) // ALIGN) * ALIGN
+            jobs.append((fs_path, where[0], where[1], len(view), mode))
+        results = r.write_paths(jobs)
+    for (_, view, _), got in zip(items, results, strict=True):
+        if isinstance(got, int):
+            staged = len(view) if _shared_at_page(view) is None else 0
+            _count(ring_writes=1, ring_bytes_written=got, bounced_bytes=staged)
+    return results
+
+
 _DIRECTORIES: dict[str, tuple[float, dict[str, Any] | None]] = {}
 DIRECTORY_TTL = 5.0
 """Seconds a directory's map (its mount's members and ring) is reused by this
@@ -638,8 +749,56 @@ def write_many(items: Iterable[tuple[str | os.PathLike[str], Any]], mode: int = 
     their device writes overlap and their commits reach the mount together and share
     its flushes (a group commit, not one flush per file). Each file is whole or
     absent: when one fails, the others are still stored, and the first error is
-    raised once every file is committed or dropped."""
-    return _wait([submit_write(path, buf, mode) for path, buf in items])
+    raised once every file is committed or dropped. On the ring, new files go by
+    path in one message per ``STAGED_BATCH`` bytes: the daemon creates, writes and
+    commits them all, with no request through the mount."""
+    pairs = [(os.fspath(p), _bytes_view(b)) for p, b in items]
+    out: list[int | BaseException | None] = [None] * len(pairs)
+    by_ring: dict[str, list[int]] = {}
+    for i, (path, view) in enumerate(pairs):
+        where = _ring_path_of(path, write=True) if len(view) else None
+        if where is not None:
+            by_ring.setdefault(where[0], []).append(i)
+    umask = _umask() if by_ring else 0
+    for sock, idx in by_ring.items():
+        r = ring.connect(sock)
+        if r is None:
+            continue
+        for group in _batches(idx, [len(pairs[i][1]) for i in idx]):
+            fs = [(_fs_path(pairs[i][0]) or b"", pairs[i][1], mode & ~umask) for i in group]
+            try:
+                results = _ring_write_paths(r, fs)
+            except OSError:  # the ring broke: the rest goes the mount's way
+                break
+            for i, got in zip(group, results, strict=True):
+                if isinstance(got, int):
+                    out[i] = got
+                elif got.errno not in _WRITE_FALL_BACK:
+                    out[i] = _error(got, pairs[i][0])
+    futs = {i: submit_write(*pairs[i], mode) for i, got in enumerate(out) if got is None}
+    wait(list(futs.values()))
+    for i, fut in futs.items():
+        exc = fut.exception()
+        out[i] = exc if exc is not None else fut.result()
+    for one in out:
+        if isinstance(one, BaseException):
+            raise one
+    return [one if isinstance(one, int) else 0 for one in out]
+
+
+def _batches(idx: list[int], sizes: list[int]) -> Iterable[list[int]]:
+    """``idx`` cut into path-write messages: ``wire.MAX_PATH_BATCH`` files and
+    ``STAGED_BATCH`` bytes at most each (one file over it goes alone)."""
+    group: list[int] = []
+    nbytes = 0
+    for i, n in zip(idx, sizes, strict=True):
+        if group and (len(group) == wire.MAX_PATH_BATCH or nbytes + n > STAGED_BATCH):
+            yield group
+            group, nbytes = [], 0
+        group.append(i)
+        nbytes += n
+    if group:
+        yield group
 
 
 def submit_write(path: str | os.PathLike[str], buf: Any, mode: int = 0o644) -> Future[int]:

@@ -201,14 +201,27 @@ class Ring:
         """Whole-file reads named by path (from the filesystem's root) into
         ``(buffer, offset, length)``: the daemon opens each as this process's user,
         reads and verifies it; per file the bytes read or the OSError."""
+        return self._paths([(wire.OP_READ, *item, 0) for item in items])
+
+    def write_paths(
+        self, items: list[tuple[bytes, SharedBuffer, int, int, int]]
+    ) -> list[int | OSError]:
+        """New files named by path, from ``(buffer, offset, size)``, with permission
+        bits ``mode``: the daemon creates each as this process's user would
+        (``O_CREAT | O_EXCL``), writes it, computes its checksums and commits it;
+        per file the bytes written (durable) or the OSError (EEXIST: a name in use).
+        Only for a daemon whose map answers say ``ring_writes``."""
+        return self._paths([(wire.OP_WRITE, *item) for item in items])
+
+    def _paths(
+        self, items: list[tuple[int, bytes, SharedBuffer, int, int, int]]
+    ) -> list[int | OSError]:
         tags = {}
         reqs = []
-        for i, (path, buf, offset, length) in enumerate(items):
+        for i, (op, path, buf, offset, length, mode) in enumerate(items):
             tag = next(self._tags)
             tags[tag] = i
-            reqs.append(
-                (buf, wire.PathRequest(wire.OP_READ, buf.region, tag, offset, length, path))
-            )
+            reqs.append((buf, wire.PathRequest(op, buf.region, tag, offset, length, path, mode)))
         messages = []
         for i in range(0, len(reqs), wire.MAX_PATH_BATCH):
             batch = reqs[i : i + wire.MAX_PATH_BATCH]

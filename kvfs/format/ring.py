@@ -28,6 +28,11 @@ MSG_DONE = 5
 MSG_SUBMIT_PATHS = 6
 """A batch of whole-file reads named by path (the daemon opens each as the
 connection's user would, :class:`PathRequest`), one completion each."""
+MSG_WRITE_PATHS = 7
+"""A batch of new files named by path, each created as the connection's user would
+create it, written from the region and committed (durable) before its completion.
+Sent only to a daemon whose map answers say ``ring_writes`` (an older one drops the
+connection on a kind it does not know)."""
 
 OP_READ = 1
 OP_WRITE = 2
@@ -43,6 +48,8 @@ assert _DONE.size == 20
 
 _PATH_REQUEST = struct.Struct("<BxHIQQQ")  # op, path bytes, region, tag, offset, length
 assert _PATH_REQUEST.size == 32
+_PATH_WRITE = struct.Struct("<BxHIQQQI4x")  # the same, then the new file's mode
+assert _PATH_WRITE.size == 40
 MAX_PATH = 4096
 """The longest path a request may name (PATH_MAX)."""
 
@@ -51,7 +58,7 @@ MAX_BATCH = 1024
 MAX_MESSAGE = _HEAD.size + MAX_BATCH * _REQUEST.size
 MAX_PATH_BATCH = 64
 """Path requests in one SUBMIT_PATHS message at most (under 256 KiB with their paths)."""
-MAX_PATH_MESSAGE = _HEAD.size + MAX_PATH_BATCH * (_PATH_REQUEST.size + MAX_PATH)
+MAX_PATH_MESSAGE = _HEAD.size + MAX_PATH_BATCH * (_PATH_WRITE.size + MAX_PATH)
 
 
 @dataclass(frozen=True)
@@ -83,33 +90,43 @@ class PathRequest:
     length: int
     path: bytes
     """Relative to the filesystem's root, components separated by ``/``."""
+    mode: int = 0
+    """A write's: the new file's permission bits (the client's umask applied)."""
 
 
 def submit_paths(requests: list[PathRequest]) -> bytes:
+    """A SUBMIT_PATHS (reads) or, when every request is a write, a WRITE_PATHS."""
     if not 0 < len(requests) <= MAX_PATH_BATCH:
         raise ValueError(f"a path batch holds 1 to {MAX_PATH_BATCH} requests")
-    out = [_HEAD.pack(MSG_SUBMIT_PATHS, RING_VERSION, 0, len(requests))]
+    writes = requests[0].op == OP_WRITE
+    if any((r.op == OP_WRITE) != writes for r in requests):
+        raise ValueError("a path batch is all reads or all writes")
+    msg = MSG_WRITE_PATHS if writes else MSG_SUBMIT_PATHS
+    out = [_HEAD.pack(msg, RING_VERSION, 0, len(requests))]
     for r in requests:
         if not 0 < len(r.path) <= MAX_PATH:
             raise ValueError("a path of 1 to 4096 bytes")
-        out.append(_PATH_REQUEST.pack(r.op, len(r.path), r.region, r.tag, r.offset, r.length))
+        head = (r.op, len(r.path), r.region, r.tag, r.offset, r.length)
+        out.append(_PATH_WRITE.pack(*head, r.mode) if writes else _PATH_REQUEST.pack(*head))
         out.append(r.path)
     return b"".join(out)
 
 
 def path_requests_of(message: bytes) -> list[PathRequest]:
-    _, _, count = kind(message)
+    kind_, _, count = kind(message)
     if count > MAX_PATH_BATCH:
         raise ValueError("a path batch too long")
+    record = _PATH_WRITE if kind_ == MSG_WRITE_PATHS else _PATH_REQUEST
     at, out = _HEAD.size, []
     for _ in range(count):
-        if at + _PATH_REQUEST.size > len(message):
+        if at + record.size > len(message):
             raise ValueError("a path batch cut short")
-        op, n, region, tag, offset, length = _PATH_REQUEST.unpack_from(message, at)
-        at += _PATH_REQUEST.size
+        op, n, region, tag, offset, length, *mode = record.unpack_from(message, at)
+        at += record.size
         if not 0 < n <= MAX_PATH or at + n > len(message):
             raise ValueError("a path of the wrong length")
-        out.append(PathRequest(op, region, tag, offset, length, message[at : at + n]))
+        path = message[at : at + n]
+        out.append(PathRequest(op, region, tag, offset, length, path, *mode))
         at += n
     if at != len(message):
         raise ValueError("a path batch with trailing bytes")

@@ -115,10 +115,20 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
         self._dirs: dict[int, tuple[int, list[tuple[bytes, int]]]] = {}
         self._next_dh = 1
         store.on_vanish = self._invalidate
+        store.on_appear = self._appeared
+        store.on_resized = self._invalidate_attr
 
     def _invalidate(self, parent: int, name: bytes, ino: int) -> None:
         try:
             pyfuse3.invalidate_entry_async(parent, name, deleted=ino, ignore_enoent=True)
+        except Exception as e:  # no session (tests calling handlers directly)
+            log.debug("invalidate %d/%r: %s", parent, name, e)
+
+    def _appeared(self, parent: int, name: bytes) -> None:
+        """A name made behind the kernel: a negative entry it cached for it goes (and
+        the directory's cached attributes with it)."""
+        try:
+            pyfuse3.invalidate_entry_async(parent, name, ignore_enoent=True)
         except Exception as e:  # no session (tests calling handlers directly)
             log.debug("invalidate %d/%r: %s", parent, name, e)
 

@@ -127,6 +127,8 @@ def _start_ring(
         threads,
         opener=store.ring_open_reads,
         releaser=store.release_all,
+        creator=store.ring_open_writes,
+        committer=store.ring_commit_writes,
         token=trio.lowlevel.current_trio_token(),
         allow_other=allow_other,
     )

@@ -24,9 +24,11 @@ eviction driver and reports; its own methods delegate to them.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import os
+import stat
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
@@ -115,6 +117,12 @@ class Store:
         self._nursery: trio.Nursery | None = None
         self.traffic = Traffic()
         self.on_vanish: Callable[[int, bytes, int], None] = lambda parent, name, ino: None
+        self.on_appear: Callable[[int, bytes], None] = lambda parent, name: None
+        """A name made behind the kernel (the ring's path writes): the FUSE adapter
+        drops a "no such name" the kernel may have cached for it."""
+        self.on_resized: Callable[[int], None] = lambda ino: None
+        """A file committed behind the kernel (the ring's path writes): the FUSE
+        adapter drops the attributes (size 0) the kernel may have cached for it."""
         self.evictor = Evictor(
             self.ns,
             self.cfg.eviction_policy,
@@ -433,6 +441,66 @@ class Store:
             except KvfsError as e:
                 await self.release(fh)
                 out.append(e.errno)
+        return out
+
+    async def ring_open_writes(
+        self, files: list[tuple[bytes, int, int]], caller: Caller
+    ) -> list[Ticket | int]:
+        """For the aware ring's path writes: each ``(path, size, mode)`` created as a
+        new file as ``caller`` would create it (``open(O_CREAT | O_EXCL)``: the
+        kernel's permission rules, :func:`paths.new_file_place`), opened for writing,
+        and room reserved for its ``size`` bytes: its write ticket; or the errno it
+        failed with (EEXIST for a name in use: the client replaces it through the
+        mount). The ring commits each (:meth:`ring_commit_writes`); a file not
+        committed is dropped at its handle's release, as a killed writer's."""
+        return [await self._ring_new_file(path, size, mode, caller) for path, size, mode in files]
+
+    async def _ring_new_file(
+        self, path: bytes, size: int, mode: int, caller: Caller
+    ) -> Ticket | int:
+        found = paths.new_file_place(self.ns, path, caller)
+        if isinstance(found, int):
+            return found
+        parent, name = found
+        fh = -1
+        try:
+            inode = await self.create(parent.ino, name, stat.S_IFREG | (mode & 0o7777), caller)
+            self.on_appear(parent.ino, name)
+            fh = await self.open(inode.ino, os.O_WRONLY, caller)
+            return await self.direct.write_ticket(inode.ino, fh, size, caller)
+        except Exception as e:
+            if not isinstance(e, KvfsError):
+                log.exception("aware ring: path write of %r: %s", path, e)
+            if fh >= 0:
+                await self.release(fh)  # the empty file goes with it
+            return e.errno if isinstance(e, KvfsError) else errno.EIO
+
+    async def ring_commit_writes(self, done: list[tuple[int, bool]], caller: Caller) -> list[int]:
+        """The ring's path writes ``(handle, written)``: each one written committed
+        (durable, the commits sharing the journal's flushes), then every handle
+        released (an uncommitted file is dropped); per write 0 or the errno."""
+        out = [0] * len(done)
+
+        async def commit(i: int, fh: int) -> None:
+            ino = self.handles[fh].ino if fh in self.handles else 0
+            try:
+                await self.direct.commit_ticket(fh, caller)
+            except KvfsError as e:
+                out[i] = e.errno
+            else:
+                self.on_resized(ino)
+
+        try:
+            async with trio.open_nursery() as nursery:
+                for i, (fh, written) in enumerate(done):
+                    if written:
+                        nursery.start_soon(commit, i, fh)
+        finally:
+            for i, (fh, written) in enumerate(done):
+                if not written:
+                    out[i] = errno.EIO
+                if fh in self.handles:
+                    await self.release(fh)
         return out
 
     async def release_all(self, fhs: list[int]) -> None:

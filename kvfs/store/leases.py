@@ -189,6 +189,7 @@ class DirectPath:
         info = {"v": VERSION, "unit": self.unit, "devices": self._devices, **fields}
         if self.ring is not None:
             info["ring"] = self.ring
+            info["ring_writes"] = 1  # new files by path (kvfs.format.ring.MSG_WRITE_PATHS)
         reply = json.dumps(info, separators=(",", ":")).encode()
         if len(reply) > MAX_REPLY:
             raise TooBig(f"inode {ino}: the answer is {len(reply)} bytes, over 64 KiB")
@@ -384,6 +385,23 @@ class DirectPath:
             if r.nonce == nonce:
                 return r.reply  # the kernel's second ask (the first was for the length)
             raise Busy(f"inode {ino}: this handle has a direct write in progress")
+        return (await self._reserve_for(ino, fh, size, nonce, caller)).reply
+
+    async def write_ticket(self, ino: int, fh: int, size: int, caller: Caller) -> Ticket:
+        """Room for the ``size`` bytes of the empty file ``ino`` the daemon opened as
+        handle ``fh`` for ``caller`` (the ring's path writes), and its write ticket;
+        committed by :meth:`commit_ticket`, or freed at the handle's release."""
+        if self.ring is None:
+            raise NotPermitted("the mount serves no ring")
+        if size <= 0:
+            raise InvalidArgument("a path write of no bytes")
+        r = await self._reserve_for(ino, fh, size, b"ring", caller)
+        assert r.ticket is not None
+        return r.ticket
+
+    async def _reserve_for(
+        self, ino: int, fh: int, size: int, nonce: bytes, caller: Caller
+    ) -> Reservation:
         inode = self._live(ino)
         st = self.writer.state(ino)
         check_failed(st)
@@ -398,7 +416,8 @@ class DirectPath:
             await self._ensure_space(inode, len(units))
             # no await since the room was checked
             inode = self._live(ino)
-            fh = self._writer(ino, caller)  # still open, still empty
+            if fh not in self.handles:
+                raise Busy(f"inode {ino}: closed while room was made")
             if fh in self._reservations or inode.size or inode.nunits or st.dirty or st.busy:
                 raise Busy(f"inode {ino} changed while room was made")
             plan = self.writer.allocate(inode, units, size)
@@ -417,9 +436,9 @@ class DirectPath:
             reply = self._reply(ino, size=size, runs=runs, ticket=ticket.token.hex())
         else:
             reply = self._reply(ino, size=size, runs=runs)
-        self._reservations[fh] = Reservation(ino, nonce, size, plan, reply, ticket)
+        r = self._reservations[fh] = Reservation(ino, nonce, size, plan, reply, ticket)
         self._reserved += 1
-        return reply
+        return r
 
     async def commit(self, ino: int, value: bytes, caller: Caller) -> None:
         try:
@@ -429,7 +448,18 @@ class DirectPath:
             csums = None if given is None else [int(c) for c in given]
         except (ValueError, KeyError, TypeError):
             raise InvalidArgument("a direct commit is JSON with a nonce and checksums") from None
-        fh = self._writer(ino, caller)
+        await self._commit_handle(ino, self._writer(ino, caller), nonce, csums, caller)
+
+    async def commit_ticket(self, fh: int, caller: Caller) -> None:
+        """Commit the ring's path write held by handle ``fh`` (its bytes all written by
+        the daemon, which computed their checksums), durable when it returns."""
+        if fh not in self.handles:
+            raise InvalidArgument(f"handle {fh}: closed before its commit")
+        await self._commit_handle(self.handles[fh].ino, fh, b"ring", None, caller)
+
+    async def _commit_handle(
+        self, ino: int, fh: int, nonce: bytes, csums: list[int] | None, caller: Caller
+    ) -> None:
         r = self._reservations.get(fh)
         if r is None or r.nonce != nonce or r.ino != ino:
             raise InvalidArgument(f"inode {ino}: no such direct write in progress")

@@ -10,7 +10,7 @@ import stat
 from kvfs.evict.evictor import Evictor
 from kvfs.evict.groups import KVFS_MANAGED
 from kvfs.index.namespace import ROOT_INO, Inode, Namespace
-from kvfs.store.posix import MAY_EXEC, MAY_READ, Caller, permitted
+from kvfs.store.posix import MAY_EXEC, MAY_READ, MAY_WRITE, Caller, permitted
 
 MAX_DEPTH = 4096
 """Deeper than this is no path (a walk never loops, whatever the index holds)."""
@@ -45,15 +45,9 @@ def directories_on(ns: Namespace, path: bytes) -> list[tuple[bytes, Inode]]:
     return found
 
 
-def readable_file(ns: Namespace, path: bytes, caller: Caller) -> Inode | int:
-    """The regular file at ``path`` (from the root, ``/``-separated) if ``caller``
-    may search every directory on it and read it, as the kernel would have let it
-    open the file; else the errno: ENOENT, EACCES, ENOTDIR, EISDIR, or EINVAL for
-    what the ring does not resolve (``.``, ``..``, empty parts, a symbolic link: the
-    client opens those through the mount instead)."""
-    parts = path.split(b"/")
-    if len(parts) > MAX_DEPTH or any(p in (b"", b".", b"..") for p in parts):
-        return errno.EINVAL
+def _walk(ns: Namespace, parts: list[bytes], caller: Caller) -> Inode | int:
+    """The directory ``parts`` names, if ``caller`` may search every directory on
+    the way (and that one): the kernel's path walk; else ENOENT, ENOTDIR or EACCES."""
     node = ns.inodes.get(ROOT_INO)
     for name in parts:
         if node is None:
@@ -63,6 +57,55 @@ def readable_file(ns: Namespace, path: bytes, caller: Caller) -> Inode | int:
         if not permitted(node.mode, node.uid, node.gid, caller, MAY_EXEC):
             return errno.EACCES
         node = ns.find(node.ino, name)
+    if node is None:
+        return errno.ENOENT
+    if not node.is_dir:
+        return errno.ENOTDIR
+    if not permitted(node.mode, node.uid, node.gid, caller, MAY_EXEC):
+        return errno.EACCES
+    return node
+
+
+def _parts(path: bytes) -> list[bytes] | None:
+    """``path``'s names, or None for what the ring does not resolve (``.``, ``..``,
+    empty parts: the client goes through the mount instead)."""
+    parts = path.split(b"/")
+    if len(parts) > MAX_DEPTH or any(p in (b"", b".", b"..") for p in parts):
+        return None
+    return parts
+
+
+def new_file_place(ns: Namespace, path: bytes, caller: Caller) -> tuple[Inode, bytes] | int:
+    """The directory and name where ``caller`` may create the new file ``path``, as
+    the kernel would let ``open(O_CREAT | O_EXCL)`` create it (search permission on
+    every directory, write on the last); else the errno: EEXIST for a name in use
+    (the client replaces a file through the mount), ENOENT, ENOTDIR, EACCES, EINVAL."""
+    parts = _parts(path)
+    if parts is None:
+        return errno.EINVAL
+    parent = _walk(ns, parts[:-1], caller)
+    if isinstance(parent, int):
+        return parent
+    if ns.find(parent.ino, parts[-1]) is not None:
+        return errno.EEXIST
+    if not permitted(parent.mode, parent.uid, parent.gid, caller, MAY_WRITE):
+        return errno.EACCES
+    return parent, parts[-1]
+
+
+def readable_file(ns: Namespace, path: bytes, caller: Caller) -> Inode | int:
+    """The regular file at ``path`` (from the root, ``/``-separated) if ``caller``
+    may search every directory on it and read it, as the kernel would have let it
+    open the file; else the errno: ENOENT, EACCES, ENOTDIR, EISDIR, or EINVAL for
+    what the ring does not resolve (``.``, ``..``, empty parts, a symbolic link: the
+    client opens those through the mount instead)."""
+    parts = _parts(path)
+    if parts is None:
+        return errno.EINVAL
+    parent = _walk(ns, parts[:-1], caller)
+    if isinstance(parent, int):
+        return parent
+    node = ns.find(parent.ino, parts[-1])
     if node is None:
         return errno.ENOENT
     if node.is_dir:

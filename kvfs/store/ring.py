@@ -27,6 +27,7 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import functools
 import logging
 import mmap
 import os
@@ -59,6 +60,12 @@ MAX_REGIONS = 4096
 _SEALED = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 
 
+NewFiles = Callable[[list[tuple[bytes, int, int]], Caller], Awaitable[list[Ticket | int]]]
+"""Creates ``(path, size, mode)`` as a caller, each its write ticket or an errno."""
+Commits = Callable[[list[tuple[int, bool]], Caller], Awaitable[list[int]]]
+"""Commits ``(handle, written)`` and releases every handle: per file 0 or an errno."""
+
+
 @dataclass(eq=False)
 class Region:
     mm: mmap.mmap
@@ -78,6 +85,10 @@ class RingStatistics:
     refused: int = 0
     """Requests failed before any I/O: a dead or foreign ticket, a bad region."""
     checksum_failures: int = 0
+    created: int = 0
+    """Files made by path writes (created, written and committed by the daemon)."""
+    creating: int = 0
+    """Path-write batches in progress now (their files may still be empty)."""
     device_seconds: float = 0.0
     """Thread time of the I/O threads (device calls and checksums), summed."""
 
@@ -108,9 +119,12 @@ class RingServer:
         releaser: Callable[[list[int]], Awaitable[None]] | None = None,
         token: trio.lowlevel.TrioToken | None = None,
         allow_other: bool = False,
+        creator: NewFiles | None = None,
+        committer: Commits | None = None,
     ) -> None:
         self.tickets = tickets
         self.opener, self.releaser, self.token = opener, releaser, token
+        self.creator, self.committer = creator, committer
         self.allow_other = allow_other
         self.fds = fds
         self.path = socket_path
@@ -215,6 +229,9 @@ class RingServer:
         if kind == wire.MSG_SUBMIT_PATHS:
             self._paths(conn, wire.path_requests_of(msg))
             return
+        if kind == wire.MSG_WRITE_PATHS:
+            self._write_paths(conn, wire.path_requests_of(msg))
+            return
         raise ValueError(f"unknown ring message {kind}")
 
     def _register(self, conn: Connection, region: int, nbytes: int, fd: int) -> None:
@@ -299,9 +316,11 @@ class RingServer:
         tag: int,
         inline: bool,
         finished: Callable[[], None] | None = None,
+        answer: Callable[[int], None] | None = None,
     ) -> bool:
         """Start ticket ``t``'s request into region ``region_id`` at ``offset``; False
-        (and its completion sent) when it may not start."""
+        (and its completion sent) when it may not start. ``answer``: called with the
+        request's errno (0: done) instead of sending its completion."""
         with conn.lock:
             region = conn.regions.get(region_id)
             fits = (
@@ -315,32 +334,141 @@ class RingServer:
             else:
                 region.users += 1
         if region is None:
-            self._refuse(conn, tag, errno.EINVAL)
+            self._failed(conn, tag, errno.EINVAL, answer)
             return False
         if not t.enter():
             self._release(conn, region)
-            self._refuse(conn, tag, errno.EBADF)
+            self._failed(conn, tag, errno.EBADF, answer)
             return False
-        _Job(self, conn, region, t, tag, offset, finished).launch(inline)
+        _Job(self, conn, region, t, tag, offset, finished, answer).launch(inline)
         return True
+
+    def _failed(
+        self, conn: Connection, tag: int, error: int, answer: Callable[[int], None] | None
+    ) -> None:
+        if answer is None:
+            self._refuse(conn, tag, error)
+        else:
+            with self._stats_lock:
+                self.stats.refused += 1
+            answer(error)
+
+    def _path_batch(self, conn: Connection, reqs: list[wire.PathRequest], op: int) -> bool:
+        """Whether a path batch may run at all (else every request is refused)."""
+        error = 0
+        if (
+            self.opener is None
+            or self.releaser is None
+            or self.token is None
+            or (op == wire.OP_WRITE and (self.creator is None or self.committer is None))
+        ):
+            error = errno.EOPNOTSUPP
+        elif not self.allow_other and conn.uid not in (0, os.getuid()):
+            error = errno.EACCES  # as FUSE itself refuses other users without allow_other
+        elif any(r.op != op for r in reqs):
+            error = errno.EINVAL
+        for r in reqs if error else ():
+            self._refuse(conn, r.tag, error)
+        return not error
+
+    def _fits(self, conn: Connection, r: wire.PathRequest) -> bool:
+        """Whether ``r``'s region holds ``r.length`` bytes at a page-aligned offset."""
+        with conn.lock:
+            region = conn.regions.get(r.region)
+            return (
+                region is not None
+                and r.offset % ALIGN == 0
+                and r.length > 0
+                and r.offset + r.length <= len(region.mm)
+            )
+
+    def _write_paths(self, conn: Connection, reqs: list[wire.PathRequest]) -> None:
+        """A batch of new files by path: created, opened and their room reserved as
+        the connection's user (one hop to the trio thread), written from the region
+        on the I/O threads, then committed together (a second hop; the commits
+        share the journal's flushes) and every handle released; each completion is
+        sent once its file is durable, or dropped."""
+        if not self._path_batch(conn, reqs, wire.OP_WRITE):
+            return
+        fit = [self._fits(conn, r) for r in reqs]
+        for r, ok in zip(reqs, fit, strict=True):
+            if not ok:
+                self._refuse(conn, r.tag, errno.EINVAL)
+        todo = [r for r, ok in zip(reqs, fit, strict=True) if ok]
+        if not todo:
+            return
+        with self._stats_lock:
+            self.stats.creating += 1
+        try:
+            self._create_write_commit(conn, todo)
+        finally:
+            with self._stats_lock:
+                self.stats.creating -= 1
+
+    def _create_write_commit(self, conn: Connection, todo: list[wire.PathRequest]) -> None:
+        assert self.creator is not None and self.committer is not None and self.token
+        caller = Caller(conn.uid, conn.gid, conn.pid)
+        try:
+            made = trio.from_thread.run(
+                self.creator,
+                [(r.path, r.length, r.mode) for r in todo],
+                caller,
+                trio_token=self.token,
+            )
+        except Exception as e:  # the mount is stopping (it closes every handle)
+            log.info("aware ring: path writes refused: %r", e)
+            for r in todo:
+                self._refuse(conn, r.tag, errno.EIO)
+            return
+        errors: dict[int, int] = {}
+        left = [0]
+        idle = threading.Condition()
+
+        def answer(tag: int, error: int) -> None:
+            with idle:
+                errors[tag] = error
+                left[0] -= 1
+                idle.notify_all()
+
+        written: list[tuple[wire.PathRequest, Ticket]] = []
+        for r, t in zip(todo, made, strict=True):
+            if isinstance(t, int):
+                self._refuse(conn, r.tag, t)
+            else:
+                written.append((r, t))
+        with idle:
+            left[0] = len(written)
+        for k, (r, t) in enumerate(written):
+            last = k == len(written) - 1  # this thread waits anyway: it moves a piece
+            self._launch(
+                conn, t, r.region, r.offset, r.length, r.tag, last,
+                answer=functools.partial(answer, r.tag),
+            )  # fmt: skip
+        if not written:
+            return
+        with idle:
+            idle.wait_for(lambda: left[0] == 0)
+        outcome = [(t.fh, not errors[r.tag]) for r, t in written]
+        try:
+            committed = trio.from_thread.run(self.committer, outcome, caller, trio_token=self.token)
+        except Exception as e:  # the mount is stopping: nothing was made durable
+            log.info("aware ring: path writes not committed: %r", e)
+            committed = [errno.EIO] * len(written)
+        for (r, t), error in zip(written, committed, strict=True):
+            error = errors[r.tag] or error
+            if not error:
+                with self._stats_lock:
+                    self.stats.created += 1
+            self._complete(conn, wire.Done(r.tag, error, 0 if error else t.size))
 
     def _paths(self, conn: Connection, reqs: list[wire.PathRequest]) -> None:
         """A batch of path reads: the files opened as the connection's user (on the
         trio thread, PATH_GROUP per hop), each group's reads started at once, and
         every handle released once the batch's reads are done."""
         opener, releaser, token = self.opener, self.releaser, self.token
-        if opener is None or releaser is None or token is None:
-            for r in reqs:
-                self._refuse(conn, r.tag, errno.EOPNOTSUPP)
+        if not self._path_batch(conn, reqs, wire.OP_READ):
             return
-        if not self.allow_other and conn.uid not in (0, os.getuid()):
-            for r in reqs:  # as FUSE itself refuses other users without allow_other
-                self._refuse(conn, r.tag, errno.EACCES)
-            return
-        if any(r.op != wire.OP_READ for r in reqs):
-            for r in reqs:
-                self._refuse(conn, r.tag, errno.EINVAL)
-            return
+        assert opener is not None and releaser is not None and token is not None
         caller = Caller(conn.uid, conn.gid, conn.pid)
         fhs: list[int] = []
         pending = [0]
@@ -414,9 +542,10 @@ class _Job:
         tag: int,
         offset: int,
         finished: Callable[[], None] | None,
+        answer: Callable[[int], None] | None = None,
     ) -> None:
         self.server, self.conn, self.region, self.t = server, conn, region, t
-        self.tag, self.finished = tag, finished
+        self.tag, self.finished, self.answer = tag, finished, answer
         self.view = region.view[offset : offset + t.size]
         self.base = region.base + offset
         self.left = 0
@@ -485,8 +614,11 @@ class _Job:
             then()
         self.server._release(self.conn, self.region)
         self.server._count(self.t, not self.error, self.seconds)
-        nbytes = 0 if self.error else self.t.size
-        self.server._complete(self.conn, wire.Done(self.tag, self.error, nbytes))
+        if self.answer is not None:
+            self.answer(self.error)
+        else:
+            nbytes = 0 if self.error else self.t.size
+            self.server._complete(self.conn, wire.Done(self.tag, self.error, nbytes))
         if self.finished is not None:
             self.finished()
 

@@ -12,6 +12,7 @@ wrote stay exact."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -280,12 +281,18 @@ def test_clients_killed_mid_request_leave_nothing_reserved_or_half_committed(
             proc.stdout.close()
             kills += 1
     assert _ring_counters(kvfs_mount)["writes"] > 0
+    assert _ring_counters(kvfs_mount)["created"] > 0  # new names went by path
 
     def settled() -> bool:
         s = _stats(kvfs_mount)
-        return s["tickets"] == 0 and s["leased_files"] == 0
+        # a path write in progress may have made its file and not yet its ticket
+        return (
+            s["tickets"] == 0
+            and s["leased_files"] == 0
+            and _ring_counters(kvfs_mount)["creating"] == 0
+        )
 
-    wait_for(settled, what="every ticket and lease gone with its client")
+    wait_for(settled, what="every ticket, lease and path write gone with its client")
 
     def check() -> int:
         used = 0
@@ -293,7 +300,8 @@ def test_clients_killed_mid_request_leave_nothing_reserved_or_half_committed(
             data = f.read_bytes()
             assert data == pattern(f.name, len(data)), f
             # 0: killed between its create and its reservation (an empty file, as a
-            # writer killed right after open(O_CREAT) leaves on ext4): never a prefix
+            # writer killed right after open(O_CREAT) leaves on ext4): never a prefix.
+            # A path write the daemon had begun is finished: whole.
             assert len(data) in (0, 3 * MiB + 5, 8 * MiB, 17 * MiB), (f, len(data))
             buf = direct.aligned(len(data))
             assert direct.read_into(f, buf) == len(data) and buf[: len(data)] == data
@@ -445,5 +453,152 @@ def test_bounced_requests_of_many_sizes_from_many_threads(kvfs_mount: KvfsMount)
         assert not any(t.is_alive() for t in threads), "a ring request never completed"
         assert not errors, errors
         assert direct.stats()["bounced_bytes"] > 0
+    finally:
+        os.environ.pop("KVFS_DIRECT_ROUTE", None)
+
+
+def test_path_writes_create_as_the_kernel_would_and_never_leave_a_part(
+    kvfs_mount: KvfsMount, unprivileged_user: pwd.struct_passwd
+) -> None:
+    """``write_from`` by an ordinary user sends a new file as one path write: the
+    daemon creates it as that user (owner, umask-applied mode), writes and commits
+    it, byte-exact, and the name is seen at once even where the kernel had cached
+    its absence. Where the user may not create it (a directory it may not write or
+    search, a missing one, a name too long) it gets the error open(2) would give and
+    nothing is left; a name in use is replaced through the mount, exact."""
+    m = kvfs_mount.path
+    os.chmod(m, 0o755)
+    (m / "open").mkdir(mode=0o777)
+    (m / "ro").mkdir(mode=0o755)
+    (m / "shut").mkdir(mode=0o700)
+    (m / "shut" / "inner").mkdir(mode=0o777)
+    (m / "open" / "taken").write_bytes(b"old bytes of root's")
+    os.chmod(m / "open" / "taken", 0o666)
+    os.chmod(m / "open", 0o777)
+
+    def user() -> None:
+        os.umask(0o027)
+        assert not os.path.exists("open/neg")  # the kernel caches "no such name"
+        data = pattern("neg", 3 * MiB + 7)
+        assert direct.write_from("open/neg", data, mode=0o666) == len(data)
+        with open("open/neg", "rb") as f:  # seen at once, whole
+            assert f.read() == data
+        st = os.stat("open/neg")
+        assert (st.st_uid, st.st_mode & 0o7777, st.st_size) == (os.getuid(), 0o640, len(data))
+        buf = direct.aligned(len(data))
+        assert direct.read_into("open/neg", buf) == len(data) and buf[: len(data)] == data
+        new = pattern("taken", MiB + 1)
+        assert direct.write_from("open/taken", new) == len(new)  # replaced the mount's way
+        with open("open/taken", "rb") as f:
+            assert f.read() == new
+        refused = {
+            "ro/x": PermissionError,
+            "shut/inner/x": PermissionError,
+            "nodir/x": FileNotFoundError,
+            "open/" + "n" * 300: OSError,
+        }
+        for name, kind in refused.items():
+            with pytest.raises(kind) as e:
+                direct.write_from(name, pattern(name, MiB))
+            if name.startswith("open/n"):
+                assert e.value.errno == errno.ENAMETOOLONG, e.value
+        s = direct.stats()
+        assert s["ring_writes"] == 2 and s["fallback_writes"] == 0, s
+        assert s["direct_writes"] == 0, s
+
+    _in_child(unprivileged_user, m, user)
+    c = _ring_counters(kvfs_mount)
+    assert c["created"] == 1 and c["creating"] == 0, c
+    assert sorted(p.name for p in (m / "open").iterdir()) == ["neg", "taken"]
+    assert list((m / "ro").iterdir()) == [] and list((m / "shut" / "inner").iterdir()) == []
+    wait_for(lambda: _stats(kvfs_mount)["tickets"] == 0, what="every path write's ticket gone")
+    assert kvfs_mount.stats()["store"]["open_handles"] == 0
+    kvfs_mount.remount()
+    assert (m / "open" / "neg").read_bytes() == pattern("neg", 3 * MiB + 7)
+    assert (m / "open" / "taken").read_bytes() == pattern("taken", MiB + 1)
+
+
+def test_write_many_goes_by_path_in_batches_and_every_file_is_exact(
+    kvfs_mount: KvfsMount, unprivileged_user: pwd.struct_passwd
+) -> None:
+    """``write_many`` of new and existing files of many sizes, from shared, bytes and
+    unaligned buffers, by an ordinary user: the new files go by path (one message per
+    batch), the existing ones the mount's way, and every file reads back exact, also
+    after a remount; one file the user may not create fails the call after all the
+    others are stored."""
+    m = kvfs_mount.path
+    os.chmod(m, 0o777)
+    (m / "ro").mkdir(mode=0o755)
+    sizes = [1, 4095, 4096, 65537, MiB, 2 * MiB + 3, 8 * MiB]
+    names = [f"f{i:03d}" for i in range(90)]
+    want = {n: pattern(n, sizes[i % len(sizes)]) for i, n in enumerate(names)}
+    for n in names[::9]:  # already there: replaced
+        (m / n).write_bytes(b"stale")
+        os.chmod(m / n, 0o666)
+
+    def user() -> None:
+        bufs: list[object] = []
+        for i, n in enumerate(names):
+            data = want[n]
+            if i % 3 == 0:
+                a = direct.aligned(len(data))
+                a[: len(data)] = data
+                bufs.append(memoryview(a)[: len(data)])
+            elif i % 3 == 1:
+                bufs.append(data)
+            else:
+                u = memoryview(bytearray(len(data) + 1))[1:]
+                u[:] = data
+                bufs.append(u)
+        assert direct.write_many(zip(names, bufs, strict=True)) == [len(want[n]) for n in names]
+        for n in names:
+            with open(n, "rb") as f:
+                assert f.read() == want[n], n
+        s = direct.stats()
+        assert s["ring_writes"] == len(names) and s["fallback_writes"] == 0, s
+        with pytest.raises(PermissionError):
+            direct.write_many([("late", b"x" * 5000), ("ro/no", b"y" * 5000)])
+        with open("late", "rb") as f:
+            assert f.read() == b"x" * 5000
+
+    _in_child(unprivileged_user, m, user)
+    c = _ring_counters(kvfs_mount)
+    assert c["created"] == len(names) - len(names[::9]) + 1, c
+    wait_for(lambda: _stats(kvfs_mount)["tickets"] == 0, what="every path write's ticket gone")
+    kvfs_mount.remount()
+    for n in names:
+        assert (m / n).read_bytes() == want[n], n
+    assert not (m / "ro" / "no").exists()
+
+
+def test_a_path_write_is_read_whole_by_whoever_looked_at_it_while_it_was_made(
+    kvfs_mount: KvfsMount,
+) -> None:
+    """A file a path write makes behind the kernel is empty while the daemon writes
+    it; a process that looked it up meanwhile (the kernel then caches its size 0)
+    reads it whole once ``write_from`` returned, never a short or empty file."""
+    os.environ["KVFS_DIRECT_ROUTE"] = "ring"  # root takes the ring, as a user would
+    try:
+        for i in range(12):
+            path = kvfs_mount.path / f"p{i}"
+            data = pattern(("p", i), 8 * MiB + 4096 * i + 1)
+            stop = threading.Event()
+
+            def look(path: Path = path, stop: threading.Event = stop) -> None:
+                while not stop.is_set():  # each stat the kernel answers caches its size
+                    with contextlib.suppress(FileNotFoundError):
+                        os.stat(path)
+
+            poller = threading.Thread(target=look)
+            poller.start()
+            try:
+                assert direct.write_from(path, data) == len(data)
+            finally:
+                stop.set()
+                poller.join()
+            assert os.stat(path).st_size == len(data)
+            with open(path, "rb") as f:
+                assert f.read() == data, i
+        assert _ring_counters(kvfs_mount)["created"] == 12
     finally:
         os.environ.pop("KVFS_DIRECT_ROUTE", None)

@@ -58,3 +58,22 @@ def test_a_path_batch_round_trips_and_refuses_what_is_malformed() -> None:
     too_many = [wire.PathRequest(wire.OP_READ, 1, i, 0, 1, b"p") for i in range(65)]
     with pytest.raises(ValueError):
         wire.submit_paths(too_many)
+
+
+def test_a_path_write_batch_carries_each_files_mode_and_is_never_mixed() -> None:
+    reqs = [
+        wire.PathRequest(wire.OP_WRITE, 3, 9, 4096 * i, 5000 + i, b"d/f%d" % i, 0o640 + i)
+        for i in range(5)
+    ]
+    msg = wire.submit_paths(reqs)
+    assert wire.kind(msg)[0] == wire.MSG_WRITE_PATHS
+    assert wire.path_requests_of(msg) == reqs
+    for cut in (1, 9, len(msg) - 1):
+        with pytest.raises(ValueError):
+            wire.path_requests_of(msg[:cut])
+    read = wire.PathRequest(wire.OP_READ, 3, 9, 0, 1, b"r")
+    with pytest.raises(ValueError):
+        wire.submit_paths([reqs[0], read])
+    reads = wire.submit_paths([read])
+    assert wire.kind(reads)[0] == wire.MSG_SUBMIT_PATHS
+    assert wire.path_requests_of(reads) == [read]  # a read carries no mode
