@@ -19,7 +19,9 @@ fastest route this process may use, and :func:`stats` counts each call's route:
    O_DIRECT straight into this process's shared memory, verifying or computing the
    checksums; the ticket that comes with this process's own open of the file is all
    a request may touch. Buffers from :func:`aligned` are that shared memory (no copy
-   here); others are bounced through it (one memcpy).
+   here); others are bounced through it (one memcpy). A read, and a write of a new
+   file, go as one message naming the path (the daemon opens or creates the file as
+   this process's user, by the kernel's rules): no request through FUSE at all.
 3. ``mount``: ordinary reads and writes of the same path (a file being written, a map
    over 64 KiB, not on kvfs, no ring), with the same result.
 

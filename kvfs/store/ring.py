@@ -420,42 +420,40 @@ class RingServer:
             for r in todo:
                 self._refuse(conn, r.tag, errno.EIO)
             return
-        errors: dict[int, int] = {}
-        left = [0]
-        idle = threading.Condition()
-
-        def answer(tag: int, error: int) -> None:
-            with idle:
-                errors[tag] = error
-                left[0] -= 1
-                idle.notify_all()
-
         written: list[tuple[wire.PathRequest, Ticket]] = []
         for r, t in zip(todo, made, strict=True):
             if isinstance(t, int):
                 self._refuse(conn, r.tag, t)
             else:
                 written.append((r, t))
-        with idle:
-            left[0] = len(written)
+        errors = [0] * len(written)  # by position: a client's tags need not be distinct
+        left = [len(written)]
+        idle = threading.Condition()
+
+        def answer(k: int, error: int) -> None:
+            with idle:
+                errors[k] = error
+                left[0] -= 1
+                idle.notify_all()
+
         for k, (r, t) in enumerate(written):
             last = k == len(written) - 1  # this thread waits anyway: it moves a piece
             self._launch(
                 conn, t, r.region, r.offset, r.length, r.tag, last,
-                answer=functools.partial(answer, r.tag),
+                answer=functools.partial(answer, k),
             )  # fmt: skip
         if not written:
             return
         with idle:
             idle.wait_for(lambda: left[0] == 0)
-        outcome = [(t.fh, not errors[r.tag]) for r, t in written]
+        outcome = [(t.fh, not errors[k]) for k, (_, t) in enumerate(written)]
         try:
             committed = trio.from_thread.run(self.committer, outcome, caller, trio_token=self.token)
         except Exception as e:  # the mount is stopping: nothing was made durable
             log.info("aware ring: path writes not committed: %r", e)
             committed = [errno.EIO] * len(written)
-        for (r, t), error in zip(written, committed, strict=True):
-            error = errors[r.tag] or error
+        for k, ((r, t), error) in enumerate(zip(written, committed, strict=True)):
+            error = errors[k] or error
             if not error:
                 with self._stats_lock:
                     self.stats.created += 1

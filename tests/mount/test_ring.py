@@ -602,3 +602,38 @@ def test_a_path_write_is_read_whole_by_whoever_looked_at_it_while_it_was_made(
         assert _ring_counters(kvfs_mount)["created"] == 12
     finally:
         os.environ.pop("KVFS_DIRECT_ROUTE", None)
+
+
+def test_a_forged_path_write_makes_nothing(kvfs_mount: KvfsMount) -> None:
+    """Path writes a client forges fail before any file is made: a region too small
+    for the size, a misaligned offset, memory never registered, a path the daemon
+    does not resolve; a batch with two requests of one tag still answers each
+    request for its own file (both made, exact)."""
+    m = kvfs_mount.path
+    sock = json.loads(os.getxattr(m, direct.MAP))["ring"]
+    ring = client.connect(sock)
+    assert ring is not None
+    buf = client.shared(2 * MiB)
+    buf[:] = pattern("forged", 2 * MiB)
+    bad = [
+        (b"small", buf, 0, 2 * MiB + 1, 0o644),  # past the region's end
+        (b"skew", buf, 512, MiB, 0o644),  # not at a page boundary
+        (b"a/../b", buf, 0, MiB, 0o644),  # the client resolves ``..`` through the mount
+        (b"", buf, 0, MiB, 0o644),
+    ]
+    got = ring.write_paths(bad[:3])
+    assert [g.errno if isinstance(g, OSError) else g for g in got] == [errno.EINVAL] * 3
+    with pytest.raises(ValueError):  # an empty path is not even sent
+        ring.write_paths(bad[3:])
+    stray = wire.PathRequest(wire.OP_WRITE, 10**6, 5, 0, 4096, b"stray", 0o644)  # no region
+    twins = [wire.PathRequest(wire.OP_WRITE, buf.region, 7, 0, MiB, b"t1", 0o644),
+             wire.PathRequest(wire.OP_WRITE, buf.region, 7, MiB, MiB, b"t2", 0o644)]  # fmt: skip
+    ring._sock.sendall(wire.submit_paths([stray]))
+    assert wire.done_of(ring._sock.recv(wire.MAX_MESSAGE)) == [wire.Done(5, errno.EINVAL, 0)]
+    ring._sock.sendall(wire.submit_paths(twins))  # buf was registered by the first batch
+    done = [d for _ in range(2) for d in wire.done_of(ring._sock.recv(wire.MAX_MESSAGE))]
+    assert [(d.tag, d.error, d.nbytes) for d in done] == [(7, 0, MiB)] * 2
+    assert (m / "t1").read_bytes() == bytes(buf[:MiB])
+    assert (m / "t2").read_bytes() == bytes(buf[MiB:])
+    assert sorted(p.name for p in m.iterdir()) == ["t1", "t2"]
+    assert _ring_counters(kvfs_mount)["created"] == 2
