@@ -263,11 +263,31 @@ def read_into(path: str | os.PathLike[str], buf: Any) -> int:
         out: list[int | OSError | None] = [None]
         with contextlib.suppress(OSError):  # the ring broke: the mount's way
             _ring_read_paths(r, [(0, os.fspath(path), view)], out)
-        if isinstance(out[0], OSError):
-            raise out[0]
-        if out[0] is not None:
-            return out[0]
+        got = out.pop()
+        if isinstance(got, OSError):
+            try:
+                raise got  # as _raise_first: no frame keeps it
+            finally:
+                del got
+        if got is not None:
+            return got
     return _read_by_open(path, view)
+
+
+def _raise_first(results: list[Any]) -> None:
+    """Raise the first exception in ``results`` (emptied), if any, from a frame that
+    keeps no reference to it. A raised exception whose traceback reaches a frame that
+    holds it is a cycle only the garbage collector frees, and until then the frames
+    keep the caller's buffers exported: an ``mmap`` of theirs could not close
+    (``BufferError``; the soak's readers met it)."""
+    err = next((r for r in results if isinstance(r, BaseException)), None)
+    results.clear()
+    if err is None:
+        return
+    try:
+        raise err
+    finally:
+        del err
 
 
 def _read_by_open(path: str | os.PathLike[str], view: memoryview) -> int:
@@ -339,10 +359,10 @@ def read_many(items: Iterable[tuple[str | os.PathLike[str], Any]]) -> list[int]:
     """Read several files, each as :func:`read_into`, all in flight at once; the sizes
     in order. Every read is done when it returns; the first error is raised then."""
     results = read_batch(items)
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
-    return [r for r in results if not isinstance(r, BaseException)]
+    sizes = [r for r in results if not isinstance(r, BaseException)]
+    if len(sizes) < len(results):
+        _raise_first(results)
+    return sizes
 
 
 def read_batch(items: Iterable[tuple[str | os.PathLike[str], Any]]) -> list[int | OSError]:
@@ -779,13 +799,19 @@ def write_many(items: Iterable[tuple[str | os.PathLike[str], Any]], mode: int = 
                     out[i] = _error(got, pairs[i][0])
     futs = {i: submit_write(*pairs[i], mode) for i, got in enumerate(out) if got is None}
     wait(list(futs.values()))
+    _settle(out, futs)  # no frame of the raise below may keep a future or its exception
+    sizes = [one if isinstance(one, int) else 0 for one in out]
+    _raise_first(out)
+    return sizes
+
+
+def _settle(out: list[int | BaseException | None], futs: dict[int, Future[int]]) -> None:
+    """Each done future's result or exception into its slot of ``out``; ``futs``
+    emptied (a future holds its exception)."""
     for i, fut in futs.items():
         exc = fut.exception()
         out[i] = exc if exc is not None else fut.result()
-    for one in out:
-        if isinstance(one, BaseException):
-            raise one
-    return [one if isinstance(one, int) else 0 for one in out]
+    futs.clear()
 
 
 def _batches(idx: list[int], sizes: list[int]) -> Iterable[list[int]]:

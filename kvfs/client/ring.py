@@ -232,7 +232,7 @@ class Ring:
         self, messages: list[tuple[list[SharedBuffer], bytes]], tags: dict[int, int]
     ) -> list[int | OSError]:
         if self.broken is not None:
-            raise self.broken
+            raise _copy(self.broken)
         out: list[int | OSError | None] = [None] * len(tags)
         try:
             for bufs, message in messages:
@@ -252,10 +252,12 @@ class Ring:
                     out[i] = OSError(d.error, os.strerror(d.error)) if d.error else d.nbytes
                     left -= 1
         except (OSError, ValueError) as e:
-            self.broken = e if isinstance(e, OSError) else OSError(errno.EPROTO, str(e))
+            # kept without a traceback: one would hold the callers' frames, and their
+            # buffers exported, for as long as this ring is remembered
+            self.broken = _copy(e if isinstance(e, OSError) else OSError(errno.EPROTO, str(e)))
             with contextlib.suppress(OSError):
                 self._sock.close()
-            raise self.broken from None
+            raise _copy(self.broken) from None
         return [r if r is not None else OSError(errno.EPROTO, "no completion") for r in out]
 
     def close(self) -> None:
@@ -265,6 +267,11 @@ class Ring:
     def __del__(self) -> None:  # its thread ended: the daemon forgets the connection
         with contextlib.suppress(Exception):
             self._sock.close()
+
+
+def _copy(e: OSError) -> OSError:
+    """A fresh OSError of ``e``'s errno and message (no traceback)."""
+    return OSError(e.errno or errno.EIO, e.strerror or str(e))
 
 
 def connect(path: str) -> Ring | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import mmap
 import os
 import pwd
 import random
@@ -637,3 +638,35 @@ def test_a_forged_path_write_makes_nothing(kvfs_mount: KvfsMount) -> None:
     assert (m / "t2").read_bytes() == bytes(buf[MiB:])
     assert sorted(p.name for p in m.iterdir()) == ["t1", "t2"]
     assert _ring_counters(kvfs_mount)["created"] == 2
+
+
+def test_a_failed_call_leaves_the_callers_buffer_free_to_close(kvfs_mount: KvfsMount) -> None:
+    """A ``read_into``, ``read_many`` or ``write_many`` on the ring that fails (a
+    missing file, a missing directory) holds no view of the caller's buffer once the
+    error is handled: an ``mmap`` of the caller's closes at once, with the garbage
+    collector off (the soak's readers, which reuse and close their buffers, met
+    ``BufferError: cannot close exported pointers exist``)."""
+    import gc
+
+    os.environ["KVFS_DIRECT_ROUTE"] = "ring"
+    (kvfs_mount.path / "here").write_bytes(pattern("here", MiB))
+    gc.disable()
+    try:
+        calls: list[Callable[[mmap.mmap], object]] = [
+            lambda b: direct.read_into(kvfs_mount.path / "gone", b),
+            lambda b: direct.read_many(
+                [(kvfs_mount.path / "here", b), (kvfs_mount.path / "gone", b)]
+            ),
+            lambda b: direct.write_many(
+                [(kvfs_mount.path / "new", b), (kvfs_mount.path / "no/x", b)]
+            ),
+        ]
+        for call in calls:
+            buf = mmap.mmap(-1, 2 * MiB)
+            with pytest.raises(FileNotFoundError):
+                call(buf)
+            buf.close()  # BufferError if any frame still held a view of it
+    finally:
+        gc.enable()
+        os.environ.pop("KVFS_DIRECT_ROUTE", None)
+    assert (kvfs_mount.path / "new").read_bytes() == bytes(2 * MiB)
