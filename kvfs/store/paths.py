@@ -50,13 +50,15 @@ def _walk(ns: Namespace, parts: list[bytes], caller: Caller) -> Inode | int:
     the way (and that one): the kernel's path walk; else ENOENT, ENOTDIR or EACCES."""
     node = ns.inodes.get(ROOT_INO)
     for name in parts:
-        if node is None:
-            return errno.ENOENT
-        if not node.is_dir:
-            return errno.ENOTDIR
-        if not permitted(node.mode, node.uid, node.gid, caller, MAY_EXEC):
-            return errno.EACCES
-        node = ns.find(node.ino, name)
+        found = _searchable(node, caller)
+        if isinstance(found, int):
+            return found
+        node = ns.find(found.ino, name)
+    return _searchable(node, caller)
+
+
+def _searchable(node: Inode | None, caller: Caller) -> Inode | int:
+    """``node`` if it is a directory ``caller`` may search; else the errno."""
     if node is None:
         return errno.ENOENT
     if not node.is_dir:
@@ -66,13 +68,15 @@ def _walk(ns: Namespace, parts: list[bytes], caller: Caller) -> Inode | int:
     return node
 
 
-def _parts(path: bytes) -> list[bytes] | None:
-    """``path``'s names, or None for what the ring does not resolve (``.``, ``..``,
-    empty parts: the client goes through the mount instead)."""
+def _place(ns: Namespace, path: bytes, caller: Caller) -> tuple[Inode, bytes] | int:
+    """The directory ``path``'s last name is in, if ``caller`` may search its way
+    there, and that name; else the errno: EINVAL for what the ring does not resolve
+    (``.``, ``..``, empty parts: the client goes through the mount instead)."""
     parts = path.split(b"/")
     if len(parts) > MAX_DEPTH or any(p in (b"", b".", b"..") for p in parts):
-        return None
-    return parts
+        return errno.EINVAL
+    parent = _walk(ns, parts[:-1], caller)
+    return parent if isinstance(parent, int) else (parent, parts[-1])
 
 
 def new_file_place(ns: Namespace, path: bytes, caller: Caller) -> tuple[Inode, bytes] | int:
@@ -80,17 +84,15 @@ def new_file_place(ns: Namespace, path: bytes, caller: Caller) -> tuple[Inode, b
     the kernel would let ``open(O_CREAT | O_EXCL)`` create it (search permission on
     every directory, write on the last); else the errno: EEXIST for a name in use
     (the client replaces a file through the mount), ENOENT, ENOTDIR, EACCES, EINVAL."""
-    parts = _parts(path)
-    if parts is None:
-        return errno.EINVAL
-    parent = _walk(ns, parts[:-1], caller)
-    if isinstance(parent, int):
-        return parent
-    if ns.find(parent.ino, parts[-1]) is not None:
+    found = _place(ns, path, caller)
+    if isinstance(found, int):
+        return found
+    parent, name = found
+    if ns.find(parent.ino, name) is not None:
         return errno.EEXIST
     if not permitted(parent.mode, parent.uid, parent.gid, caller, MAY_WRITE):
         return errno.EACCES
-    return parent, parts[-1]
+    return found
 
 
 def readable_file(ns: Namespace, path: bytes, caller: Caller) -> Inode | int:
@@ -99,13 +101,10 @@ def readable_file(ns: Namespace, path: bytes, caller: Caller) -> Inode | int:
     open the file; else the errno: ENOENT, EACCES, ENOTDIR, EISDIR, or EINVAL for
     what the ring does not resolve (``.``, ``..``, empty parts, a symbolic link: the
     client opens those through the mount instead)."""
-    parts = _parts(path)
-    if parts is None:
-        return errno.EINVAL
-    parent = _walk(ns, parts[:-1], caller)
-    if isinstance(parent, int):
-        return parent
-    node = ns.find(parent.ino, parts[-1])
+    found = _place(ns, path, caller)
+    if isinstance(found, int):
+        return found
+    node = ns.find(found[0].ino, found[1])
     if node is None:
         return errno.ENOENT
     if node.is_dir:
