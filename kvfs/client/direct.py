@@ -714,13 +714,14 @@ def _ring_write_paths(
     """New files ``(path in the filesystem, view, mode)`` written by path through
     ``r``: in place where a view is shared memory, else copied into one staging
     buffer for the batch; per file the bytes written or the OSError."""
-    bounced = [v for _, v, _ in items if _shared_at_page(v) is None]
-    size = sum(-(-len(v) // ALIGN) * ALIGN for v in bounced)
+    shared = [_shared_at_page(v) for _, v, _ in items]
+    pairs = list(zip(items, shared, strict=True))
+    size = sum(-(-len(v) // ALIGN) * ALIGN for (_, v, _), where in pairs if where is None)
+    bounced = any(where is None for where in shared)
     with ring.staging(size) if bounced else contextlib.nullcontext() as stage:
         jobs: list[tuple[bytes, ring.SharedBuffer, int, int, int]] = []
         at = 0
-        for fs_path, view, mode in items:
-            where = _shared_at_page(view)
+        for (fs_path, view, mode), where in pairs:
             if where is None:
                 assert stage is not None
                 stage[at : at + len(view)] = view
@@ -728,9 +729,9 @@ def _ring_write_paths(
                 at += -(-len(view) // ALIGN) * ALIGN
             jobs.append((fs_path, where[0], where[1], len(view), mode))
         results = r.write_paths(jobs)
-    for (_, view, _), got in zip(items, results, strict=True):
+    for (_, view, _), where, got in zip(items, shared, results, strict=True):
         if isinstance(got, int):
-            staged = len(view) if _shared_at_page(view) is None else 0
+            staged = len(view) if where is None else 0
             _count(ring_writes=1, ring_bytes_written=got, bounced_bytes=staged)
     return results
 

@@ -66,6 +66,11 @@ Commits = Callable[[list[tuple[int, bool]], Caller], Awaitable[list[int]]]
 """Commits ``(handle, written)`` and releases every handle: per file 0 or an errno."""
 
 
+def _holds(region: Region | None, offset: int, nbytes: int) -> bool:
+    """Whether ``region`` holds ``nbytes`` at the page-aligned ``offset``."""
+    return region is not None and offset % ALIGN == 0 and offset + nbytes <= len(region.mm)
+
+
 @dataclass(eq=False)
 class Region:
     mm: mmap.mmap
@@ -323,12 +328,7 @@ class RingServer:
         request's errno (0: done) instead of sending its completion."""
         with conn.lock:
             region = conn.regions.get(region_id)
-            fits = (
-                region is not None
-                and offset % ALIGN == 0
-                and length >= t.size
-                and offset + t.size <= len(region.mm)
-            )
+            fits = length >= t.size and _holds(region, offset, t.size)
             if region is None or not fits:
                 region = None
             else:
@@ -374,13 +374,7 @@ class RingServer:
     def _fits(self, conn: Connection, r: wire.PathRequest) -> bool:
         """Whether ``r``'s region holds ``r.length`` bytes at a page-aligned offset."""
         with conn.lock:
-            region = conn.regions.get(r.region)
-            return (
-                region is not None
-                and r.offset % ALIGN == 0
-                and r.length > 0
-                and r.offset + r.length <= len(region.mm)
-            )
+            return r.length > 0 and _holds(conn.regions.get(r.region), r.offset, r.length)
 
     def _write_paths(self, conn: Connection, reqs: list[wire.PathRequest]) -> None:
         """A batch of new files by path: created, opened and their room reserved as
@@ -426,6 +420,8 @@ class RingServer:
                 self._refuse(conn, r.tag, t)
             else:
                 written.append((r, t))
+        if not written:
+            return
         errors = [0] * len(written)  # by position: a client's tags need not be distinct
         left = [len(written)]
         idle = threading.Condition()
@@ -442,8 +438,6 @@ class RingServer:
                 conn, t, r.region, r.offset, r.length, r.tag, last,
                 answer=functools.partial(answer, k),
             )  # fmt: skip
-        if not written:
-            return
         with idle:
             idle.wait_for(lambda: left[0] == 0)
         outcome = [(t.fh, not errors[k]) for k, (_, t) in enumerate(written)]
