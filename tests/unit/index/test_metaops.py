@@ -212,3 +212,19 @@ async def test_a_pool_without_security_labels_says_so_for_a_missing_one() -> Non
         assert Operations(store).labels  # the next mount finds the label
         await ops.removexattr(ino, b"security.s", None)
         assert await getxattr_errno(ops, ino, b"security.s") == errno.ENODATA
+
+
+async def test_the_kernel_keeps_no_attributes_of_a_file_still_being_written() -> None:
+    """A file not yet committed may get its size behind the kernel (a ring path
+    write's commit), so its attributes are answered uncacheable; once committed they
+    are cached as any file's. (A lookup answered with size 0 just before such a
+    commit, reaching the kernel after it, made readers see the file empty.)"""
+    async with serving(memory_pool()) as store:
+        ops = Operations(store)
+        inode = await store.create(ROOT_INO, b"new", FILE)  # WRITING
+        entry = await ops.lookup(ROOT_INO, b"new")
+        assert entry.st_ino == inode.ino and entry.attr_timeout == 0
+        assert (await ops.getattr(inode.ino)).attr_timeout == 0
+        await put(store, b"done", b"x" * 5000)
+        done = await ops.lookup(ROOT_INO, b"done")
+        assert done.st_size == 5000 and done.attr_timeout > 0
