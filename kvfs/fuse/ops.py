@@ -22,7 +22,6 @@ from typing import Any, ParamSpec, TypeVar
 import pyfuse3
 
 from kvfs.common.errors import KvfsError, NoAttribute, NotPermitted, NotSupported
-from kvfs.format.records import FLAG_WRITING
 from kvfs.fuse.counters import RequestCounters
 from kvfs.store import leases as directpath
 from kvfs.store import posix
@@ -141,8 +140,7 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
         # a file still being written may get its size behind the kernel (a ring path
         # write's commit): the kernel keeps none of its attributes, so no reply made
         # before that commit can leave it reading the file as empty afterwards
-        writing = inode.flags & FLAG_WRITING
-        a.attr_timeout = 0 if writing else min(self.timeout, DATA_ATTR_TIMEOUT)
+        a.attr_timeout = 0 if self.store.writing(inode) else min(self.timeout, DATA_ATTR_TIMEOUT)
         a.st_mode = inode.mode
         a.st_nlink = inode.nlink
         a.st_uid, a.st_gid = inode.uid, inode.gid

@@ -48,6 +48,7 @@ from kvfs.evict.driver import EvictionDriver
 from kvfs.evict.evictor import FRESH_GRACE_SHARE, Evictor
 from kvfs.evict.space import Space
 from kvfs.format.records import (
+    FLAG_WRITING,
     Op,
     fragment_size,
 )
@@ -587,6 +588,11 @@ class Store:
     def get_inode(self, ino: int) -> Inode:
         """A live inode (NotFound otherwise)."""
         return self.ns.get(ino)
+
+    @staticmethod
+    def writing(inode: InodeView) -> bool:
+        """Whether ``inode`` is still being written (not yet committed)."""
+        return bool(inode.flags & FLAG_WRITING)
 
     def find_inode(self, ino: int) -> Inode | None:
         return self.ns.inodes.get(ino)
