@@ -505,9 +505,11 @@ class Store:
         return out
 
     async def release_all(self, fhs: list[int]) -> None:
-        """Release several handles (the ring's path reads, once read)."""
+        """Release several handles (the ring's path reads, once read; a handle the
+        stopping mount closed already is skipped)."""
         for fh in fhs:
-            await self.release(fh)
+            if fh in self.handles:
+                await self.release(fh)
 
     async def direct_set(self, ino: int, name: bytes, value: bytes, caller: Caller) -> None:
         """A direct-path commit (``user.kvfs.direct.commit`` set)."""

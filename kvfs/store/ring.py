@@ -496,8 +496,32 @@ class RingServer:
         with idle:
             idle.wait_for(lambda: pending[0] == 0)
         if fhs:
-            with contextlib.suppress(Exception):  # the mount stopping closes them all
-                trio.from_thread.run(releaser, fhs, trio_token=token)
+            self._release_later(fhs, releaser, token)
+
+    @staticmethod
+    def _release_later(
+        fhs: list[int],
+        releaser: Callable[[list[int]], Awaitable[None]],
+        token: trio.lowlevel.TrioToken,
+    ) -> None:
+        """Release a read batch's handles on the trio thread without waiting for it:
+        the completions went out already, and the connection goes on to its next
+        message a hop sooner. A mount that is stopping closes every handle itself."""
+
+        async def release() -> None:
+            try:
+                await releaser(fhs)
+            except Exception as e:  # the mount is stopping: its handles are closed
+                log.info("aware ring: handles %s not released: %r", fhs, e)
+
+        def spawn() -> None:  # on the trio thread, outside any task: must not raise
+            try:
+                trio.lowlevel.spawn_system_task(release, name="kvfs-ring-release")
+            except Exception as e:  # the run is ending
+                log.info("aware ring: handles %s not released: %r", fhs, e)
+
+        with contextlib.suppress(trio.RunFinishedError):
+            token.run_sync_soon(spawn)
 
     def _release(self, conn: Connection, region: Region) -> None:
         with conn.lock:
