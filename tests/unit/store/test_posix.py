@@ -188,6 +188,6 @@ def test_permitted_asks_for_groups_only_when_they_decide() -> None:
                     assert permitted(mode, 1000, 100, c, want) == _reference(
                         mode, 1000, 100, c, want
                     ), (oct(mode), want, c.uid, c.gid, c.groups, c.caps)
-                    if c.uid != 1000 and c.gid != 100 and want & ~group & 7 == 0:
-                        if want & ~others & 7 == 0:
-                            assert c.asked == 0, (oct(mode), want)
+                    both = want & ~group & 7 == 0 and want & ~others & 7 == 0
+                    if c.uid != 1000 and c.gid != 100 and both:
+                        assert c.asked == 0, (oct(mode), want)
