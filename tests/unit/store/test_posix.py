@@ -170,21 +170,21 @@ def test_permitted_asks_for_groups_only_when_they_decide() -> None:
     0777 or 0755 mount point searched by an engine's user needs no read)."""
     from kvfs.store.posix import CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, permitted
 
-    callers = [
-        lambda: Counting(1000, 1000, set(), set()),  # the owner
-        lambda: Counting(1001, 100, set(), set()),  # the file's group is its own
-        lambda: Counting(1001, 1001, {100}, set()),  # a supplementary member
-        lambda: Counting(1001, 1001, set(), set()),  # an other
-        lambda: Counting(1001, 1001, set(), {CAP_DAC_OVERRIDE}),
-        lambda: Counting(1001, 1001, {100}, {CAP_DAC_READ_SEARCH}),
+    callers: list[tuple[int, int, set[int], set[int]]] = [
+        (1000, 1000, set(), set()),  # the owner
+        (1001, 100, set(), set()),  # the file's group is its own
+        (1001, 1001, {100}, set()),  # a supplementary member
+        (1001, 1001, set(), set()),  # an other
+        (1001, 1001, set(), {CAP_DAC_OVERRIDE}),
+        (1001, 1001, {100}, {CAP_DAC_READ_SEARCH}),
     ]
     for kind in (REG, DIR):
         for perm in range(0o1000):
             mode = kind | perm
             group, others = perm >> 3 & 7, perm & 7
             for want in range(1, 8):
-                for make in callers:
-                    c = make()
+                for who in callers:
+                    c = Counting(*who)
                     assert permitted(mode, 1000, 100, c, want) == _reference(
                         mode, 1000, 100, c, want
                     ), (oct(mode), want, c.uid, c.gid, c.groups, c.caps)
