@@ -54,7 +54,8 @@ MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 registration in one call, not a page fault each inside the first transfers; the
 daemon never allocates a client's memory that way (the pages exist: ``st_blocks``)."""
 PATH_GROUP = 4
-"""Files of a path batch opened per hop to the trio thread (then their reads start)."""
+"""Files of a path batch opened or created per hop to the trio thread (then their
+reads or writes start, while the next group is opened or created)."""
 MAX_REGIONS = 4096
 """Registered regions per connection at most (each is one mapping in the daemon)."""
 _SEALED = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
@@ -400,30 +401,15 @@ class RingServer:
                 self.stats.creating -= 1
 
     def _create_write_commit(self, conn: Connection, todo: list[wire.PathRequest]) -> None:
+        """Create ``todo`` a few files per hop to the trio thread, each group's writes
+        started on the I/O threads before the next group is created (the device work
+        of one overlaps the trio thread's of the next), then commit every file written
+        in one hop and answer each."""
         assert self.creator is not None and self.committer is not None and self.token
         caller = Caller(conn.uid, conn.gid, conn.pid)
-        try:
-            made = trio.from_thread.run(
-                self.creator,
-                [(r.path, r.length, r.mode) for r in todo],
-                caller,
-                trio_token=self.token,
-            )
-        except Exception as e:  # the mount is stopping (it closes every handle)
-            log.info("aware ring: path writes refused: %r", e)
-            for r in todo:
-                self._refuse(conn, r.tag, errno.EIO)
-            return
         written: list[tuple[wire.PathRequest, Ticket]] = []
-        for r, t in zip(todo, made, strict=True):
-            if isinstance(t, int):
-                self._refuse(conn, r.tag, t)
-            else:
-                written.append((r, t))
-        if not written:
-            return
-        errors = [0] * len(written)  # by position: a client's tags need not be distinct
-        left = [len(written)]
+        errors: list[int] = []  # by position: a client's tags need not be distinct
+        left = [0]
         idle = threading.Condition()
 
         def answer(k: int, error: int) -> None:
@@ -432,12 +418,37 @@ class RingServer:
                 left[0] -= 1
                 idle.notify_all()
 
-        for k, (r, t) in enumerate(written):
-            last = k == len(written) - 1  # this thread waits anyway: it moves a piece
-            self._launch(
-                conn, t, r.region, r.offset, r.length, r.tag, last,
-                answer=functools.partial(answer, k),
-            )  # fmt: skip
+        for g in range(0, len(todo), PATH_GROUP):
+            group = todo[g : g + PATH_GROUP]
+            try:
+                made = trio.from_thread.run(
+                    self.creator,
+                    [(r.path, r.length, r.mode) for r in group],
+                    caller,
+                    trio_token=self.token,
+                )
+            except Exception as e:  # the mount is stopping (it closes every handle)
+                log.info("aware ring: path writes refused: %r", e)
+                for r in group:
+                    self._refuse(conn, r.tag, errno.EIO)
+                continue
+            final = g + PATH_GROUP >= len(todo)
+            for j, (r, t) in enumerate(zip(group, made, strict=True)):
+                if isinstance(t, int):
+                    self._refuse(conn, r.tag, t)
+                    continue
+                with idle:
+                    k = len(written)
+                    written.append((r, t))
+                    errors.append(0)
+                    left[0] += 1
+                inline = final and j == len(group) - 1  # this thread waits next anyway
+                self._launch(
+                    conn, t, r.region, r.offset, r.length, r.tag, inline,
+                    answer=functools.partial(answer, k),
+                )  # fmt: skip
+        if not written:
+            return
         with idle:
             idle.wait_for(lambda: left[0] == 0)
         outcome = [(t.fh, not errors[k]) for k, (_, t) in enumerate(written)]

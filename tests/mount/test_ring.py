@@ -225,14 +225,26 @@ if uid:
     os.setgroups([]); os.setgid(uid); os.setuid(uid)
 rng = random.Random(seed)
 buf = d.aligned(17 << 20)
+bufs = [d.aligned(4 << 20) for _ in range(10)]
 print("ready", flush=True)
 i = 0
 while True:
     i += 1
     name = f"c{seed}-{i % 7}"
     size = rng.choice([3 * (1 << 20) + 5, 8 << 20, 17 << 20])
-    if rng.random() < 0.5:
+    pick = rng.random()
+    if pick < 0.35:
         d.write_from(name, pattern(name, size))
+    elif pick < 0.5:  # a batch: created, written and committed a few files per group
+        names = [f"m{seed}-{j}" for j in range(rng.randint(5, 10))]
+        d.write_many([(n, pattern(n, 3 * (1 << 20) + 5)) for n in names])
+    elif pick < 0.65:
+        names = [f"m{seed}-{j}" for j in range(10)]
+        for n, got in zip(names, d.read_batch(zip(names, bufs))):
+            if isinstance(got, FileNotFoundError):
+                continue
+            assert not isinstance(got, BaseException), (n, got)
+            assert bytes(bufs[names.index(n)][:got]) == pattern(n, got), n
     else:
         try:
             n = d.read_into(name, buf)
@@ -245,8 +257,9 @@ while True:
 def test_clients_killed_mid_request_leave_nothing_reserved_or_half_committed(
     kvfs_mount: KvfsMount, unprivileged_user: pwd.struct_passwd
 ) -> None:
-    """Ordinary users' clients writing and reading through the ring are killed (-9)
-    at random moments, many times: every file then listed reads whole and exact
+    """Ordinary users' clients writing and reading through the ring, one file and
+    batches of files at a time, are killed (-9) at random moments, many times: every
+    file then listed reads whole and exact
     (through FUSE and the ring; empty if killed before its reservation), no
     reservation and no ticket is left, and the free space is what the listed files
     leave; after a remount, the same."""
