@@ -395,13 +395,16 @@ class DirectPath:
             raise NotPermitted("the mount serves no ring")
         if size <= 0:
             raise InvalidArgument("a path write of no bytes")
-        r = await self._reserve_for(ino, fh, size, b"ring", caller)
+        r = await self._reserve_for(ino, fh, size, b"ring", caller, answer=False)
         assert r.ticket is not None
         return r.ticket
 
     async def _reserve_for(
-        self, ino: int, fh: int, size: int, nonce: bytes, caller: Caller
+        self, ino: int, fh: int, size: int, nonce: bytes, caller: Caller, answer: bool = True
     ) -> Reservation:
+        """Room for ``size`` bytes of the empty file ``ino`` through handle ``fh``;
+        ``answer``: with the reply a client reads (not for the ring's path writes,
+        whose ticket the daemon keeps)."""
         inode = self._live(ino)
         st = self.writer.state(ino)
         check_failed(st)
@@ -433,7 +436,9 @@ class DirectPath:
             ticket = self.tickets.issue(
                 WRITE, fh, ino, caller.uid, size, self.unit, [Run(*r) for r in runs]
             )
-            reply = self._reply(ino, size=size, runs=runs, ticket=ticket.token.hex())
+            reply = b""
+            if answer:
+                reply = self._reply(ino, size=size, runs=runs, ticket=ticket.token.hex())
         else:
             reply = self._reply(ino, size=size, runs=runs)
         r = self._reservations[fh] = Reservation(ino, nonce, size, plan, reply, ticket)

@@ -2,10 +2,11 @@
 daemon's ring (:mod:`kvfs.store.ring`), and nothing more.
 
 The mount hands out a ticket with a map (``user.kvfs.direct.map``) or a reservation
-(``user.kvfs.direct.reserve.*``) asked through a handle the caller opened: 16 random
-bytes bound to that handle, its user, the file's runs on the devices and, for a read,
-every unit's checksum. A ticket is the only thing a ring request names, so a client
-reaches exactly the units its own open was given:
+(``user.kvfs.direct.reserve.*``) asked through a handle the caller opened: 16
+unguessable bytes (the daemon's keyed BLAKE2b of a counter) bound to that handle,
+its user, the file's runs on the devices and, for a read, every unit's checksum. A
+ticket is the only thing a ring request names, so a client reaches exactly the units
+its own open was given:
 
 - a read ticket reads the units of the map it came with (a lease, as for a client that
   opens the devices itself, :mod:`kvfs.store.leases`), verified against its checksums;
@@ -24,6 +25,7 @@ another file.
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 import threading
 from collections.abc import Callable
@@ -124,7 +126,17 @@ class Tickets:
         self._lock = threading.Lock()
         self._by_token: dict[bytes, Ticket] = {}
         self._by_fh: dict[int, list[Ticket]] = {}
-        self.issued = 0
+        self.issued = 0  # and the counter the tokens are made of
+        self._key = secrets.token_bytes(32)  # this daemon's: tokens are its keyed
+        # BLAKE2b of a counter, unguessable without it and never repeated
+
+    def _token(self, n: int) -> bytes:
+        """Token number ``n``: a PRF of the counter, not ``os.urandom`` per ticket (a
+        system call that lets the GIL go on the trio thread, per file, while the I/O
+        threads want it)."""
+        return hashlib.blake2b(
+            n.to_bytes(8, "little"), key=self._key, digest_size=TICKET_BYTES
+        ).digest()
 
     def issue(
         self,
@@ -137,14 +149,14 @@ class Tickets:
         runs: list[Run],
         csums: list[int] | None = None,
     ) -> Ticket:
-        t = Ticket(
-            secrets.token_bytes(TICKET_BYTES), kind, fh, ino, uid, size, unit,
-            tuple(runs), tuple(csums or ()),
-        )  # fmt: skip
         with self._lock:
+            self.issued += 1
+            t = Ticket(
+                self._token(self.issued), kind, fh, ino, uid, size, unit,
+                tuple(runs), tuple(csums or ()),
+            )  # fmt: skip
             self._by_token[t.token] = t
             self._by_fh.setdefault(fh, []).append(t)
-            self.issued += 1
         return t
 
     def find(self, token: bytes, uid: int) -> Ticket | None:

@@ -49,3 +49,35 @@ def test_a_commit_takes_the_daemons_checksums_only_when_every_unit_is_written() 
     w.sums[:] = [7, 8, 9]
     assert w.finish_write() == [7, 8, 9]
     assert w.dead and not w.enter()
+
+
+def test_tokens_are_distinct_and_no_other_daemons() -> None:
+    """A token is 16 bytes no one can guess: never repeated within a daemon (from many
+    threads at once), and another daemon (another key) issues none of the same, nor
+    the first daemon's again after a restart."""
+    run = [Run(0, 0, 4096, 0, 1)]
+    first = Tickets()
+    tokens: list[bytes] = []
+    lock = threading.Lock()
+
+    def issue() -> None:
+        mine = [first.issue(READ, fh=1, ino=5, uid=1000, size=10, unit=4096, runs=run).token]
+        mine += [first.issue(READ, fh=2, ino=5, uid=1000, size=10, unit=4096, runs=run).token]
+        with lock:
+            tokens.extend(mine)
+
+    def issue_many() -> None:
+        for _ in range(250):
+            issue()
+
+    threads = [threading.Thread(target=issue_many) for _ in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert len(tokens) == len(set(tokens)) == 2000 and {len(x) for x in tokens} == {16}
+    assert all(first.find(x, 1000) is not None for x in tokens)
+    other = Tickets()  # a restarted daemon: its counter starts over, its key does not
+    again = {other.issue(READ, 1, 5, 1000, 10, 4096, run).token for _ in range(2000)}
+    assert not again & set(tokens)
+    assert all(other.find(x, 1000) is None for x in tokens)
