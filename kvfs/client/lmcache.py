@@ -8,6 +8,7 @@ FUSE. One config block turns it on::
       storage_plugin.kvfs.class_name: KvfsDirectBackend
       kvfs.path: /mnt/kv/lmcache        # a directory on a kvfs mount
       kvfs.threads: 4                   # optional: chunks moved at once (each way)
+      kvfs.landing_chunks: 16           # optional: chunks retrieved into shared memory
 
 Files are LMCache ``local_disk``'s: the same directory layout and names
 (``<key>.pt``, ``/`` as ``-``), the same bytes (the memory object's raw bytes, no
@@ -17,6 +18,16 @@ finds its chunks again, and a file kvfs evicted is a miss at once. LMCache keeps
 chunk's shape and dtype in memory only, so a file this process did not write is taken
 as a full chunk of the engine's shape (LMCache stores only full chunks unless
 ``save_unfull_chunk``) and is served only if its size is exactly that.
+
+Retrieves land in the plugin's own memory objects where it can: an LMCache
+``TensorMemoryAllocator`` over ``kvfs.client.direct.aligned()`` memory of
+``kvfs.landing_chunks`` full chunks (pages are used only as chunks land there, and
+freed objects are reused), which the daemon's ring reads into in place; an
+ordinary user's retrieve then makes no copy of its own (LMCache's CPU memory is its
+own, so a chunk read into it is bounced once through shared memory). The engine
+frees them as it frees any memory object (their allocator is their parent); when
+they are all in use, or with ``kvfs.landing_chunks: 0``, a retrieve allocates from
+LMCache's CPU backend as before.
 
 Never wrong bytes: kvfs.client.direct verifies every unit's checksum, and anything short of
 exactly the expected bytes (a missing, shorter or longer file, EIO) is a miss, never
@@ -62,6 +73,13 @@ class _Layout(NamedTuple):
     """The file's bytes."""
 
 
+class _Unmonitored:
+    """Takes LMCache's allocator statistics calls and keeps nothing."""
+
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        return lambda *args, **kwargs: None
+
+
 class _Backend:
     """The implementation; :data:`KvfsDirectBackend` is this class on top of LMCache's
     ``StoragePluginInterface`` (which gives the interface's defaults)."""
@@ -98,6 +116,10 @@ class _Backend:
         newest :data:`KNOWN`; a file no longer known is taken as a full chunk)."""
         self._puts: set[Key] = set()
         self._pins: dict[Key, list[int]] = {}
+        self._landing_bytes = max(int(extra.get("kvfs.landing_chunks", 16)), 0) * (
+            self.full_chunk_bytes()
+        )
+        self._landing: Any = None  # made at the first retrieve
         self.counters = {"stored": 0, "store_failed": 0, "hits": 0, "misses": 0}
 
     def __str__(self) -> str:
@@ -230,7 +252,34 @@ class _Backend:
         layout = self._layout(key)
         if layout is None:
             return None
+        landing = self._landing_allocator()
+        if landing is not None:
+            mm = importlib.import_module("lmcache.v1.memory_management")
+            fmt = layout.fmt if layout.fmt is not None else mm.MemoryFormat.KV_2LTD
+            obj = landing.allocate(layout.shape, layout.dtype, fmt)
+            if obj is not None:
+                return obj
         return self.local_cpu_backend.allocate(layout.shape, layout.dtype, layout.fmt)
+
+    def _landing_allocator(self) -> Any:
+        """LMCache's allocator over this plugin's shared memory (None when off)."""
+        with self._lock:
+            if self._landing is None and self._landing_bytes:
+                torch = importlib.import_module("torch")
+                tm = importlib.import_module("lmcache.v1.memory_allocators.tensor_memory_allocator")
+                memory = kvfs.client.direct.aligned(self._landing_bytes)
+                tensor = torch.frombuffer(memory, dtype=torch.uint8)  # keeps ``memory``
+                landing = tm.TensorMemoryAllocator(tensor, align_bytes=4096)
+                landing.stats_monitor = _Unmonitored()  # LMCache's cache-usage gauges
+                self._landing = landing  # are its CPU backend's, not this memory's
+            return self._landing
+
+    def landing_in_use(self) -> int:
+        """Bytes of the landing memory held by memory objects the engine has not
+        freed yet (0 when it is off or unused)."""
+        with self._lock:
+            landing = self._landing
+        return int(landing.total_allocated_size) if landing is not None else 0
 
     def _load(self, key: Key, obj: MemoryObj | None) -> MemoryObj | None:
         """Fill ``obj`` with ``key``'s file; exactly its bytes or None (a miss)."""

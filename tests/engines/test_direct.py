@@ -52,14 +52,15 @@ def mount(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[KvfsMount]
 def only_direct(route: str, stats: dict[str, int], reads: int, writes: int) -> None:
     """Exactly these reads and writes on the aware ``route``, none through the mount,
     no bad checksum. On the devices route no bounce (LMCache's memory objects are
-    page-aligned: zero copy); on the ring one copy each (they are not memory the
-    daemon shares: each chunk goes through the thread's shared staging buffer)."""
+    page-aligned: zero copy). On the ring a store is one copy (LMCache's memory is
+    not memory the daemon shares: the chunk goes through the thread's staging
+    buffer), a retrieve none (it lands in the plugin's own shared memory objects)."""
     k = "direct" if route == "devices" else "ring"
     assert stats[f"{k}_reads"] == reads and stats[f"{k}_writes"] == writes, stats
     assert stats[f"{k}_bytes_read"] == reads * CHUNK, stats
     assert stats[f"{k}_bytes_written"] == writes * CHUNK, stats
     assert stats["fallback_reads"] == stats["fallback_writes"] == 0, stats
-    bounced = 0 if route == "devices" else (reads + writes) * CHUNK
+    bounced = 0 if route == "devices" else writes * CHUNK
     assert stats["bounced_bytes"] == bounced and stats["checksum_failures"] == 0, stats
 
 
@@ -91,6 +92,7 @@ def test_lmcache_plugin_roundtrip_restart_and_local_disk_interop(
     only_direct(route, r["A_stats_store"], reads=0, writes=6)
     assert r["A_lookup"] == [512] * 3 and r["A_retrieved"] == [512] * 3
     only_direct(route, r["A_stats_retrieve"], reads=6, writes=0)
+    assert r["A_landing_in_use"] == 0  # the engine freed every chunk it retrieved
     assert len(r["A_files"]) == 6 and set(r["A_files"].values()) == {CHUNK}
     assert all(LMCACHE_NAME.match(n) for n in r["A_files"]), r["A_files"]
     assert r["A_aligned"]

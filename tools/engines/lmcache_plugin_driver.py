@@ -147,6 +147,7 @@ def scenario_interop(args: argparse.Namespace) -> dict[str, object]:
         res["A_lookup"] = [engine.lookup(t) for t, _ in reqs_a + reqs_x]
         res["A_retrieved"] = [retrieve_check(engine, t, kv) for t, kv in reqs_a + reqs_x]
         res["A_stats_retrieve"] = delta(s1)
+        res["A_landing_in_use"] = plugin.landing_in_use()  # every object freed
         res["A_files"] = files(args.dir)
         res["A_sha"] = sha(args.dir)
         # damage: chunk 1 of X cut to half; lookup and retrieve stop after chunk 0
