@@ -265,11 +265,18 @@ class _Backend:
         """LMCache's allocator over this plugin's shared memory (None when off)."""
         with self._lock:
             if self._landing is None and self._landing_bytes:
-                torch = importlib.import_module("torch")
-                tm = importlib.import_module("lmcache.v1.memory_allocators.tensor_memory_allocator")
-                memory = kvfs.client.direct.aligned(self._landing_bytes)
-                tensor = torch.frombuffer(memory, dtype=torch.uint8)  # keeps ``memory``
-                landing = tm.TensorMemoryAllocator(tensor, align_bytes=4096)
+                try:
+                    torch = importlib.import_module("torch")
+                    tm = importlib.import_module(
+                        "lmcache.v1.memory_allocators.tensor_memory_allocator"
+                    )
+                    memory = kvfs.client.direct.aligned(self._landing_bytes)
+                    tensor = torch.frombuffer(memory, dtype=torch.uint8)  # keeps ``memory``
+                    landing = tm.TensorMemoryAllocator(tensor, align_bytes=4096)
+                except (ImportError, AttributeError, OSError, RuntimeError) as e:
+                    log.warning("kvfs: no landing memory (%s): retrieves use LMCache's", e)
+                    self._landing_bytes = 0  # tried once
+                    return None
                 landing.stats_monitor = _Unmonitored()  # LMCache's cache-usage gauges
                 self._landing = landing  # are its CPU backend's, not this memory's
             return self._landing
