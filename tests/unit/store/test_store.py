@@ -616,9 +616,12 @@ async def test_requests_are_answered_and_changes_kept_while_a_checkpoint_is_made
             await store.make(ROOT_INO, name, FILE)
         real = store.ns.snapshot_payloads
 
+        pieces = [0]
+
         def traced() -> Iterator[bytes]:
             for payload in real():
                 events.append("piece op")
+                pieces[0] += 1
                 yield payload
 
         monkeypatch.setattr(store.ns, "snapshot_payloads", traced)
@@ -627,6 +630,9 @@ async def test_requests_are_answered_and_changes_kept_while_a_checkpoint_is_made
         async def meanwhile() -> None:
             i = 0
             while not done:
+                if i >= 8 * (pieces[0] + 1):  # a few changes per piece, however fast
+                    await trio.lowlevel.checkpoint()  # the loop runs: a window that
+                    continue  # outgrows the half would start another checkpoint
                 victim = b"f%d" % (i % 40)
                 if victim in names:
                     store.ns.lookup(ROOT_INO, victim)
