@@ -35,7 +35,7 @@ import socket
 import stat
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -418,21 +418,10 @@ class RingServer:
                 left[0] -= 1
                 idle.notify_all()
 
-        for g in range(0, len(todo), PATH_GROUP):
-            group = todo[g : g + PATH_GROUP]
-            try:
-                made = trio.from_thread.run(
-                    self.creator,
-                    [(r.path, r.length, r.mode) for r in group],
-                    caller,
-                    trio_token=self.token,
-                )
-            except Exception as e:  # the mount is stopping (it closes every handle)
-                log.info("aware ring: path writes refused: %r", e)
-                for r in group:
-                    self._refuse(conn, r.tag, errno.EIO)
-                continue
-            final = g + PATH_GROUP >= len(todo)
+        creator = self.creator
+        for group, made, final in self._in_groups(
+            conn, todo, lambda g: creator([(r.path, r.length, r.mode) for r in g], caller)
+        ):
             for j, (r, t) in enumerate(zip(group, made, strict=True)):
                 if isinstance(t, int):
                     self._refuse(conn, r.tag, t)
@@ -484,17 +473,9 @@ class RingServer:
 
         # opened a few at a time, each group's reads started before the next group
         # is opened: the device work of one overlaps the trio thread's of the next
-        for k in range(0, len(reqs), PATH_GROUP):
-            group = reqs[k : k + PATH_GROUP]
-            try:
-                opened = trio.from_thread.run(
-                    opener, [r.path for r in group], caller, trio_token=token
-                )
-            except Exception as e:  # the mount is stopping
-                log.info("aware ring: path reads refused: %r", e)
-                for r in group:
-                    self._refuse(conn, r.tag, errno.EIO)
-                continue
+        for group, opened, _ in self._in_groups(
+            conn, reqs, lambda g: opener([r.path for r in g], caller)
+        ):
             fhs += [t.fh for t in opened if isinstance(t, Ticket)]
             for r, t in zip(group, opened, strict=True):
                 if isinstance(t, int):
@@ -508,6 +489,26 @@ class RingServer:
             idle.wait_for(lambda: pending[0] == 0)
         if fhs:
             self._release_later(fhs, releaser, token)
+
+    def _in_groups(
+        self,
+        conn: Connection,
+        reqs: list[wire.PathRequest],
+        call: Callable[[list[wire.PathRequest]], Awaitable[list[Ticket | int]]],
+    ) -> Iterator[tuple[list[wire.PathRequest], list[Ticket | int], bool]]:
+        """``reqs`` PATH_GROUP at a time, each group's ``call`` made on the trio thread
+        (one hop): (group, its tickets or errnos, whether it is the last group). A
+        group the stopping mount refuses gets EIO and is not yielded."""
+        for k in range(0, len(reqs), PATH_GROUP):
+            group = reqs[k : k + PATH_GROUP]
+            try:
+                got = trio.from_thread.run(call, group, trio_token=self.token)
+            except Exception as e:  # the mount is stopping (it closes every handle)
+                log.info("aware ring: path requests refused: %r", e)
+                for r in group:
+                    self._refuse(conn, r.tag, errno.EIO)
+                continue
+            yield group, got, k + PATH_GROUP >= len(reqs)
 
     @staticmethod
     def _release_later(
