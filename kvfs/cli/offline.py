@@ -39,7 +39,15 @@ from kvfs.devices.pool import (
     write_superblocks,
 )
 from kvfs.format.halves import encode_checkpoint, half_bounds
-from kvfs.format.records import DEV_SHIFT, NO_UNIT, UNIT_MASK, Image, extent
+from kvfs.format.records import (
+    DEV_SHIFT,
+    FLAG_QUARANTINED,
+    FLAG_WRITING,
+    NO_UNIT,
+    UNIT_MASK,
+    Image,
+    extent,
+)
 from kvfs.format.superblock import FORMAT_VERSION, Superblock
 from kvfs.index.check import Report, check_index, fix_dir_links
 from kvfs.index.namespace import Inode, Namespace
@@ -318,8 +326,15 @@ def _files_in_the_way(pool: Pool, new: list[Superblock]) -> list[str]:
         recover(meta, start, size, pool.seed, _sink(ns))
     except (Corruption, DeviceError) as e:
         raise UserError(f"metadata unreadable ({e}): run kvfs fsck first", 1) from None
+    ns.finish_load()
+    # a file the next mount drops (unlinked while open at a crash or an unmount the
+    # kernel had not forgotten it by, left mid-write, quarantined) is not in the way:
+    # its units are never claimed again (:meth:`kvfs.store.loading.Loader.load`)
+    dropped = set(ns.scan_inodes(FLAG_WRITING | FLAG_QUARANTINED))
     hits = []
     for inode in ns.inodes.values():
+        if inode.ino in dropped:
+            continue
         for p in inode.units:
             dev, unit = p >> DEV_SHIFT, extent(p, pool.unit_size)[0]
             if p != NO_UNIT and dev < len(new) and unit >= new[dev].data_units:

@@ -107,13 +107,17 @@ def _check_inode(inode: Inode, links: int, pool: Pool, report: Report) -> None:
 
 def _check_claims(ns: Namespace, pool: Pool, report: Report) -> None:
     """Every mapped unit lies in the pool and has one owner; a fragment tail claims
-    its fragments (several files share a host unit, none may hold it whole)."""
+    its fragments (several files share a host unit, none may hold it whole). Files
+    already doomed (dropped at mount or by the repair) claim nothing."""
     whole: dict[tuple[int, int], int] = {}  # (device, unit) -> the inode holding it whole
     hosts: dict[tuple[int, int], int] = {}  # (device, unit) -> an inode with fragments there
     fragments: dict[tuple[int, int, int], int] = {}
     u_size = pool.unit_size
     frag = fragment_size(u_size)
+    dropped = set(report.doomed)  # dropped at mount: they claim nothing any more
     for inode in ns.inodes.values():
+        if inode.ino in dropped:
+            continue
         for p in inode.units:
             if p == NO_UNIT:
                 continue

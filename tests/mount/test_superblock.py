@@ -271,16 +271,30 @@ def test_upgrade_is_refused_while_a_file_holds_a_last_unit(tmp_path: Path) -> No
     # check below reads, and a file listed then evicted reads ENOENT. Only the upgrade
     # is under test here, so these mounts never evict.
     full = ("--default-policy", "engine-managed", "--high-watermark", "1")
-    with harness.mounted(mnt, [img], *full, log_file=log):
-        (mnt / holder).unlink()
+    # The holder is removed while a process still has it open, and the daemon dies
+    # with it open: the pool keeps it as an unlinked inode, holding the last unit,
+    # which the next mount drops. The upgrade must not count it as in the way (it
+    # named a file the user had removed; a clean-clone run met it when the kernel had
+    # not forgotten the file by an unmount).
+    with harness.mounted(mnt, [img], *full, log_file=log) as proc:
+        fd = os.open(mnt / holder, os.O_RDONLY)
+        try:
+            (mnt / holder).unlink()
+            os.fsync(fd)  # a durable point: the unlink is in the log
+            harness.kill(proc, mnt)
+        finally:
+            try:
+                os.close(fd)
+            except OSError:
+                pass  # the connection is gone
         del sums[holder]
-    # a file the kernel had not forgotten by the unmount stays as an unlinked inode,
-    # holding its units, until the next mount drops it (a clean-clone run met it)
-    with harness.mounted(mnt, [img], *full, log_file=log):
-        pass
+    unlinked = [i.ino for i in offline_index([img])[0].inodes.values() if i.nlink == 0]
+    assert len(unlinked) == 1, unlinked  # what the upgrade meets
     r = kvfs("upgrade", img)
     assert r.returncode == 0, r.stdout + r.stderr
     assert Superblock.decode(read_at(img, 0)).data_units == old.data_units - 1
+    r = kvfs("fsck", img)  # clean: the unlinked inode's unit is outside, but it is dropped
+    assert r.returncode == 0 and "unlinked-while-open, dropped at mount" in r.stdout, r.stdout
     with harness.mounted(mnt, [img], *full, log_file=log):
         assert contents(mnt) == sums
     assert kvfs("fsck", img).returncode == 0
