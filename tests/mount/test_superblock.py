@@ -16,6 +16,7 @@ unit on the device proves its identity.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import subprocess
@@ -283,10 +284,8 @@ def test_upgrade_is_refused_while_a_file_holds_a_last_unit(tmp_path: Path) -> No
             os.fsync(fd)  # a durable point: the unlink is in the log
             harness.kill(proc, mnt)
         finally:
-            try:
+            with contextlib.suppress(OSError):  # the connection is gone
                 os.close(fd)
-            except OSError:
-                pass  # the connection is gone
         del sums[holder]
     unlinked = [i.ino for i in offline_index([img])[0].inodes.values() if i.nlink == 0]
     assert len(unlinked) == 1, unlinked  # what the upgrade meets
