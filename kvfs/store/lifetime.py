@@ -141,9 +141,10 @@ class Lifetime:
     def pinned(self, uid: int) -> int:
         """Bytes of the files user ``uid`` holds open (they cannot be evicted), the
         ones still in memory (dirty, being written back) included."""
-        inodes, files, units = self.ns.inodes, self._files, 0
-        for ino in self.handles.pinned(uid):
-            inode, st = inodes.get(ino), files.get(ino)
-            units += inode.mapped_units if inode is not None else 0
-            units += len(st.dirty) + len(st.inflight) if st is not None else 0
+        mapped, files, units = self.ns.mapped_units_of, self._files, 0
+        for ino in self.handles.pinned(uid):  # every create: no view per file
+            units += mapped(ino)
+            st = files.get(ino)
+            if st is not None:
+                units += len(st.dirty) + len(st.inflight)
         return units * self.unit

@@ -884,6 +884,14 @@ def test_one_unit_files_need_no_side_tables() -> None:
     csums.extend([0, 5])
     ns.commit(g)  # a hole: kept in the side table
     assert g.units == (NO_UNIT, phys(1, 3)) and g.mapped_units == 1
+    h = ns.make(R, b"h", FILE, 0, 0)  # no data yet
+    for view in (f, g, h):  # read from the columns, as the view counts them
+        assert ns.mapped_units_of(view.ino) == view.mapped_units
+    gone = g.ino
+    ns.drop(ns.remove(R, b"g", want_dir=False))
+    del g
+    # numbers no live inode has: dropped, never handed out, out of range
+    assert [ns.mapped_units_of(i) for i in (gone, 0, ns.next_ino, ns.next_ino + 9)] == [0] * 4
 
 
 def test_replay_never_frees_an_inode_number_twice() -> None:
