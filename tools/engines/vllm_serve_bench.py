@@ -265,6 +265,8 @@ def run_engine(
         fs_args,
         "--tier",
         tier,
+        "--chunk-tokens",
+        str(CHUNK_TOKENS),
     ]
     if root is not None:
         cmd += ["--root", str(root)]
@@ -655,6 +657,7 @@ def bench_main(a: argparse.Namespace) -> None:
         "meta": {
             "command": ".venv/bin/python tools/engines/vllm_serve_bench.py "
             f"--out {a.out} --users {a.users} --chunks {a.chunks} --reps {a.reps}"
+            + (f" --chunk-tokens {a.chunk_tokens}" if a.chunk_tokens != 256 else "")
             + (f" --cpu-mib {a.cpu_mib}" if a.cpu_mib != 128 else "")
             + (f" --backends {a.backends}" if a.backends != "ext4,kvfs" else "")
             + (f" --fs-args '{a.fs_args}'" if a.fs_args != "{}" else ""),
@@ -863,13 +866,20 @@ def main() -> None:
     e.add_argument("--max-tokens", type=int, default=16)
     e.add_argument("--fs-args", default="{}")
     e.add_argument("--tier", choices=sorted(TIERS), default="fs")
+    e.add_argument("--chunk-tokens", type=int, default=256)
     pr = sub.add_parser("probe", help="the fs tier's I/O alone, kvfs vs ext4 (no vLLM)")
     pr.add_argument("--files", type=int, default=24)
     pr.add_argument("--hogs", type=int, default=0, help="busy processes beside it")
     pr.add_argument("--gil-hogs", type=int, default=0, help="busy Python threads in it")
     ap.add_argument("--out", default=str(REPO / "docs" / "bench" / "vllm_ttft.json"))
     ap.add_argument("--users", type=int, default=6)
-    ap.add_argument("--chunks", type=int, default=4, help="full 256-token chunks per prompt")
+    ap.add_argument("--chunks", type=int, default=4, help="full chunks per prompt")
+    ap.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=256,
+        help="tokens per offloaded block (one file of 32 KiB per token; a multiple of 128)",
+    )
     ap.add_argument("--tail", type=int, default=40, help="tokens after the last full chunk")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--cpu-mib", type=int, default=128, help="CPU primary tier size")
@@ -891,6 +901,8 @@ def main() -> None:
         "--py-spy", action="store_true", help="py-spy record the kvfs daemon (skews its timing)"
     )
     a = ap.parse_args()
+    global CHUNK_TOKENS
+    CHUNK_TOKENS = getattr(a, "chunk_tokens", CHUNK_TOKENS)
     if a.cmd == "engine":
         engine_main(a)
     elif a.cmd == "probe":
