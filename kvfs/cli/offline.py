@@ -39,15 +39,7 @@ from kvfs.devices.pool import (
     write_superblocks,
 )
 from kvfs.format.halves import encode_checkpoint, half_bounds
-from kvfs.format.records import (
-    DEV_SHIFT,
-    FLAG_QUARANTINED,
-    FLAG_WRITING,
-    NO_UNIT,
-    UNIT_MASK,
-    Image,
-    extent,
-)
+from kvfs.format.records import DEV_SHIFT, NO_UNIT, UNIT_MASK, Image, extent
 from kvfs.format.superblock import FORMAT_VERSION, Superblock
 from kvfs.index.check import Report, check_index, fix_dir_links
 from kvfs.index.namespace import Inode, Namespace
@@ -63,13 +55,18 @@ def offline_index(paths: list[str]) -> tuple[Namespace, Pool]:
     the pool is returned closed, for its geometry. For tools and tests."""
     pool = open_pool(paths)
     try:
-        meta, start, size = pool.meta
-        ns = Namespace(lambda ops: None)
-        recover(meta, start, size, pool.seed, _sink(ns))
-        ns.finish_load()
-        return ns, pool
+        return _recovered(pool), pool
     finally:
         pool.close()
+
+
+def _recovered(pool: Pool) -> Namespace:
+    """The index of ``pool`` as its log has it (nothing dropped)."""
+    meta, start, size = pool.meta
+    ns = Namespace(lambda ops: None)
+    recover(meta, start, size, pool.seed, _sink(ns))
+    ns.finish_load()
+    return ns
 
 
 def _sink(ns: Namespace) -> ApplySink:
@@ -320,17 +317,14 @@ def upgrade(paths: list[str]) -> list[str]:
 
 def _files_in_the_way(pool: Pool, new: list[Superblock]) -> list[str]:
     """Files with data in units the new superblocks no longer count as data."""
-    meta, start, size = pool.meta
-    ns = Namespace(lambda ops: None)
     try:
-        recover(meta, start, size, pool.seed, _sink(ns))
+        ns = _recovered(pool)
     except (Corruption, DeviceError) as e:
         raise UserError(f"metadata unreadable ({e}): run kvfs fsck first", 1) from None
-    ns.finish_load()
     # a file the next mount drops (unlinked while open at a crash or an unmount the
     # kernel had not forgotten it by, left mid-write, quarantined) is not in the way:
-    # its units are never claimed again (:meth:`kvfs.store.loading.Loader.load`)
-    dropped = set(ns.scan_inodes(FLAG_WRITING | FLAG_QUARANTINED))
+    # its units are never claimed again
+    dropped = set(ns.dropped_at_mount())
     hits = []
     for inode in ns.inodes.values():
         if inode.ino in dropped:

@@ -114,7 +114,7 @@ def _check_claims(ns: Namespace, pool: Pool, report: Report) -> None:
     fragments: dict[tuple[int, int, int], int] = {}
     u_size = pool.unit_size
     frag = fragment_size(u_size)
-    dropped = set(report.doomed)  # dropped at mount: they claim nothing any more
+    dropped = set(report.doomed)  # doomed before the claims: they claim nothing
     for inode in ns.inodes.values():
         if inode.ino in dropped:
             continue

@@ -51,7 +51,7 @@ from kvfs.index.inodes import DirView, Inode
 from kvfs.index.names import NAME_MAX, check_name
 from kvfs.index.replay import EVICTOR_TAG, Replay
 from kvfs.index.scans import Scans
-from kvfs.index.state import F_DEAD, F_NAMED, check_times
+from kvfs.index.state import F_NAMED, check_times
 from kvfs.index.xattrs import XATTR_FILE_MAX, XATTR_NAME_MAX, XATTR_VALUE_MAX, check_xattr_room
 
 RENAME_NOREPLACE = 1
@@ -73,9 +73,7 @@ class Namespace(Replay, Scans):
         """Units of data inode ``ino`` holds on the devices (0 for a number no live
         inode has), read from the columns: no view is made (a create sums this over
         every file its user holds open)."""
-        if 0 < ino < self.next_ino and self._mode[ino] and not self._flags[ino] & F_DEAD:
-            return self._mapped(ino)
-        return 0
+        return self._mapped(ino) if ino in self.inodes else 0
 
     def directory(self, ino: int) -> DirView:
         self.get(ino)

@@ -10,7 +10,7 @@ from collections import Counter
 from itertools import compress
 
 from kvfs.format.nsparts import ROOT_INO
-from kvfs.format.records import NO_UNIT
+from kvfs.format.records import FLAG_QUARANTINED, FLAG_WRITING, NO_UNIT
 from kvfs.index.columns import SHIFT
 from kvfs.index.lifecycle import Lifecycle
 from kvfs.index.state import F_DEAD, F_INTERNAL, F_NAMED
@@ -38,6 +38,11 @@ class Scans(Lifecycle):
                 if live and (flags[i] & flag_mask & ~F_INTERNAL or not nlinks[i]):
                     found.append(ino)
         return found
+
+    def dropped_at_mount(self) -> list[int]:
+        """The files a mount drops before anything else sees the index: left
+        mid-write by a crash, quarantined, or unlinked while open (no link)."""
+        return self.scan_inodes(FLAG_WRITING | FLAG_QUARANTINED)
 
     def mapped_by_directory(self) -> tuple[Counter[int], Counter[int], list[int]]:
         """(units mapped by named files per parent directory, the same per owner uid,

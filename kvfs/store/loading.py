@@ -17,13 +17,7 @@ from kvfs.common.errors import Corruption
 from kvfs.devices.alloc import Allocator
 from kvfs.devices.pool import Pool
 from kvfs.evict.evictor import Evictor
-from kvfs.format.records import (
-    DEV_SHIFT,
-    FLAG_QUARANTINED,
-    FLAG_WRITING,
-    NO_UNIT,
-    UNIT_MASK,
-)
+from kvfs.format.records import DEV_SHIFT, NO_UNIT, UNIT_MASK
 from kvfs.index.check import Report, check_index, fix_dir_links
 from kvfs.index.namespace import ROOT_INO, Namespace
 from kvfs.log.journal import ApplySink, Journal, Recovered, recover
@@ -166,7 +160,7 @@ class Loader:
         (degraded mount) are kept as :attr:`unreadable`, or dropped too with
         ``drop_unreadable``. Returns (incomplete, unlinked, unreadable dropped)."""
         doomed = {i for i in doomed if i in self.ns.inodes}
-        doomed.update(self.ns.scan_inodes(FLAG_WRITING | FLAG_QUARANTINED))
+        doomed.update(self.ns.dropped_at_mount())
         unreadable = self._on_missing_members(doomed, drop_unreadable)
         incomplete = sum(1 for i in doomed if self.ns.inodes[i].nlink)
         unlinked = len(doomed) - incomplete
