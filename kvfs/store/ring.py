@@ -455,8 +455,10 @@ class RingServer:
 
     def _paths(self, conn: Connection, reqs: list[wire.PathRequest]) -> None:
         """A batch of path reads: the files opened as the connection's user (on the
-        trio thread, PATH_GROUP per hop), each group's reads started at once, and
-        every handle released once the batch's reads are done."""
+        trio thread, PATH_GROUP per hop), each group's reads started at once (the
+        batch's last on this thread, which would only wait for it: one hand-off to
+        an I/O thread less, ~0.1 ms of a 2 MiB ``read_into``), and every handle
+        released once the batch's reads are done."""
         opener, releaser, token = self.opener, self.releaser, self.token
         if not self._path_batch(conn, reqs, wire.OP_READ):
             return
@@ -473,17 +475,18 @@ class RingServer:
 
         # opened a few at a time, each group's reads started before the next group
         # is opened: the device work of one overlaps the trio thread's of the next
-        for group, opened, _ in self._in_groups(
+        for group, opened, final in self._in_groups(
             conn, reqs, lambda g: opener([r.path for r in g], caller)
         ):
             fhs += [t.fh for t in opened if isinstance(t, Ticket)]
-            for r, t in zip(group, opened, strict=True):
+            for j, (r, t) in enumerate(zip(group, opened, strict=True)):
                 if isinstance(t, int):
                     self._refuse(conn, r.tag, t)
                     continue
                 with idle:
                     pending[0] += 1
-                if not self._launch(conn, t, r.region, r.offset, r.length, r.tag, False, finished):
+                inline = final and j == len(group) - 1
+                if not self._launch(conn, t, r.region, r.offset, r.length, r.tag, inline, finished):
                     finished()
         with idle:
             idle.wait_for(lambda: pending[0] == 0)
