@@ -11,7 +11,8 @@ writing every request) and Belady with ``kvtrace.simulate_belady``.  Prints a
 Markdown table per trace; writes ``trace_suite.json`` (rows) and ``trace_suite.svg``
 (hit rate vs capacity per policy, Belady dashed) under ``--out``.  ``--ablation``
 scores ``KvfsPolicy`` with each of its rules switched off instead, ``--adaptive-ablation``
-the adaptive policy with other margins and without its shadows' prefix rule.
+the adaptive policy with other margins, without its shadows' prefix rule and
+with a lead that must last ``hold`` turnovers.
 
 Chunks are 1000 bytes each here (eviction decisions do not depend on the size when
 every chunk has the same one). Exit codes: 0 success, 2 bad arguments.
@@ -56,6 +57,8 @@ def factories(ablation: bool, adaptive: bool = False) -> dict[str, Callable[[], 
         for margin in (1.0, 1.25, 2.0):
             out[f"adaptive-margin-{margin}"] = lambda m=margin: AdaptivePolicy(margin=m)
         out["adaptive-no-prefix-rule"] = lambda: AdaptivePolicy(prefix_rule=False)
+        for hold in (0.5, 1.0, 2.0):
+            out[f"adaptive-hold-{hold}"] = lambda h=hold: AdaptivePolicy(hold=h)
         return out
     if not ablation:
         return {name: (lambda name=name: make_policy(name)) for name in POLICIES}

@@ -48,7 +48,7 @@ from array import array
 from collections.abc import Hashable, Iterator
 from itertools import chain
 
-from kvfs.evict.policy.duel import MARGIN, Duel
+from kvfs.evict.policy.duel import HOLD, MARGIN, Duel
 from kvfs.evict.policy.prefix import _GHOST, _PROBATION, KvfsPolicy
 from kvfs.evict.policy.prefix_lru import PrefixLRUPolicy
 from kvfs.evict.policy.protocol import Policy, PolicyStatistics
@@ -154,16 +154,24 @@ class AdaptivePolicy(Policy):
     name = "adaptive"
     _kind = img.KIND_ADAPTIVE
 
-    def __init__(self, margin: float = MARGIN, prefix_rule: bool = True) -> None:
+    def __init__(
+        self, margin: float = MARGIN, prefix_rule: bool = True, hold: float = HOLD
+    ) -> None:
         if margin < 1.0:
             raise ValueError("margin must be >= 1")
+        if hold < 0.0:
+            raise ValueError("hold must be >= 0")
         self.margin = margin
         self.prefix_rule = prefix_rule
+        self.hold = hold
         self.recency = _Recency()
         self.loop = KvfsPolicy(without=frozenset({"dead-first"}))
         self._experts: tuple[PrefixLRUPolicy, KvfsPolicy] = (self.recency, self.loop)
         self.duel = Duel(
-            (PrefixLRUPolicy, lambda: KvfsPolicy(without=frozenset({"dead-first"}))), prefix_rule
+            (PrefixLRUPolicy, lambda: KvfsPolicy(without=frozenset({"dead-first"}))),
+            prefix_rule,
+            margin,
+            hold,
         )
         self._chosen = RECENCY
         self._evictions = 0
@@ -248,7 +256,7 @@ class AdaptivePolicy(Policy):
 
     def victims(self) -> Iterator[int]:
         """The victims of the expert whose shadow leads (``Duel.leader``)."""
-        chosen = self.duel.leader(self._chosen, self.margin)
+        chosen = self.duel.leader(self._chosen)
         if chosen != self._chosen:
             self._chosen = chosen
             self.switches[chosen] += 1
@@ -287,7 +295,7 @@ class AdaptivePolicy(Policy):
         )
 
     def reset(self) -> None:
-        self.__init__(self.margin, self.prefix_rule)  # type: ignore[misc]
+        self.__init__(self.margin, self.prefix_rule, self.hold)  # type: ignore[misc]
 
     # -- sharing the experts' chunks ---------------------------------------------------
 
@@ -358,7 +366,7 @@ class AdaptivePolicy(Policy):
         # image names (an older image: the leader)
         self.duel.scores = [w * _RESUMED for w in weights]
         self._recovered = weights
-        self._chosen = self.duel.leader(RECENCY, self.margin) if followed is None else followed
+        self._chosen = self.duel.ahead(RECENCY) if followed is None else followed
 
     def recover(self, data: bytes) -> None:
         """Replace the state by an image of this policy; ValueError changes nothing."""

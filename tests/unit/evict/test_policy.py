@@ -622,6 +622,37 @@ def test_shadows_are_counterfactual_and_pick_the_leader_with_a_margin() -> None:
     assert all(shadow._bytes <= 8 * SIZE for shadow in duel.shadows)
 
 
+def test_a_hold_asks_the_lead_to_last_turnovers_before_a_switch() -> None:
+    """With ``hold`` h the other expert is followed only once its lead by the margin
+    has lasted h turnovers of sampled accesses without a break; a break restarts
+    the count; hold 0 (the default) switches on the lead alone."""
+
+    def duel_with(hold: float) -> Duel:
+        return Duel((lambda: make_policy("lru"), lambda: make_policy("fifo")), hold=hold)  # type: ignore[arg-type, return-value]
+
+    def misses(duel: Duel, count: int, start: int) -> None:
+        for key in range(start, start + count):  # both shadows miss: scores only decay
+            duel.access(key, SIZE, None, 8, 8 * SIZE)
+
+    turnover = 64  # 8 keys resident: the floor
+    instant, held = duel_with(0.0), duel_with(1.0)
+    for duel in (instant, held):
+        duel.scores = [10.0, 1.0]  # expert 0 leads by far more than the margin
+        misses(duel, 10, 1000)
+        assert duel.ahead(1) == 0 and duel.held == [10, 0]
+    assert instant.leader(1) == 0  # hold 0: the lead is enough
+    assert held.leader(1) == 1  # the lead is younger than a turnover
+    misses(held, turnover - 10, 2000)
+    assert held.leader(1) == 0 and held.leader(0) == 0
+    held.scores = [1.0, 1.0]  # the lead breaks: its age starts again
+    misses(held, 1, 3000)
+    held.scores = [10.0, 1.0]
+    misses(held, turnover - 1, 4000)
+    assert held.held == [turnover - 1, 0] and held.leader(1) == 1
+    with pytest.raises(ValueError, match="hold"):
+        AdaptivePolicy(hold=-1.0)
+
+
 def test_shadows_sample_a_large_cache_and_stay_small() -> None:
     """Past twice SHADOW_KEYS resident keys the sample doubles (the shadows
     restart, the scores stay); a shadow holds 1/sample of the cache's bytes."""

@@ -347,7 +347,7 @@ def test_adaptive_recovers_through_a_kvfs_image_and_resumes_its_leader() -> None
     copy = AdaptivePolicy()
     copy.recover(first.persist())
     assert copy.weights == pytest.approx(first.weights)
-    assert copy._chosen == copy.duel.leader(0, copy.margin)
+    assert copy._chosen == copy.duel.ahead(0)
 
 
 def test_adaptive_image_whose_last_chunks_hold_only_ghosts_recovers() -> None:
