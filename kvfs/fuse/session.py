@@ -19,6 +19,7 @@ import trio
 
 from kvfs.fuse.metrics import Exporter
 from kvfs.fuse.ops import Operations
+from kvfs.fuse.wake import Waker
 from kvfs.store.facade import Store
 from kvfs.store.ring import RingServer
 
@@ -100,7 +101,12 @@ async def serve(
             if exporter is not None:
                 nursery.start_soon(exporter.serve, store, ops.requests)
             ready()
-            await pyfuse3.main()
+            waker = Waker()  # a read of /dev/fuse with nothing to read must end
+            waker.start()
+            try:
+                await pyfuse3.main()
+            finally:
+                waker.stop()
         finally:
             if ring is not None:
                 store.direct.ring = None  # no new tickets; the live ones die with their files

@@ -109,6 +109,10 @@ class Connection:
     send: threading.Lock = field(default_factory=threading.Lock)
     lock: threading.Lock = field(default_factory=threading.Lock)
     closed: bool = False
+    outbox: list[wire.Done] = field(default_factory=list)
+    """Completions the client's full socket did not take yet (under ``send``)."""
+    writer: threading.Condition | None = None
+    """Wakes the connection's writer thread (made at the first full socket)."""
 
 
 class RingServer:
@@ -287,6 +291,9 @@ class RingServer:
         with conn.lock:
             conn.closed = True
             regions = list(conn.regions)
+        with conn.send:
+            if conn.writer is not None:
+                conn.writer.notify()
         for region in regions:
             self._unregister(conn, region)
         conn.sock.close()
@@ -298,11 +305,50 @@ class RingServer:
         self._complete(conn, wire.Done(tag, error, 0))
 
     def _complete(self, conn: Connection, done: wire.Done) -> None:
+        """Send ``done`` without ever waiting for the client: a socket it has not
+        drained (a client still sending its batch's next message, a slow or a
+        stopped one) keeps the completion in the connection's outbox, which its
+        own writer thread sends. An I/O thread that waited there would hold every
+        client's requests, and a client sending while the daemon waits to send
+        would wait for ever (a path batch of 1,500 files did)."""
         with conn.send:
             if conn.closed:
                 return
-            with contextlib.suppress(OSError):  # the client is gone: nobody to tell
-                conn.sock.sendall(wire.done([done]))
+            if not conn.outbox:
+                try:
+                    conn.sock.send(wire.done([done]), socket.MSG_DONTWAIT)
+                    return
+                except BlockingIOError:
+                    pass
+                except OSError:  # the client is gone: nobody to tell
+                    return
+            conn.outbox.append(done)
+            if conn.writer is None:
+                conn.writer = threading.Condition(conn.send)
+                threading.Thread(
+                    target=self._write_out, args=(conn, conn.writer), name="kvfs-ring-out",
+                    daemon=True,
+                ).start()  # fmt: skip
+            conn.writer.notify()
+
+    @staticmethod
+    def _write_out(conn: Connection, wake: threading.Condition) -> None:
+        """The connection's writer: its outbox, MAX_BATCH completions a message,
+        waiting for the client as long as it takes (only this thread waits)."""
+        while True:
+            with wake:
+                wake.wait_for(lambda: conn.outbox or conn.closed)
+                if conn.closed:
+                    conn.outbox.clear()
+                    return
+                batch = conn.outbox[: wire.MAX_BATCH]
+                del conn.outbox[: wire.MAX_BATCH]
+            try:
+                conn.sock.sendall(wire.done(batch))
+            except OSError:  # the client is gone: its connection is being hung up
+                with wake:
+                    conn.outbox.clear()
+                return
 
     def _start(self, conn: Connection, r: wire.Request) -> None:
         kind = {wire.OP_READ: READ, wire.OP_WRITE: WRITE}.get(r.op)

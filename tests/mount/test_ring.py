@@ -34,6 +34,7 @@ import pytest
 import kvfs.client.direct as direct
 from kvfs.client import ring as client
 from kvfs.format import ring as wire
+from kvfs.fuse.wake import SIGNAL
 from tests.conftest import KvfsMount, errno_of, pattern, wait_for
 
 MiB = 1 << 20
@@ -165,6 +166,74 @@ def test_forged_requests_fail_before_any_io(kvfs_mount: KvfsMount) -> None:
     assert _ring_counters(kvfs_mount)["refused"] == 6
 
 
+def test_a_client_that_does_not_read_its_completions_holds_nobody_else(
+    kvfs_mount: KvfsMount,
+) -> None:
+    """A client submits 512 reads by path (eight messages; the daemon's I/O threads
+    send their completions, more than its socket holds) and reads none of the
+    completions yet: every read is still done, another client's request is served,
+    and the first client then finds every completion, byte-exact. (The I/O threads
+    once waited on the full socket, and with them every client.)"""
+    n = 512
+    for i in range(n):
+        (kvfs_mount.path / f"f{i}").write_bytes(pattern(i, 4096))
+    fd, info = _open_map(kvfs_mount.path / "f7")
+    slow, other = client.Ring(str(info["ring"])), client.Ring(str(info["ring"]))
+    buf = client.shared(4096 * n)
+    slow._register(buf)
+    reqs = [
+        wire.PathRequest(wire.OP_READ, buf.region, i + 1, i * 4096, 4096, f"f{i}".encode())
+        for i in range(n)
+    ]
+    reads = _ring_counters(kvfs_mount)["reads"]
+    for k in range(0, n, wire.MAX_PATH_BATCH):  # and no recv for now
+        slow._sock.sendall(wire.submit_paths(reqs[k : k + wire.MAX_PATH_BATCH]))
+    wait_for(
+        lambda: _ring_counters(kvfs_mount)["reads"] >= reads + n,
+        what="every read of a client that reads no completion",
+    )
+    mine = client.shared(4096)
+    assert other.run([(wire.OP_READ, bytes.fromhex(str(info["ticket"])), mine, 0, 4096)]) == [4096]
+    assert mine[:4096] == pattern(7, 4096)
+    done: dict[int, int] = {}
+    while len(done) < n:
+        for d in wire.done_of(slow._sock.recv(wire.MAX_MESSAGE)):
+            done[d.tag] = d.error or d.nbytes
+    assert done == {i + 1: 4096 for i in range(n)}
+    for i in range(n):
+        assert buf[i * 4096 : (i + 1) * 4096] == pattern(i, 4096), i
+    slow.close()
+    other.close()
+    os.close(fd)
+
+
+def test_batches_of_more_files_than_the_socket_queues(
+    kvfs_mount: KvfsMount, unprivileged_user: pwd.struct_passwd
+) -> None:
+    """An ordinary user writes and reads 1,200 files by path in one call each (19
+    messages of 64 files each way, while the socket queues 10): both complete,
+    byte-exact, through the ring. (A read batch of 1,500 files once waited for ever:
+    the client sending its batch's next message while the daemon waited to send a
+    completion.)"""
+    os.chmod(kvfs_mount.path, 0o777)
+    n = 1200
+
+    def user() -> None:
+        names = [f"b{i}" for i in range(n)]
+        assert direct.write_many([(m, pattern(m, 4096 + i)) for i, m in enumerate(names)]) == [
+            4096 + i for i in range(n)
+        ]
+        bufs = [direct.aligned(8192) for _ in names]
+        assert direct.read_batch(zip(names, bufs, strict=True)) == [4096 + i for i in range(n)]
+        for i, (m, b) in enumerate(zip(names, bufs, strict=True)):
+            assert bytes(b[: 4096 + i]) == pattern(m, 4096 + i), m
+        s = direct.stats()
+        assert s["ring_reads"] == n and s["fallback_reads"] == 0, s
+
+    _in_child(unprivileged_user, kvfs_mount.path, user)
+    assert (kvfs_mount.path / "b1199").read_bytes() == pattern("b1199", 4096 + 1199)
+
+
 def test_another_users_ticket_is_not_theirs(
     kvfs_mount: KvfsMount, unprivileged_user: pwd.struct_passwd
 ) -> None:
@@ -254,6 +323,31 @@ while True:
 """
 
 
+def _kernel_stacks(pid: int) -> str:
+    """Where each thread of ``pid`` waits in the kernel (root reads them)."""
+    out = []
+    with contextlib.suppress(OSError):
+        for tid in sorted(os.listdir(f"/proc/{pid}/task"), key=int):
+            with contextlib.suppress(OSError):
+                stack = Path(f"/proc/{pid}/task/{tid}/stack").read_text().split("\n")[:6]
+                out.append(f"{tid}: " + " / ".join(line.split()[-1] for line in stack if line))
+    return "; ".join(out)
+
+
+def _wait_killed(proc: subprocess.Popen[bytes], mount: KvfsMount) -> None:
+    """A SIGKILLed client ends: only a FUSE request the daemon read and never
+    answered can hold it (its exit waits for that answer); fail with where the
+    client and the daemon wait, not at the suite's time-out."""
+    try:
+        proc.wait(120)
+    except subprocess.TimeoutExpired:
+        assert mount.proc is not None
+        pytest.fail(
+            f"a killed client never ended: client {_kernel_stacks(proc.pid)}; "
+            f"daemon {_kernel_stacks(mount.proc.pid)}"
+        )
+
+
 def test_clients_killed_mid_request_leave_nothing_reserved_or_half_committed(
     kvfs_mount: KvfsMount, unprivileged_user: pwd.struct_passwd
 ) -> None:
@@ -290,7 +384,7 @@ def test_clients_killed_mid_request_leave_nothing_reserved_or_half_committed(
         for proc in procs:
             assert proc.poll() is None, "a client failed (a wrong byte?) before its kill"
             proc.send_signal(signal.SIGKILL)
-            proc.wait()
+            _wait_killed(proc, kvfs_mount)
             assert proc.stdout is not None
             proc.stdout.close()
             kills += 1
@@ -338,6 +432,19 @@ def test_clients_killed_mid_request_leave_nothing_reserved_or_half_committed(
     kvfs_mount.remount()
     assert check() == used
     assert kills == 24
+
+
+def test_the_daemon_wakes_its_fuse_reader(kvfs_mount: KvfsMount) -> None:
+    """The daemon's trio thread, the one that reads /dev/fuse, has the wake-up timer
+    of :mod:`kvfs.fuse.wake` (a read whose request a killed client withdrew would
+    otherwise hold the whole daemon: the killed-clients test above once found a
+    client SIGKILL could not end); the mount serves as ever."""
+    assert kvfs_mount.proc is not None
+    pid = kvfs_mount.proc.pid  # the main thread's id is the process's
+    timers = Path(f"/proc/{pid}/timers").read_text()
+    assert f"signal: {int(SIGNAL)}/" in timers and f"tid.{pid}\n" in timers, timers
+    (kvfs_mount.path / "f").write_bytes(pattern("f", MiB))
+    assert (kvfs_mount.path / "f").read_bytes() == pattern("f", MiB)
 
 
 def test_path_reads_follow_the_kernels_permission_rules(
