@@ -234,23 +234,32 @@ class Ring:
         if self.broken is not None:
             raise _copy(self.broken)
         out: list[int | OSError | None] = [None] * len(tags)
+
+        def receive() -> int:
+            """One message of completions; how many of them were this batch's."""
+            msg = self._sock.recv(wire.MAX_MESSAGE)
+            if not msg:
+                raise ConnectionResetError(errno.EPIPE, "the daemon closed the ring")
+            n = 0
+            for d in wire.done_of(msg):
+                i = tags.pop(d.tag, -1)
+                if i >= 0:
+                    out[i] = OSError(d.error, os.strerror(d.error)) if d.error else d.nbytes
+                    n += 1
+            return n
+
         try:
+            sent = answered = 0
             for bufs, message in messages:
                 for buf in bufs:
                     self._register(buf)
+                while sent - answered > wire.MAX_UNREAD:  # read before sending more
+                    answered += receive()
                 with self._send:
                     self._sock.sendall(message)
-            left = len(tags)
-            while left:
-                msg = self._sock.recv(wire.MAX_MESSAGE)
-                if not msg:
-                    raise ConnectionResetError(errno.EPIPE, "the daemon closed the ring")
-                for d in wire.done_of(msg):
-                    i = tags.pop(d.tag, -1)
-                    if i < 0:
-                        continue
-                    out[i] = OSError(d.error, os.strerror(d.error)) if d.error else d.nbytes
-                    left -= 1
+                sent += len(bufs)
+            while answered < len(out):
+                answered += receive()
         except (OSError, ValueError) as e:
             # kept without a traceback: one would hold the callers' frames, and their
             # buffers exported, for as long as this ring is remembered

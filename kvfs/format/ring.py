@@ -56,6 +56,9 @@ MAX_PATH = 4096
 MAX_BATCH = 1024
 """Requests in one SUBMIT message at most (48 KiB: under any socket's message limit)."""
 MAX_MESSAGE = _HEAD.size + MAX_BATCH * _REQUEST.size
+MAX_UNREAD = 4 * MAX_BATCH
+"""Requests a client keeps unanswered at most: past them it reads completions before
+it sends more (the daemon keeps what a full socket does not take, up to a limit)."""
 MAX_PATH_BATCH = 64
 """Path requests in one SUBMIT_PATHS message at most (under 256 KiB with their paths)."""
 MAX_PATH_MESSAGE = _HEAD.size + MAX_PATH_BATCH * (_PATH_WRITE.size + MAX_PATH)

@@ -19,7 +19,9 @@ signal every :data:`PERIOD`. The signal's handler does nothing; its arrival make
 waiting ``read`` of ``/dev/fuse`` return ``EINTR``, which pyfuse3 answers by waiting
 for readability again. A stall is bounded by the period; a busy or idle daemon pays
 one signal per period (trio's own waits retry ``EINTR``, PEP 475). Only the trio
-thread is signalled, never an I/O thread.
+thread is signalled, never an I/O thread: the calls that would not retry an
+``EINTR`` (the ctypes ``fallocate`` and the ``BLKDISCARD`` ioctl of
+:mod:`kvfs.devices.device`) run on worker threads and must stay there.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ class _Itimerspec(ctypes.Structure):
 
 def _libc() -> ctypes.CDLL:
     """The C library with ``timer_create`` (glibc 2.34+; librt before)."""
-    for name in (None, ctypes.util.find_library("rt")):
+    for name in (None, ctypes.util.find_library("rt") or "librt.so.1"):
         lib = ctypes.CDLL(name, use_errno=True)
         if hasattr(lib, "timer_create"):
             return lib

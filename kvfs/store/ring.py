@@ -56,6 +56,9 @@ daemon never allocates a client's memory that way (the pages exist: ``st_blocks`
 PATH_GROUP = 4
 """Files of a path batch opened or created per hop to the trio thread (then their
 reads or writes start, while the next group is opened or created)."""
+OUTBOX_LIMIT = 4 * wire.MAX_UNREAD
+"""Completions a connection may leave unread in the daemon before it is shut down
+(a client of this package reads once it has MAX_UNREAD unanswered requests)."""
 MAX_REGIONS = 4096
 """Registered regions per connection at most (each is one mapping in the daemon)."""
 _SEALED = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
@@ -113,6 +116,10 @@ class Connection:
     """Completions the client's full socket did not take yet (under ``send``)."""
     writer: threading.Condition | None = None
     """Wakes the connection's writer thread (made at the first full socket)."""
+    writer_thread: threading.Thread | None = None
+    shut: bool = False
+    """Shut down by the daemon (a client that leaves too much unread, a failed
+    send): its completions are dropped, its thread hangs it up at the EOF."""
 
 
 class RingServer:
@@ -286,14 +293,22 @@ class RingServer:
             log.warning("aware ring: a region is still in use at its unmap")
 
     def _hang_up(self, conn: Connection) -> None:
+        """Forget a connection (on its own thread, at its end). Its socket is shut
+        down first, which ends a send its writer may be waiting in, and closed only
+        once the writer is gone: a closed descriptor's number is soon another
+        connection's, and a late send must not reach that client."""
         with self._conns_lock:
             self._conns.discard(conn)
         with conn.lock:
             conn.closed = True
             regions = list(conn.regions)
         with conn.send:
+            writer = conn.writer_thread
             if conn.writer is not None:
                 conn.writer.notify()
+        _shut(conn)
+        if writer is not None:
+            writer.join()
         for region in regions:
             self._unregister(conn, region)
         conn.sock.close()
@@ -310,9 +325,11 @@ class RingServer:
         stopped one) keeps the completion in the connection's outbox, which its
         own writer thread sends. An I/O thread that waited there would hold every
         client's requests, and a client sending while the daemon waits to send
-        would wait for ever (a path batch of 1,500 files did)."""
+        would wait for ever (a path batch of 1,500 files did). A client that
+        leaves more than OUTBOX_LIMIT completions unread is shut down: the
+        daemon's memory is not its to fill."""
         with conn.send:
-            if conn.closed:
+            if conn.closed or conn.shut:
                 return
             if not conn.outbox:
                 try:
@@ -320,35 +337,25 @@ class RingServer:
                     return
                 except BlockingIOError:
                     pass
-                except OSError:  # the client is gone: nobody to tell
+                except OSError as e:  # the client is gone: nobody to tell
+                    _shut(conn, e)
                     return
+            if len(conn.outbox) >= OUTBOX_LIMIT:
+                _shut(conn, f"{len(conn.outbox)} completions left unread", logging.WARNING)
+                return
             conn.outbox.append(done)
             if conn.writer is None:
-                conn.writer = threading.Condition(conn.send)
-                threading.Thread(
-                    target=self._write_out, args=(conn, conn.writer), name="kvfs-ring-out",
-                    daemon=True,
-                ).start()  # fmt: skip
-            conn.writer.notify()
-
-    @staticmethod
-    def _write_out(conn: Connection, wake: threading.Condition) -> None:
-        """The connection's writer: its outbox, MAX_BATCH completions a message,
-        waiting for the client as long as it takes (only this thread waits)."""
-        while True:
-            with wake:
-                wake.wait_for(lambda: conn.outbox or conn.closed)
-                if conn.closed:
-                    conn.outbox.clear()
+                wake = threading.Condition(conn.send)
+                thread = threading.Thread(
+                    target=_write_out, args=(conn, wake), name="kvfs-ring-out", daemon=True
+                )
+                try:
+                    thread.start()
+                except RuntimeError as e:  # no thread to be had: the client hears EPIPE
+                    _shut(conn, e)
                     return
-                batch = conn.outbox[: wire.MAX_BATCH]
-                del conn.outbox[: wire.MAX_BATCH]
-            try:
-                conn.sock.sendall(wire.done(batch))
-            except OSError:  # the client is gone: its connection is being hung up
-                with wake:
-                    conn.outbox.clear()
-                return
+                conn.writer, conn.writer_thread = wake, thread
+            conn.writer.notify()
 
     def _start(self, conn: Connection, r: wire.Request) -> None:
         kind = {wire.OP_READ: READ, wire.OP_WRITE: WRITE}.get(r.op)
@@ -605,6 +612,37 @@ class RingServer:
             else:
                 s.writes += 1
                 s.bytes_written += t.size
+
+
+def _shut(conn: Connection, why: object = None, level: int = logging.INFO) -> None:
+    """Shut ``conn``'s socket down from the daemon's side (any thread): the client
+    sees its end (and falls back to the mount), the connection's thread its EOF,
+    at which it hangs the connection up; its completions from now on are dropped."""
+    if why is not None and not conn.shut:
+        log.log(level, "aware ring: client pid %d shut out: %s", conn.pid, why)
+    conn.shut = True
+    with contextlib.suppress(OSError):
+        conn.sock.shutdown(socket.SHUT_RDWR)
+
+
+def _write_out(conn: Connection, wake: threading.Condition) -> None:
+    """A connection's writer: its outbox, MAX_BATCH completions a message, waiting
+    for the client as long as it takes (only this thread waits for it)."""
+    while True:
+        with wake:
+            wake.wait_for(lambda: bool(conn.outbox) or conn.closed or conn.shut)
+            if conn.closed or conn.shut:
+                conn.outbox.clear()
+                return
+            batch = conn.outbox[: wire.MAX_BATCH]
+            del conn.outbox[: wire.MAX_BATCH]
+        try:
+            conn.sock.sendall(wire.done(batch))
+        except OSError as e:  # gone, or shut down: either way the client hears EPIPE
+            _shut(conn, None if conn.closed else e)
+            with wake:
+                conn.outbox.clear()
+            return
 
 
 class _Job:

@@ -35,6 +35,7 @@ import kvfs.client.direct as direct
 from kvfs.client import ring as client
 from kvfs.format import ring as wire
 from kvfs.fuse.wake import SIGNAL
+from kvfs.store.ring import OUTBOX_LIMIT
 from tests.conftest import KvfsMount, errno_of, pattern, wait_for
 
 MiB = 1 << 20
@@ -196,6 +197,7 @@ def test_a_client_that_does_not_read_its_completions_holds_nobody_else(
     assert other.run([(wire.OP_READ, bytes.fromhex(str(info["ticket"])), mine, 0, 4096)]) == [4096]
     assert mine[:4096] == pattern(7, 4096)
     done: dict[int, int] = {}
+    slow._sock.settimeout(60)  # a lost completion fails here, not at the suite's time-out
     while len(done) < n:
         for d in wire.done_of(slow._sock.recv(wire.MAX_MESSAGE)):
             done[d.tag] = d.error or d.nbytes
@@ -204,6 +206,39 @@ def test_a_client_that_does_not_read_its_completions_holds_nobody_else(
         assert buf[i * 4096 : (i + 1) * 4096] == pattern(i, 4096), i
     slow.close()
     other.close()
+    os.close(fd)
+
+
+def test_a_client_that_never_reads_is_shut_out_not_kept(kvfs_mount: KvfsMount) -> None:
+    """A client floods the ring with requests (forged tickets: each is refused at
+    once) and reads no completion: past OUTBOX_LIMIT unread the daemon shuts its
+    connection down instead of keeping its completions without end; the client sees
+    the end of its stream, and the mount and other clients go on."""
+    p = kvfs_mount.path / "f"
+    p.write_bytes(pattern("f", MiB))
+    fd, info = _open_map(p)
+    flood = client.Ring(str(info["ring"]))
+    flood._sock.settimeout(60)  # a hang guard: the daemon never stops receiving
+    forged = [
+        wire.Request(wire.OP_READ, 0, tag, secrets.token_bytes(16), 0, 4096)
+        for tag in range(wire.MAX_BATCH)
+    ]
+    sent = 0
+    with contextlib.suppress(OSError):  # EPIPE once the daemon has shut it down
+        for _ in range(2 * OUTBOX_LIMIT // wire.MAX_BATCH):
+            flood._sock.sendall(wire.submit(forged))
+            sent += wire.MAX_BATCH
+    got = 0
+    while msg := flood._sock.recv(wire.MAX_MESSAGE):
+        got += len(wire.done_of(msg))
+    assert got < sent, (got, sent)  # the rest dropped with the connection
+    assert "completions left unread" in kvfs_mount.log.read_text()
+    other = client.Ring(str(info["ring"]))
+    buf = client.shared(MiB)
+    assert _submit(other, wire.OP_READ, bytes.fromhex(str(info["ticket"])), buf) == 0
+    assert buf[:MiB] == pattern("f", MiB)
+    other.close()
+    flood.close()
     os.close(fd)
 
 

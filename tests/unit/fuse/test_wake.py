@@ -8,12 +8,19 @@ import errno
 import os
 import signal
 import threading
+import time
 
 from kvfs.fuse.wake import SIGNAL, Waker
 
 
 def _timers() -> str:
     with open("/proc/self/timers") as f:
+        return f.read()
+
+
+def _wchan(tid: int) -> str:
+    """Where thread ``tid`` of this process sleeps in the kernel."""
+    with open(f"/proc/self/task/{tid}/wchan") as f:
         return f.read()
 
 
@@ -45,8 +52,10 @@ def test_only_the_armed_thread_is_signalled() -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     r, w = os.pipe()
     got: list[tuple[int, int]] = []
+    tids: list[int] = []
 
     def reader() -> None:
+        tids.append(threading.get_native_id())
         buf = ctypes.create_string_buffer(8)
         n = libc.read(r, buf, 8)
         got.append((n, ctypes.get_errno()))
@@ -56,6 +65,10 @@ def test_only_the_armed_thread_is_signalled() -> None:
     try:
         assert waker.start()
         t.start()
+        deadline = time.monotonic() + 60  # a hang guard: it waits in its read at once
+        while not tids or "pipe_read" not in _wchan(tids[0]):
+            assert time.monotonic() < deadline, "the other thread never reached its read"
+            time.sleep(0.01)
         main = ctypes.create_string_buffer(8)
         r2, w2 = os.pipe()
         try:
