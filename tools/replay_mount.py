@@ -91,6 +91,7 @@ def run_one(
         "sim_hit_rate": round(sim.hit_tokens / sim.prompt_tokens, 4),
         "errors": result.errors,
         "evictions": stats["store"]["evictions"],
+        "room_waits": stats["store"]["room_waits"],
         "device_bytes_written": stats["store"]["device_bytes_written"],
         "seconds": round(result.seconds, 1),
     }

@@ -66,15 +66,16 @@ def add_arguments(m: argparse.ArgumentParser) -> None:
     m.add_argument(
         "--high-watermark",
         type=parse_fraction,
-        default=0.97,
-        help="start evicting above this used fraction (0.97)",
+        default=None,
+        help="start evicting above this used fraction (default: 3%% of the pool free, "
+        "at most 1 GiB a device: 0.97 on pools under 33 GiB a device)",
     )
     m.add_argument(
         "--low-watermark",
         type=parse_fraction,
-        default=0.94,
-        help="evict down to this used fraction (0.94; deeper batches cost hit rate, "
-        "see docs/eviction.md)",
+        default=None,
+        help="evict down to this used fraction (default: as far under the high one; "
+        "deeper batches cost hit rate, see docs/eviction.md)",
     )
     m.add_argument("--no-discard", action="store_true", help="do not TRIM freed extents")
     m.add_argument(

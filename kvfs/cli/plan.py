@@ -30,8 +30,6 @@ HELP = "what a pool holds for a model: chunk size, tokens, unit size"
 EXIT_OK = 0
 FRAGMENT = 4096
 """A chunk's tail past its last whole unit is stored in 4 KiB fragments."""
-LOW_WATERMARK = 0.94
-"""Eviction keeps a full pool between this and 0.97 used (``kvfs mount`` defaults)."""
 
 DTYPES = {
     "float32": 4, "fp32": 4, "float": 4,
@@ -130,6 +128,10 @@ class Plan:
     tokens: int
     chunks_kept: int
     """At the low watermark, where eviction holds a full pool."""
+    high_watermark: float
+    low_watermark: float
+    """The mount's default watermarks for this pool (eviction holds a full pool
+    between them)."""
     context_tokens: int
     contexts: int
     format_command: str
@@ -160,6 +162,7 @@ def make_plan(
     devices: int = 1,
     unit_size: int = 0,
 ) -> Plan:
+    from kvfs.evict.driver import default_watermarks
     from kvfs.format.geometry import new_pool, unit_for
 
     per_token = shape.bytes_per_token(dtype)
@@ -173,7 +176,8 @@ def make_plan(
     whole, tail = divmod(chunk, unit)
     stored = whole * unit + -(-tail // FRAGMENT) * FRAGMENT
     chunks = data // stored
-    kept = int(data * LOW_WATERMARK) // stored
+    high, low = default_watermarks(data, devices)
+    kept = int(data * low) // stored
     command = "kvfs format DEVICE" + (" DEVICE" * (devices - 1))
     command += f" --unit-size {unit >> 20}M"
     command += f" --mean-file-size {chunk}"
@@ -192,6 +196,8 @@ def make_plan(
         chunks=chunks,
         tokens=chunks * chunk_tokens,
         chunks_kept=kept,
+        high_watermark=high,
+        low_watermark=low,
         context_tokens=context_tokens,
         contexts=kept * chunk_tokens // context_tokens,
         format_command=command,
@@ -288,8 +294,10 @@ def run(args: argparse.Namespace) -> int:
         f"({format_size(p.stored_bytes_per_chunk)} stored per chunk)"
     )
     print(
-        f"kept           {p.chunks_kept:,} chunks once full (eviction holds "
-        f"{LOW_WATERMARK:.0%}-97%) = {p.contexts:,} contexts of {p.context_tokens:,} tokens"
+        f"kept           {p.chunks_kept:,} chunks once full (eviction keeps "
+        f"{format_size(int(p.data_bytes * (1 - p.high_watermark)))}-"
+        f"{format_size(int(p.data_bytes * (1 - p.low_watermark)))} free) = "
+        f"{p.contexts:,} contexts of {p.context_tokens:,} tokens"
     )
     print(f"format with    {p.format_command}")
     return EXIT_OK

@@ -14,6 +14,7 @@ come near the metadata area's limit, files go by the same rules until it shrinks
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -84,6 +85,34 @@ def _file_weight(inode: Inode) -> int:
     return 1
 
 
+HEADROOM_SHARE = 0.03
+"""The most of the pool the background round keeps free (the headroom), and frees
+in one round (the batch), unless :data:`HEADROOM_BYTES` is less."""
+HEADROOM_BYTES = 1 << 30
+"""Headroom and batch, per device, at most. The headroom must hold what writers store
+while a round's frees wait for one journal commit (a few ms): a Gen5 drive's 14 GB/s
+for 10 ms is 140 MB, so a GiB is ample, where 3 % of a 245 TB drive would keep 7 TB
+idle (``docs/eviction.md``, "The headroom")."""
+DEMAND_HALF_LIFE = 10.0
+"""Seconds in which the writers' demand (:meth:`EvictionDriver.headroom_units`) a
+burst set falls by half."""
+
+
+def headroom_cap(units: int, unit: int, devices: int) -> int:
+    """The most units the headroom (and a batch) may take of a pool of ``units``."""
+    return max(1, min(int(units * HEADROOM_SHARE), HEADROOM_BYTES * max(devices, 1) // unit))
+
+
+def default_watermarks(capacity: int, devices: int) -> tuple[float, float]:
+    """The watermarks with the largest headroom and batch (:func:`headroom_cap`) of a
+    pool of ``capacity`` bytes: what one named watermark is paired with, and what
+    ``kvfs plan`` assumes."""
+    if capacity <= 0:
+        return 1 - HEADROOM_SHARE, 1 - 2 * HEADROOM_SHARE
+    share = min(HEADROOM_SHARE, HEADROOM_BYTES * max(devices, 1) / capacity)
+    return 1 - share, 1 - 2 * share
+
+
 class EvictionDriver:
     """Eviction for one store: room for writes, watermarks, metadata pressure."""
 
@@ -99,14 +128,32 @@ class EvictionDriver:
         pinned: Callable[[int], int] = lambda uid: 0,
         privileged: Callable[[int], bool] = lambda uid: uid == 0,
         checkpointed_inodes: Callable[[], int] = lambda: 0,
-        high_watermark: float,
-        low_watermark: float,
+        high_watermark: float | None = None,
+        low_watermark: float | None = None,
     ) -> None:
         self.space, self.journal, self.ns, self.evictor = space, journal, ns, evictor
         self.alloc, self.unit = space.alloc, space.unit
         self._evictable, self._evict = evictable, evict
         self._pinned, self._privileged = pinned, privileged
-        self.high, self.low = high_watermark, low_watermark
+        self._cap = headroom_cap(space.alloc.total_units, space.unit, len(space.pool.devices))
+        self._demand = 0.0  # units, decayed: see headroom_units
+        self._demand_at = time.monotonic()
+        self._fixed: tuple[float, float] | None = None
+        if high_watermark is not None or low_watermark is not None:
+            high, low = default_watermarks(
+                space.alloc.total_units * space.unit, len(space.pool.devices)
+            )
+            gap = high - low
+            if high_watermark is None:
+                assert low_watermark is not None
+                high, low = min(1.0, low_watermark + gap), low_watermark
+            elif low_watermark is None:
+                high, low = high_watermark, max(high_watermark - gap, high_watermark / 2)
+            else:
+                high, low = high_watermark, low_watermark
+            if not 0 < low < high <= 1:
+                raise ValueError("watermarks must satisfy 0 < low < high <= 1")
+            self._fixed = (high, low)
         self._evicted = [0, 0, 0]  # files, units, orphans since the last log line
         self._evicted_since = -EVICTION_LOG_INTERVAL  # the first eviction logs at once
         self._evict_wake = trio.Event()
@@ -115,6 +162,10 @@ class EvictionDriver:
         self._meta_logged = -EVICTION_LOG_INTERVAL
         self._full_logged = -EVICTION_LOG_INTERVAL
         self.metadata_evictions = 0
+        self.room_waits = 0
+        """Writes that found no room and evicted for it themselves (the background
+        round had not kept the headroom: ``docs/eviction.md``, "The headroom")."""
+        self.room_wait_seconds = 0.0
         self.evicted_by: dict[tuple[str, int], int] = {}
         """Files evicted by (reason, top-level directory inode); reasons: ``space``
         (the pool above its watermark or full), ``quota`` (a directory over its
@@ -124,6 +175,48 @@ class EvictionDriver:
         self.stopping = False
         """Set by an unmount: background eviction stops (the kernel session ends soon,
         so nothing would learn of the removals, and the final checkpoint is near)."""
+
+    # ------------------------------------------------------------------ watermarks
+    def headroom_units(self) -> int:
+        """Units the background round keeps free, and frees each round: twice the
+        most the writers have had in flight lately (units claimed by writes not yet
+        committed, the new claim's included; decayed by half every
+        ``DEMAND_HALF_LIFE`` s), so that one round's frees are back before the
+        writes in flight meanwhile fill the rest; at least a unit, at most
+        :func:`headroom_cap`. A single writer of one-unit files keeps 2 units free,
+        64 writers of 8 MiB chunks 1 GiB (``docs/eviction.md``, "The headroom")."""
+        now = time.monotonic()
+        self._demand *= 0.5 ** ((now - self._demand_at) / DEMAND_HALF_LIFE)
+        self._demand_at = now
+        return max(1, min(self._cap, math.ceil(2 * self._demand)))
+
+    def headroom_bytes(self) -> int:
+        """What the background round keeps free now."""
+        if self._fixed is not None:
+            return int((1 - self._fixed[0]) * self.alloc.online_units) * self.unit
+        return self.headroom_units() * self.unit
+
+    def _note_demand(self, units: int) -> None:
+        in_flight = self.space.in_flight() + units
+        if in_flight > self._demand:
+            self.headroom_units()  # decay to now first
+            self._demand = max(self._demand, float(in_flight))
+
+    @property
+    def high(self) -> float:
+        """Evict in the background above this used share."""
+        if self._fixed is not None:
+            return self._fixed[0]
+        total = max(self.alloc.online_units, 1)
+        return 1 - self.headroom_units() / total
+
+    @property
+    def low(self) -> float:
+        """... down to this one."""
+        if self._fixed is not None:
+            return self._fixed[1]
+        total = max(self.alloc.online_units, 1)
+        return 1 - 2 * self.headroom_units() / total
 
     # ------------------------------------------------------------------ eviction
     def evict_units(
@@ -236,6 +329,18 @@ class EvictionDriver:
             # open files are never evicted: no user may hold more than its share open
             raise NoSpace(f"uid {uid} holds its share of the pool open")
         reserve = 0 if privileged else self.space.reserve_units
+        self._note_demand(units)
+        if self.space.available() - reserve < units:
+            self.room_waits += 1
+            since = time.monotonic()
+            try:
+                await self._make_room(units, reserve, uid)
+            finally:
+                self.room_wait_seconds += time.monotonic() - since
+        if self.space.used_fraction() > self.high:
+            self._evict_wake.set()
+
+    async def _make_room(self, units: int, reserve: int, uid: int) -> None:
         while self.space.available() - reserve < units:
             short = units + reserve - self.space.available()
             pending = self.space.pending_free()
@@ -247,8 +352,6 @@ class EvictionDriver:
                 # bounded: units can also come back without a signal (a claim released)
                 with trio.move_on_after(1.0):
                     await freed.wait()
-        if self.space.used_fraction() > self.high:
-            self._evict_wake.set()
 
     # ------------------------------------------------------------------ metadata pressure
     def _half_bytes(self) -> int:

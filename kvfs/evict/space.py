@@ -139,6 +139,10 @@ class Space:
         claims in progress)."""
         return self.alloc.free_units - self._claimed()
 
+    def in_flight(self) -> int:
+        """Units claimed by writes not yet committed (dirty units, claims in progress)."""
+        return self._claimed()
+
     def used_fraction(self) -> float:
         """Used share of the devices that take writes (a device taken offline after a
         failed write is no reason to evict: freeing its units gains nothing)."""

@@ -235,6 +235,21 @@ class StoreCollector:
             [([r["reason"], r["directory"]], r["files"]) for r in stats["evictions"]],
         )
         yield gauge("kvfs_orphans", "Files whose last writer process is gone", e["orphans"])
+        yield gauge(
+            "kvfs_headroom_bytes",
+            "Bytes background eviction keeps free now (follows the writes in flight)",
+            s["headroom_bytes"],
+        )
+        yield counter(
+            "kvfs_room_waits",
+            "Writes that found the pool full and waited for eviction to make room",
+            s["room_waits"],
+        )
+        yield counter(
+            "kvfs_room_wait_seconds",
+            "Time writes waited for eviction to make room, summed",
+            s["room_wait_seconds"],
+        )
         dirs = stats["directories"]
         yield labelled(
             GaugeMetricFamily(

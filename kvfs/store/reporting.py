@@ -177,4 +177,7 @@ class Reports:
             open_handles=len(self.handles),
             bytes_read_memory=self.reader.bytes_from_memory,
             bytes_read_device=self.reader.bytes_from_device,
+            room_waits=self.eviction.room_waits,
+            room_wait_seconds=round(self.eviction.room_wait_seconds, 6),
+            headroom_bytes=self.eviction.headroom_bytes(),
         )

@@ -95,12 +95,18 @@ class StoreConfig:
     default_policy: str = "kvfs-managed"
     fresh_grace: float = FRESH_GRACE
     """Seconds after its close during which a file is evicted only as a last resort."""
-    high_watermark: float = 0.97
-    low_watermark: float = 0.94
+    high_watermark: float | None = None
+    """Evict in the background above this used share (``None``: a headroom of 3 % of
+    the pool, at most a GiB a device: :func:`kvfs.evict.driver.default_watermarks`)."""
+    low_watermark: float | None = None
+    """... down to this one (``None``: as much again under the high one)."""
     discard: bool = True
 
     def __post_init__(self) -> None:
-        if not 0 < self.low_watermark < self.high_watermark <= 1:
+        high, low = self.high_watermark, self.low_watermark
+        if (high is not None and not 0 < high <= 1) or (low is not None and not 0 < low < 1):
+            raise ValueError("watermarks must satisfy 0 < low < high <= 1")
+        if high is not None and low is not None and not low < high:
             raise ValueError("watermarks must satisfy 0 < low < high <= 1")
         for name in ("readahead_units", "writeback_units", "stripe_units", "read_piece_units"):
             if getattr(self, name) < 1:
@@ -228,6 +234,14 @@ class StoreStatistics:
     writes, holes) without waiting for a device."""
     bytes_read_device: int = 0
     """Of ``bytes_read``: waited for a device read."""
+    room_waits: int = 0
+    """Writes that found the pool full and waited for eviction to make room (the
+    background round keeps the headroom so that few do)."""
+    room_wait_seconds: float = 0.0
+    """Their wait, summed."""
+    headroom_bytes: int = 0
+    """What background eviction keeps free now (``docs/eviction.md``, "The headroom
+    follows the writers")."""
 
 
 @dataclass

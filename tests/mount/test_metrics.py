@@ -95,6 +95,9 @@ def test_scrape_follows_the_traffic(metrics_mount: Any) -> None:
     assert one(after, "kvfs_directory_quota_bytes", directory="sglang") == 64 * MIB
     assert one(after, "kvfs_capacity_bytes") == stats["store"]["capacity_bytes"]
     assert one(after, "kvfs_used_bytes") >= written
+    # nothing was full: no write waited for room; the headroom is a unit or more
+    assert one(after, "kvfs_room_waits_total") == 0 == stats["store"]["room_waits"]
+    assert one(after, "kvfs_headroom_bytes") >= stats["store"]["unit_size"]
 
     dev = str(mount.devices[0])
     assert one(after, "kvfs_device_written_bytes_total", device=dev) >= written

@@ -168,7 +168,12 @@ def test_identical_members_are_not_called_different(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     assert sum(line.startswith(str(tmp_path / "m")) for line in r.stdout.splitlines()) == 2
     assert "different sizes" not in r.stdout, r.stdout
-    assert re.search(r"^eviction .* orphans now \(writer exited\)$", r.stdout, re.M), r.stdout
+    assert re.search(
+        r"^eviction .* orphans now \(writer exited\); headroom \S+ \S+, "
+        r"\d+ writes waited for room \(\d+\.\d\d s\)$",
+        r.stdout,
+        re.M,
+    ), r.stdout
 
 
 def test_fit_cuts_a_page_to_the_terminal() -> None:

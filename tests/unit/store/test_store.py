@@ -1111,3 +1111,83 @@ async def test_the_grace_protects_at_most_a_64th_of_the_pool() -> None:
         assert 1 <= store.evictor.fresh() < len(data)
         for name, ino in files(store).items():
             assert await get(store, ino) == data[name]
+
+
+def test_the_default_headroom_is_a_share_of_small_pools_and_bytes_on_large_ones() -> None:
+    """3 % free and 3 % more per round on a pool under 33 GiB a device; on a 245 TB
+    drive a GiB each, not the 7 TB a share would keep idle (issue 30)."""
+    from kvfs.evict.driver import HEADROOM_BYTES, default_watermarks
+
+    assert default_watermarks(16 << 20, 1) == pytest.approx((0.97, 0.94))
+    assert default_watermarks(HEADROOM_BYTES * 100 // 3, 1) == pytest.approx((0.97, 0.94))
+    big = 245 * 10**12
+    high, low = default_watermarks(big, 1)
+    assert big * (1 - high) == pytest.approx(HEADROOM_BYTES)
+    assert big * (1 - low) == pytest.approx(2 * HEADROOM_BYTES)
+    high4, _ = default_watermarks(4 * big, 4)  # a GiB per device
+    assert 4 * big * (1 - high4) == pytest.approx(4 * HEADROOM_BYTES)
+
+
+async def test_named_watermarks_win_and_one_alone_keeps_the_default_gap() -> None:
+    for high, low, want in (
+        (0.9, 0.8, (0.9, 0.8)),
+        (0.9, None, (0.9, 0.87)),
+        (None, 0.5, (0.53, 0.5)),
+    ):
+        cfg = dataclasses.replace(CFG, high_watermark=high, low_watermark=low)
+        async with serving(memory_pool(), cfg) as store:
+            assert (store.eviction.high, store.eviction.low) == pytest.approx(want)
+    with pytest.raises(ValueError):
+        StoreConfig(high_watermark=0.5, low_watermark=0.6)
+
+
+async def test_the_headroom_follows_the_writes_in_flight_within_its_cap() -> None:
+    """With no watermark named, the background round keeps free twice the most units
+    writers have had in flight lately: a unit when idle, more while several writers
+    hold dirty units, never more than 3 % of the pool; a burst's demand decays."""
+    from kvfs.evict.driver import DEMAND_HALF_LIFE
+
+    async with serving(memory_pool(size=16 << 20)) as store:
+        ev, total = store.eviction, store.alloc.online_units
+        cap = int(store.alloc.total_units * 0.03)
+        assert ev.headroom_units() == 1
+        assert ev.high == pytest.approx(1 - 1 / total)
+        assert ev.low == pytest.approx(1 - 2 / total)
+        ino, fh = await create(store, b"one")
+        await store.write(fh, 0, b"a" * UNIT)
+        one = ev.headroom_units()
+        assert 2 <= one <= 4
+        handles = [await create(store, b"w%d" % i) for i in range(8)]
+        for _, h in handles:  # eight writers, each with dirty units not yet committed
+            await store.write(h, 0, b"b" * (2 * UNIT))
+        assert ev.headroom_units() == cap
+        assert ev.high == pytest.approx(1 - cap / total)
+        ev._demand_at -= 20 * DEMAND_HALF_LIFE  # a burst long past
+        assert ev.headroom_units() == 1
+        for _, h in [(ino, fh), *handles]:
+            await store.release(h)
+
+
+async def test_writes_that_outrun_the_background_round_wait_and_are_counted() -> None:
+    """With no headroom (high watermark 1.0) every write past a full pool evicts for
+    itself: the store counts those waits (``room_waits``, the metric that tells an
+    operator writers outrun eviction), and every file left reads back whole."""
+    cfg = dataclasses.replace(
+        CFG, default_policy="kvfs-managed", high_watermark=1.0, low_watermark=0.999
+    )
+    async with serving(memory_pool(size=16 << 20), cfg) as store:
+        capacity = store.alloc.total_units
+        data = {b"f%d" % i: bytes([i % 251 + 1]) * (2 * UNIT) for i in range(capacity)}
+        for name, body in data.items():
+            await put(store, name, body)
+        stats = store.all_statistics()["store"]
+        assert stats["evictions"] > 0
+        assert stats["room_waits"] > 0 and stats["room_wait_seconds"] >= 0
+        left = files(store)
+        assert 0 < len(left) < len(data)
+        for name, ino in left.items():
+            assert await get(store, ino) == data[name]
+    default = dataclasses.replace(cfg, high_watermark=None, low_watermark=None)
+    async with serving(memory_pool(size=16 << 20), default) as store:
+        await put(store, b"one", b"x" * UNIT)
+        assert store.all_statistics()["store"]["room_waits"] == 0
