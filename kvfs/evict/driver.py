@@ -92,7 +92,7 @@ HEADROOM_BYTES = 1 << 30
 """Headroom and batch, per device, at most. The headroom must hold what writers store
 while a round's frees wait for one journal commit (a few ms): a Gen5 drive's 14 GB/s
 for 10 ms is 140 MB, so a GiB is ample, where 3 % of a 245 TB drive would keep 7 TB
-idle (``docs/eviction.md``, "The headroom")."""
+idle (``docs/eviction.md``, "The headroom follows the writers")."""
 DEMAND_HALF_LIFE = 10.0
 """Seconds in which the writers' demand (:meth:`EvictionDriver.headroom_units`) a
 burst set falls by half."""
@@ -164,7 +164,8 @@ class EvictionDriver:
         self.metadata_evictions = 0
         self.room_waits = 0
         """Writes that found no room and evicted for it themselves (the background
-        round had not kept the headroom: ``docs/eviction.md``, "The headroom")."""
+        round had not kept the headroom: ``docs/eviction.md``, "The headroom follows
+        the writers")."""
         self.room_wait_seconds = 0.0
         self.evicted_by: dict[tuple[str, int], int] = {}
         """Files evicted by (reason, top-level directory inode); reasons: ``space``
@@ -184,7 +185,8 @@ class EvictionDriver:
         ``DEMAND_HALF_LIFE`` s), so that one round's frees are back before the
         writes in flight meanwhile fill the rest; at least a unit, at most
         :func:`headroom_cap`. A single writer of one-unit files keeps 2 units free,
-        64 writers of 8 MiB chunks 1 GiB (``docs/eviction.md``, "The headroom")."""
+        64 writers of 8 MiB chunks 1 GiB on a large pool (``docs/eviction.md``, "The
+        headroom follows the writers")."""
         now = time.monotonic()
         self._demand *= 0.5 ** ((now - self._demand_at) / DEMAND_HALF_LIFE)
         self._demand_at = now
