@@ -26,6 +26,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -93,14 +94,12 @@ def run_one(
                         full_at.append(len(fills))
                     fills.append(fill)
 
-            threads = [threading.Thread(target=writer) for _ in range(writers)]
             probe = threading.Thread(target=sampler)
             probe.start()
             t0 = time.perf_counter()
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            with ThreadPoolExecutor(writers) as pool:
+                for future in [pool.submit(writer) for _ in range(writers)]:
+                    future.result()
             seconds = time.perf_counter() - t0
             done.set()
             probe.join()
