@@ -266,12 +266,16 @@ def simulate(
     policy: EvictionPolicy,
     capacity_bytes: int,
     chunk_bytes: int = LLAMA3_8B_CHUNK_BYTES,
+    evict_first: bool = False,
 ) -> SimResult:
     """Replay ``trace`` against ``policy`` holding at most ``capacity_bytes``.
 
     Per request: leading cached chunks are hits and get ``touch()``; then every
     chunk not cached is written (``track()``) and victims are removed until the
     cache fits again.  The chunk being written (an open file) is never a victim.
+    ``evict_first``: the mount's order of events instead -- room is made before
+    the chunk is tracked (a write reserves its units before its file's close
+    tells the policy of it).
     """
     result = SimResult(policy.name, capacity_bytes)
     started, used = time.perf_counter(), 0
@@ -285,15 +289,22 @@ def simulate(
         for key in request.keys[hits:]:
             if key in policy:
                 continue
+            if evict_first:
+                used -= _evict(
+                    policy, used + chunk_bytes - capacity_bytes, None, chunk_bytes, result
+                )
             policy.track(key, chunk_bytes, request.stream)
             used += chunk_bytes
             result.bytes_written += chunk_bytes
-            used -= _evict(policy, used - capacity_bytes, key, chunk_bytes, result)
+            if not evict_first:
+                used -= _evict(policy, used - capacity_bytes, key, chunk_bytes, result)
     result.seconds = time.perf_counter() - started
     return result
 
 
-def _evict(policy: EvictionPolicy, excess: int, keep: int, size: int, result: SimResult) -> int:
+def _evict(
+    policy: EvictionPolicy, excess: int, keep: int | None, size: int, result: SimResult
+) -> int:
     """Remove victims of ``size`` bytes until ``excess`` bytes are freed; return bytes freed."""
     freed = 0
     if excess <= 0:
@@ -390,12 +401,16 @@ def simulate_belady(
 
 
 def run_policy(
-    name: str, trace: Sequence[Request], capacity_bytes: int, chunk_bytes: int
+    name: str,
+    trace: Sequence[Request],
+    capacity_bytes: int,
+    chunk_bytes: int,
+    evict_first: bool = False,
 ) -> SimResult:
     """Simulate policy ``name`` ("belady" or a kvfs.evict.policy name)."""
     if name == "belady":
         return simulate_belady(trace, capacity_bytes, chunk_bytes)
-    return simulate(trace, make_policy(name), capacity_bytes, chunk_bytes)
+    return simulate(trace, make_policy(name), capacity_bytes, chunk_bytes, evict_first)
 
 
 # -- replay against a directory ---------------------------------------------------------

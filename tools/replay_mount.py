@@ -79,6 +79,8 @@ def run_one(
             result = kvtrace.replay(trace, root, UNIT)
             stats = json.loads(os.getxattr(mnt, "user.kvfs.stats"))
         sim = kvtrace.run_policy(policy, trace, units * UNIT, UNIT)
+        # the mount's order of events: room made before the new chunk is tracked
+        first = kvtrace.run_policy(policy, trace, units * UNIT, UNIT, evict_first=True)
     return {
         "workload": workload,
         "capacity_fraction": fraction,
@@ -89,6 +91,7 @@ def run_one(
         "footprint_chunks": chunks,
         "mount_hit_rate": round(result.hit_tokens / result.prompt_tokens, 4),
         "sim_hit_rate": round(sim.hit_tokens / sim.prompt_tokens, 4),
+        "sim_evict_first_hit_rate": round(first.hit_tokens / first.prompt_tokens, 4),
         "errors": result.errors,
         "evictions": stats["store"]["evictions"],
         "room_waits": stats["store"]["room_waits"],

@@ -9,6 +9,7 @@ import json
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -300,3 +301,23 @@ def test_mooncake_loader_reads_block_hashes_and_partial_blocks(tmp_path: Path) -
     assert trace[0].hit_tokens(2) == 700
     suite = tr.suite(tmp_path, ["mooncake-conversation"])
     assert suite == []  # the file names of the release are required
+
+
+def test_evict_first_is_the_mounts_order_of_events() -> None:
+    """``evict_first`` makes room before a chunk is tracked (the mount's order). For
+    a recency order the two are the same (the new chunk enters at the end that is
+    never the victim); the loop expert's state moves with each track, so it differs
+    there; with room for everything nothing is evicted either way."""
+    trace = SMALL_SUITE["sharegpt"]()
+    capacity = int(kt.footprint_chunks(trace) * 0.1) * CHUNK
+
+    def run(policy: str, first: bool, cap: int = capacity) -> Any:
+        return kt.simulate(trace, make_policy(policy), cap, CHUNK, evict_first=first)
+
+    for policy in ("lru", "prefix-lru"):
+        a, b = run(policy, False), run(policy, True)
+        assert (a.hit_tokens, a.evictions) == (b.hit_tokens, b.evictions)
+    assert run("kvfs", False).hit_tokens != run("kvfs", True).hit_tokens
+    roomy = 10 * kt.footprint_chunks(trace) * CHUNK
+    a, b = run("adaptive", False, roomy), run("adaptive", True, roomy)
+    assert a.hit_tokens == b.hit_tokens and a.evictions == b.evictions == 0
