@@ -67,8 +67,8 @@ def add_arguments(m: argparse.ArgumentParser) -> None:
         "--high-watermark",
         type=parse_fraction,
         default=None,
-        help="start evicting above this used fraction (default: 3%% of the pool free, "
-        "at most 1 GiB a device: 0.97 on pools under 33 GiB a device)",
+        help="start evicting above this used fraction (default: keep free twice what "
+        "writers have in flight, at most 3%% of the pool or 1 GiB a device)",
     )
     m.add_argument(
         "--low-watermark",
