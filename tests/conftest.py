@@ -316,6 +316,21 @@ def wait_for(predicate: Any, timeout: float = 60.0, what: str = "condition") -> 
         time.sleep(0.01)
 
 
+def eviction_settled(stats: Any) -> None:
+    """Wait until background eviction has nothing left to do: the free space (what
+    the journal still has to release counted as free, as the store counts it) holds
+    the headroom, so no round will run before the next write. ``stats``: a callable
+    returning the mount's ``kvfs stats --json``. A test that lists a full pool and
+    then reads what it listed must wait for this first: the round a last write
+    started may still be evicting."""
+
+    def idle() -> bool:
+        s = stats()["store"]
+        return bool(s["free_bytes"] + s["pending_free_bytes"] >= s["headroom_bytes"])
+
+    wait_for(idle, what="background eviction to settle")
+
+
 write_file = harness.write_file
 
 
