@@ -204,21 +204,25 @@ class EvictionDriver:
             self.headroom_units()  # decay to now first
             self._demand = max(self._demand, float(in_flight))
 
+    def _watermarks(self) -> tuple[float, float]:
+        if self._fixed is not None:
+            return self._fixed
+        total = self.alloc.online_units
+        if total <= 0:  # no device takes writes: nothing to make room for, never evict
+            return 1.0, 1.0
+        # the cap was set on the whole pool; a device taken offline shrinks what is left
+        h = min(self.headroom_units(), max(1, int(total * HEADROOM_SHARE)))
+        return 1 - h / total, max(0.0, 1 - 2 * h / total)
+
     @property
     def high(self) -> float:
         """Evict in the background above this used share."""
-        if self._fixed is not None:
-            return self._fixed[0]
-        total = max(self.alloc.online_units, 1)
-        return 1 - self.headroom_units() / total
+        return self._watermarks()[0]
 
     @property
     def low(self) -> float:
         """... down to this one."""
-        if self._fixed is not None:
-            return self._fixed[1]
-        total = max(self.alloc.online_units, 1)
-        return 1 - 2 * self.headroom_units() / total
+        return self._watermarks()[1]
 
     # ------------------------------------------------------------------ eviction
     def evict_units(
