@@ -193,16 +193,13 @@ class EvictionDriver:
         return max(1, min(self._cap, math.ceil(2 * self._demand)))
 
     def headroom_bytes(self) -> int:
-        """What the background round keeps free now."""
-        if self._fixed is not None:
-            return int((1 - self._fixed[0]) * self.alloc.online_units) * self.unit
-        return self.headroom_units() * self.unit
+        """What the background round keeps free now (under the high watermark)."""
+        return round((1 - self.high) * self.alloc.online_units) * self.unit
 
     def _note_demand(self, units: int) -> None:
         in_flight = self.space.in_flight() + units
-        if in_flight > self._demand:
-            self.headroom_units()  # decay to now first
-            self._demand = max(self._demand, float(in_flight))
+        if in_flight > self._demand:  # over the undecayed peak, so over the decayed one
+            self._demand, self._demand_at = float(in_flight), time.monotonic()
 
     def _watermarks(self) -> tuple[float, float]:
         if self._fixed is not None:
