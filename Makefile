@@ -66,11 +66,13 @@ bench: install
 	$(PY) tools/bench.py --out docs/bench
 
 # The eviction trace suite (docs/eviction.md): table on stdout, JSON + SVG in docs/bench.
-# MOONCAKE_DIR=.../Mooncake/FAST25-release/traces adds Mooncake's real traces (held out).
+# MOONCAKE_DIR=.../Mooncake/FAST25-release/traces adds Mooncake's real traces (held out),
+# and the suite once more with their partial last chunks sized (trace_suite_sized.*).
 MOONCAKE_DIR ?=
 trace: install
 	$(PY) tools/kvtrace.py
 	$(PY) tools/trace_suite.py --out docs/bench $(if $(MOONCAKE_DIR),--mooncake $(MOONCAKE_DIR))
+	$(if $(MOONCAKE_DIR),$(PY) tools/trace_suite.py --sized --out docs/bench --mooncake $(MOONCAKE_DIR))
 
 clean:
 	rm -rf $(VENV) .venv-engines build *.egg-info .pytest_cache .mypy_cache .ruff_cache

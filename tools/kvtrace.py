@@ -267,6 +267,7 @@ def simulate(
     capacity_bytes: int,
     chunk_bytes: int = LLAMA3_8B_CHUNK_BYTES,
     evict_first: bool = False,
+    sized: bool = False,
 ) -> SimResult:
     """Replay ``trace`` against ``policy`` holding at most ``capacity_bytes``.
 
@@ -275,10 +276,14 @@ def simulate(
     cache fits again.  The chunk being written (an open file) is never a victim.
     ``evict_first``: the mount's order of events instead -- room is made before
     the chunk is tracked (a write reserves its units before its file's close
-    tells the policy of it).
+    tells the policy of it).  ``sized``: a prompt's partial last chunk (only
+    Mooncake's traces have keys past the last full chunk's tokens) takes its
+    tokens' share of ``chunk_bytes``, as the smaller file an engine stores for it;
+    otherwise every chunk takes ``chunk_bytes``.
     """
     result = SimResult(policy.name, capacity_bytes)
     started, used = time.perf_counter(), 0
+    sizes: dict[int, int] = {}
     for request in trace:
         hits = prefix_hits(request.keys, policy)
         result.prompt_tokens += request.tokens
@@ -286,26 +291,39 @@ def simulate(
         result.hit_chunks += hits
         for key in request.keys[:hits]:
             policy.touch(key, request.stream)
-        for key in request.keys[hits:]:
+        for index, key in enumerate(request.keys[hits:], hits):
             if key in policy:
                 continue
+            size = chunk_size(request, index, chunk_bytes) if sized else chunk_bytes
             if evict_first:
-                used -= _evict(
-                    policy, used + chunk_bytes - capacity_bytes, None, chunk_bytes, result
-                )
-            policy.track(key, chunk_bytes, request.stream)
-            used += chunk_bytes
-            result.bytes_written += chunk_bytes
+                used -= _evict(policy, used + size - capacity_bytes, None, sizes, result)
+            policy.track(key, size, request.stream)
+            sizes[key] = size
+            used += size
+            result.bytes_written += size
             if not evict_first:
-                used -= _evict(policy, used - capacity_bytes, key, chunk_bytes, result)
+                used -= _evict(policy, used - capacity_bytes, key, sizes, result)
     result.seconds = time.perf_counter() - started
     return result
 
 
+def chunk_size(request: Request, index: int, chunk_bytes: int) -> int:
+    """The bytes of chunk ``index`` of ``request``: its tokens' share of ``chunk_bytes``
+    (a full chunk, or the prompt's partial last one; at least one byte)."""
+    tokens = request.tokens - index * request.chunk_tokens
+    if tokens >= request.chunk_tokens or tokens <= 0:
+        return chunk_bytes
+    return max(1, chunk_bytes * tokens // request.chunk_tokens)
+
+
 def _evict(
-    policy: EvictionPolicy, excess: int, keep: int | None, size: int, result: SimResult
+    policy: EvictionPolicy,
+    excess: int,
+    keep: int | None,
+    sizes: dict[int, int],
+    result: SimResult,
 ) -> int:
-    """Remove victims of ``size`` bytes until ``excess`` bytes are freed; return bytes freed."""
+    """Remove victims until ``excess`` bytes are freed; return the bytes freed."""
     freed = 0
     if excess <= 0:
         return 0
@@ -314,7 +332,7 @@ def _evict(
             continue
         policy.remove(victim)
         result.evictions += 1
-        freed += size
+        freed += sizes.pop(victim)
         if freed >= excess:
             break
     return freed
@@ -370,6 +388,7 @@ def simulate_belady(
     trace: Sequence[Request],
     capacity_bytes: int,
     chunk_bytes: int = LLAMA3_8B_CHUNK_BYTES,
+    sized: bool = False,
 ) -> SimResult:
     """Replay ``trace`` against the prefix-aware offline optimum (Belady's MIN).
 
@@ -378,11 +397,14 @@ def simulate_belady(
     prefix).  Every request using a chunk also uses all of its prefix, so a prefix
     never has a later next use than its chunk: the cached set stays prefix-closed and
     no chunk is kept whose predecessor is gone (such a chunk could not be a hit at its
-    next use, only save a rewrite).  Chunks never used again go first.
+    next use, only save a rewrite).  Chunks never used again go first.  ``sized``: as
+    in :func:`simulate` (the same order; with chunks of two sizes it is a reference
+    point, no longer the byte-optimal choice).
     """
     result = SimResult("belady", capacity_bytes)
     started, used = time.perf_counter(), 0
     cache = _BeladyCache()
+    sizes: dict[int, int] = {}
     for request, upcoming in zip(trace, next_uses(trace), strict=True):
         hits = prefix_hits(request.keys, cache)
         result.prompt_tokens += request.tokens
@@ -390,11 +412,16 @@ def simulate_belady(
         result.hit_chunks += hits
         for depth, (key, next_use) in enumerate(zip(request.keys, upcoming, strict=True)):
             if key not in cache:
-                used += chunk_bytes
-                result.bytes_written += chunk_bytes
+                size = chunk_size(request, depth, chunk_bytes) if sized else chunk_bytes
+                sizes[key] = size
+                used += size
+                result.bytes_written += size
             cache.set(key, next_use, depth)
-            while used > capacity_bytes and cache.pop_victim(key) is not None:
-                used -= chunk_bytes
+            while used > capacity_bytes:
+                victim = cache.pop_victim(key)
+                if victim is None:
+                    break
+                used -= sizes.pop(victim)
                 result.evictions += 1
     result.seconds = time.perf_counter() - started
     return result

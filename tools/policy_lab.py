@@ -192,32 +192,7 @@ def simulate_sized(
     trace: Sequence[kvtrace.Request], policy: Any, capacity: int, chunk: int
 ) -> kvtrace.SimResult:
     """``kvtrace.simulate`` where a partial last block takes its share of a chunk."""
-    result = kvtrace.SimResult(getattr(policy, "name", "?"), capacity)
-    used, sizes = 0, {}
-    for request in trace:
-        hits = kvtrace.prefix_hits(request.keys, policy)
-        result.prompt_tokens += request.tokens
-        result.hit_tokens += request.hit_tokens(hits)
-        result.hit_chunks += hits
-        for key in request.keys[:hits]:
-            policy.touch(key, request.stream)
-        for index, key in enumerate(request.keys[hits:], hits):
-            if key in policy:
-                continue
-            tokens = min(request.chunk_tokens, request.tokens - index * request.chunk_tokens)
-            size = max(1, chunk * tokens // request.chunk_tokens) if tokens > 0 else chunk
-            policy.track(key, size, request.stream)
-            sizes[key] = size
-            used += size
-            if used <= capacity:
-                continue
-            for victim in policy.victims():
-                if victim != key:
-                    policy.remove(victim)
-                    used -= sizes[victim]
-                    if used <= capacity:
-                        break
-    return result
+    return kvtrace.simulate(trace, policy, capacity, chunk, sized=True)
 
 
 def _candidate(spec: str) -> Callable[[], DecayPolicy]:

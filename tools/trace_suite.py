@@ -11,11 +11,15 @@ writing every request) and Belady with ``kvtrace.simulate_belady``.  Prints a
 Markdown table per trace; writes ``trace_suite.json`` (rows) and ``trace_suite.svg``
 (hit rate vs capacity per policy, Belady dashed) under ``--out``.  ``--ablation``
 scores ``KvfsPolicy`` with each of its rules switched off instead, ``--adaptive-ablation``
-the adaptive policy with other margins, without its shadows' prefix rule and
-with a lead that must last ``hold`` turnovers.
+the adaptive policy with other margins, without its shadows' prefix rule, without
+its recency expert's partial-chunk-first rule and with a lead that must last
+``hold`` turnovers.
 
 Chunks are 1000 bytes each here (eviction decisions do not depend on the size when
-every chunk has the same one). Exit codes: 0 success, 2 bad arguments.
+every chunk has the same one). ``--sized`` gives a prompt's partial last chunk its
+tokens' share of those bytes, as the smaller file an engine stores for it (only
+Mooncake's traces have such chunks; ``kvtrace.simulate(..., sized=True)``); the
+outputs are then named ``*_sized``. Exit codes: 0 success, 2 bad arguments.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ def factories(ablation: bool, adaptive: bool = False) -> dict[str, Callable[[], 
         for margin in (1.0, 1.25, 2.0):
             out[f"adaptive-margin-{margin}"] = lambda m=margin: AdaptivePolicy(margin=m)
         out["adaptive-no-prefix-rule"] = lambda: AdaptivePolicy(prefix_rule=False)
+        out["adaptive-no-partial-first"] = lambda: AdaptivePolicy(partial_first=False)
         for hold in (0.5, 1.0, 2.0):
             out[f"adaptive-hold-{hold}"] = lambda h=hold: AdaptivePolicy(hold=h)
         return out
@@ -73,6 +78,7 @@ def score(
     suite: Sequence[traces.Trace],
     policies: dict[str, Callable[[], EvictionPolicy]],
     fractions: Sequence[float],
+    sized: bool = False,
 ) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for trace in suite:
@@ -81,10 +87,10 @@ def score(
             capacity = int(chunks * fraction) * CHUNK
             for name, factory in policies.items():
                 started = time.perf_counter()
-                result = kvtrace.simulate(trace.requests, factory(), capacity, CHUNK)
+                result = kvtrace.simulate(trace.requests, factory(), capacity, CHUNK, sized=sized)
                 rows.append(_row(trace, chunks, fraction, name, result, started))
             started = time.perf_counter()
-            result = kvtrace.simulate_belady(trace.requests, capacity, CHUNK)
+            result = kvtrace.simulate_belady(trace.requests, capacity, CHUNK, sized=sized)
             rows.append(_row(trace, chunks, fraction, "belady", result, started))
             print(f"  {trace.name} {fraction:.0%} done", file=sys.stderr, flush=True)
     return rows
@@ -208,6 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--capacities", default="0.1,0.2,0.3,0.5")
     ap.add_argument("--ablation", action="store_true")
     ap.add_argument("--adaptive-ablation", action="store_true")
+    ap.add_argument("--sized", action="store_true", help="partial chunks take their share")
     ap.add_argument("--out", type=Path, default=None, help="write JSON and SVG here")
     args = ap.parse_args(argv)
     try:
@@ -221,7 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     mooncake = Path(args.mooncake) if args.mooncake else None
     suite = traces.suite(mooncake, wanted)
     policies = factories(args.ablation, args.adaptive_ablation)
-    rows = score(suite, policies, fractions)
+    rows = score(suite, policies, fractions, args.sized)
     names = list(policies)
     print(table(rows, names))
     if args.out is not None:
@@ -229,6 +236,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         stem = "trace_suite"
         if args.ablation or args.adaptive_ablation:
             stem = "trace_adaptive_ablation" if args.adaptive_ablation else "trace_ablation"
+        if args.sized:
+            stem += "_sized"
         (args.out / f"{stem}.json").write_text(json.dumps(rows, indent=1) + "\n")
         (args.out / f"{stem}.svg").write_text(svg(rows, names))
     return 0

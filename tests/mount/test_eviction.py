@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from kvfs.testing.harness import make_image, mounted
+from tests.conftest import eviction_settled
 
 MiB = 1 << 20
 pytestmark = pytest.mark.skipif(
@@ -350,3 +351,41 @@ def test_new_policies_evict_whole_files_and_hand_over_to_another_policy(
     errors = [line for line in log.read_text().splitlines() if " ERROR " in line]
     assert not errors, errors
     assert "starting afresh" not in log.read_text()
+
+
+@pytest.mark.parametrize("policy", ["adaptive", "prefix-lru"])
+def test_a_prompts_partial_last_chunk_is_evicted_before_full_chunks(
+    tmp_path: Path, policy: str
+) -> None:
+    """An engine reads a cached prefix, then writes a prompt's missing chunks, the
+    last one smaller (LMCache's partial chunk). Past capacity, the partial chunks go
+    first: every full chunk and the prefix stay, byte-exact, and only partial chunks
+    are gone (without the rule, the oldest prompt's full chunks would go first)."""
+    img = make_image(tmp_path / "dev.img", 136 * MiB)
+    mnt, log = tmp_path / "mnt", tmp_path / "kvfs.log"
+    full, tail = 2 * MiB, MiB + 7
+    with mounted(mnt, [img], "--format", "--meta-size", "8M", "--eviction", policy, log_file=log):
+        d = mnt / "kv"
+        d.mkdir()
+        write_file(d / "prefix", full)
+        sizes = {"prefix": full}
+        prompts, more = 0, 2
+        while more:  # prompts until eviction began, then two more
+            check_file(d / "prefix", full)  # the cached prefix read: a run a read began
+            for name, size in ((f"p{prompts:03d}-0", full), (f"p{prompts:03d}-1", full)):
+                write_file(d / name, size)
+                sizes[name] = size
+            write_file(d / f"p{prompts:03d}-tail", tail)
+            sizes[f"p{prompts:03d}-tail"] = tail
+            prompts += 1
+            assert prompts < 100, stats(mnt)
+            if stats(mnt)["evictions"]:
+                more -= 1
+        eviction_settled(lambda: {"store": stats(mnt)})
+        left = set(os.listdir(d))
+        gone = set(sizes) - left
+        assert gone and all(name.endswith("-tail") for name in gone), sorted(gone)
+        for name in sorted(left):
+            check_file(d / name, sizes[name])
+    errors = [line for line in log.read_text().splitlines() if " ERROR " in line]
+    assert not errors, errors

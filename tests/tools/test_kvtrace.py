@@ -92,6 +92,22 @@ def test_capacity_is_enforced_and_evictions_counted() -> None:
     assert belady.evictions == 4 and belady.bytes_written == 7 * CHUNK
 
 
+def test_sized_accounting_charges_a_partial_last_chunk_its_tokens_share() -> None:
+    """Three chunks whose last holds a quarter of a chunk's tokens fit in 2.25
+    chunks' bytes sized, not unsized; every chunk of a full prompt is full-size."""
+    partial = kt.Request((1, 2, 3), 2 * kt.CHUNK_TOKENS + kt.CHUNK_TOKENS // 4, 0)
+    assert [kt.chunk_size(partial, i, CHUNK) for i in range(3)] == [CHUNK, CHUNK, CHUNK // 4]
+    assert kt.chunk_size(_request((1, 2)), 1, CHUNK) == CHUNK
+    trace = [partial, partial]
+    capacity = 2 * CHUNK + CHUNK // 4
+    for sized, hits, evictions in ((True, 3, 0), (False, 0, 4)):
+        lru = kt.simulate(trace, make_policy("lru"), capacity, CHUNK, sized=sized)
+        assert lru.hit_chunks == hits and lru.evictions == evictions
+        assert lru.bytes_written == (2 * CHUNK + CHUNK // 4 if sized else 6 * CHUNK)
+        belady = kt.simulate_belady(trace, capacity, CHUNK, sized=sized)
+        assert (belady.hit_chunks == 3) == sized  # the whole prompt fits only sized
+
+
 def test_belady_keeps_the_chunk_used_soonest() -> None:
     trace = [_request((1,)), _request((2,)), _request((3,)), _request((1,)), _request((2,))]
     belady = kt.simulate_belady(trace, capacity_bytes=2 * CHUNK, chunk_bytes=CHUNK)
@@ -321,3 +337,25 @@ def test_evict_first_is_the_mounts_order_of_events() -> None:
     roomy = 10 * kt.footprint_chunks(trace) * CHUNK
     a, b = run("adaptive", False, roomy), run("adaptive", True, roomy)
     assert a.hit_tokens == b.hit_tokens and a.evictions == b.evictions == 0
+
+
+def test_trace_suite_sized_run_names_its_outputs_and_keeps_whole_chunk_traces(
+    tmp_path: Path,
+) -> None:
+    """``trace_suite.py --sized`` writes ``trace_suite_sized.*``; a trace whose chunks
+    are all whole (the generated ones) scores exactly as unsized."""
+    path = Path(__file__).resolve().parents[2] / "tools" / "trace_suite.py"
+    spec = importlib.util.spec_from_file_location("trace_suite", path)
+    assert spec is not None and spec.loader is not None
+    suite = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(suite)
+    args = ["--traces", "qa", "--capacities", "0.5", "--out"]
+    assert suite.main([*args, str(tmp_path / "sized"), "--sized"]) == 0
+    assert suite.main([*args, str(tmp_path / "whole")]) == 0
+    sized = json.loads((tmp_path / "sized" / "trace_suite_sized.json").read_text())
+    whole = json.loads((tmp_path / "whole" / "trace_suite.json").read_text())
+    assert (tmp_path / "sized" / "trace_suite_sized.svg").exists()
+    assert {row["policy"] for row in sized} == {*suite.POLICIES, "belady"}
+    assert [(r["policy"], r["hit_rate"]) for r in sized] == [
+        (r["policy"], r["hit_rate"]) for r in whole
+    ]

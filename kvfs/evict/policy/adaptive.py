@@ -75,8 +75,8 @@ class _Recency(PrefixLRUPolicy):
     _slot_lists = 4
     _order = _RECENCY_LIST
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, partial_first: bool = True) -> None:
+        super().__init__(partial_first)
         self.carried: list[int] = []
 
     def _extra_scalars(self) -> list[int]:
@@ -155,7 +155,11 @@ class AdaptivePolicy(Policy):
     _kind = img.KIND_ADAPTIVE
 
     def __init__(
-        self, margin: float = MARGIN, prefix_rule: bool = True, hold: float = HOLD
+        self,
+        margin: float = MARGIN,
+        prefix_rule: bool = True,
+        hold: float = HOLD,
+        partial_first: bool = True,
     ) -> None:
         if margin < 1.0:
             raise ValueError("margin must be >= 1")
@@ -164,11 +168,15 @@ class AdaptivePolicy(Policy):
         self.margin = margin
         self.prefix_rule = prefix_rule
         self.hold = hold
-        self.recency = _Recency()
+        self.partial_first = partial_first
+        self.recency = _Recency(partial_first)
         self.loop = KvfsPolicy(without=frozenset({"dead-first"}))
         self._experts: tuple[PrefixLRUPolicy, KvfsPolicy] = (self.recency, self.loop)
         self.duel = Duel(
-            (PrefixLRUPolicy, lambda: KvfsPolicy(without=frozenset({"dead-first"}))),
+            (
+                lambda: PrefixLRUPolicy(partial_first),
+                lambda: KvfsPolicy(without=frozenset({"dead-first"})),
+            ),
             prefix_rule,
             margin,
             hold,
@@ -295,7 +303,7 @@ class AdaptivePolicy(Policy):
         )
 
     def reset(self) -> None:
-        self.__init__(self.margin, self.prefix_rule, self.hold)  # type: ignore[misc]
+        self.__init__(self.margin, self.prefix_rule, self.hold, self.partial_first)  # type: ignore[misc]
 
     # -- sharing the experts' chunks ---------------------------------------------------
 
@@ -339,7 +347,7 @@ class AdaptivePolicy(Policy):
             self._recover_v1(pieces[0])
             return
         loop = KvfsPolicy(without=self.loop.without)
-        recency = _Recency()
+        recency = _Recency(self.partial_first)
         loop._load_pieces(pieces, self._kind, 0)
         recency._load_pieces(pieces, self._kind, 1, loop._slots)  # sharing as it reads
         carried = recency.carried

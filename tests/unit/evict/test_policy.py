@@ -406,6 +406,29 @@ def test_prefix_lru_files_a_writer_that_never_reads_like_lru() -> None:
     assert order(policy) == [1, 3, 4, 6, 5, 2]
 
 
+@pytest.mark.parametrize("name", ["prefix-lru", "adaptive"])
+def test_a_prompts_partial_last_chunk_goes_first_and_ends_its_run(name: str) -> None:
+    """A new chunk smaller than the chunk it follows (a prompt's partial last chunk)
+    is filed oldest; the next prompt's chunks are not filed behind it; read again
+    (the same prompt sent again) it is a use like any other."""
+    policy = make_policy(name)
+    policy.track(1, SIZE, "e")
+    policy.touch(1, "e")  # a cached prefix read, then the prompt's missing chunks
+    policy.track(2, SIZE, "e")
+    policy.track(3, SIZE // 3, "e")  # its partial last chunk
+    assert order(policy) == [3, 2, 1]
+    policy.track(7, SIZE, "e")  # the next prompt, nothing cached: not chained to 3
+    policy.track(8, SIZE // 2, "e")  # a run no read began: no chain, no partial rule
+    assert order(policy) == [3, 2, 1, 7, 8]
+    for key in (1, 2, 3):  # the first prompt sent again: 3 is read like the others
+        policy.touch(key, "e")
+    assert order(policy)[0] == 7 and order(policy)[-3:] == [3, 2, 1]
+    policy.touch(1, "f")  # another stream: the same rule, larger chunks are no partial
+    policy.track(20, SIZE, "f")
+    policy.track(21, 2 * SIZE, "f")
+    assert order(policy)[-3:] == [21, 20, 1]
+
+
 def _loop(policy: EvictionPolicy, rounds: int = 6) -> int:
     """8 users' prompts of 10 chunks after a shared one (a system prompt), in a
     loop over a cache of 40 chunks; returns the hits on the users' own chunks."""

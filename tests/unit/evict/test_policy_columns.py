@@ -677,7 +677,11 @@ def _policy_v2_images() -> tuple[object, dict[str, bytes]]:
 class _ChainsEveryWrite(PrefixLRUPolicy):
     """prefix-lru as the release that wrote the images filed new keys: each one
     chained to its stream's previous key, whether a read began the run or not (since
-    issue 30 only a run a read began is chained)."""
+    issue 30 only a run a read began is chained), and with no partial-chunk-first
+    rule (built without it)."""
+
+    def __init__(self) -> None:
+        super().__init__(partial_first=False)
 
     def _anchor(self, slot: int, stream: object, new: bool, read: bool) -> int | None:
         if stream in self._streams:  # every run counts as begun by a read
