@@ -25,7 +25,15 @@ import pytest
 
 from kvfs.cluster.client import TCP_ANNOUNCE_ENV
 from kvfs.testing import harness
-from tests.conftest import META_SIZE, KvfsMount, _expected, _finish, pattern, require_fuse
+from tests.conftest import (
+    META_SIZE,
+    KvfsMount,
+    _expected,
+    _finish,
+    eviction_settled,
+    pattern,
+    require_fuse,
+)
 from tests.mooncake_master import Master, require_mooncake
 
 MiB = 1 << 20
@@ -399,6 +407,9 @@ def test_publish_on_evict_sends_what_local_eviction_takes(node: Node) -> None:
     for i, rel in enumerate(names):
         write(a.path / rel, pattern(("evict", i), 4 * MiB))
     wait_for(lambda: a.stats()["store"]["evictions"] > 0)
+    # the round the last write started may still be evicting (and publishing): the
+    # listing and the counters below must see all of it
+    eviction_settled(a.stats)
     wait_for(lambda: not cluster(a)["publish_queue"])
     c = cluster(a)
     local = set(os.listdir(a.path / "e"))  # a listing: a lookup on A would fetch back
