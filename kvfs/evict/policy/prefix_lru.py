@@ -27,7 +27,7 @@ the same prompt sent again reads it, and then it is a use like any other (filed
 as a read). Traces whose chunks are all full (vLLM's and SGLang's fixed-size
 blocks) never have one. On Mooncake's traces with a partial block's bytes counted
 as its share of a chunk (``tools/trace_suite.py --sized``), this took the default
-policy from 0.93 point under LRU to 0.05 under at mooncake-synthetic 10 %
+policy from 0.93 point under LRU to 0.06 under at mooncake-synthetic 10 %
 (``docs/eviction.md``, "A prompt's partial last chunk goes first").
 """
 
