@@ -90,6 +90,7 @@ class DecayPolicy:
         self._streams: dict[Hashable, int] = {}
         self._clock = 0
         self._full = 0
+        self._bytes = 0  # what AdaptivePolicy reads of its recency expert
 
     def __contains__(self, key: object) -> bool:
         return key in self._state
@@ -128,6 +129,7 @@ class DecayPolicy:
 
     def track(self, key: int, size: int, stream: Hashable) -> None:
         if key in self._state:
+            self._bytes += size - self._state[key][4]
             self._state[key][4] = size
             self.touch(key, stream)
             return
@@ -136,6 +138,7 @@ class DecayPolicy:
         self._full = max(self._full, size)
         state = [score, self._clock, 0, None, size]
         self._state[key] = state
+        self._bytes += size
         self._file(key, state, stream, True)
 
     def touch(self, key: int, stream: Hashable) -> None:
@@ -150,10 +153,14 @@ class DecayPolicy:
         state = self._state.pop(key, None)
         if state is None:
             return
+        self._bytes -= state[4]
         self._lists[state[2]].unlink(key)
         self._ghosts[key] = (state[0], state[1])
         while len(self._ghosts) > max(_GHOSTS_MIN, len(self._state)):
             del self._ghosts[next(iter(self._ghosts))]
+
+    def size_of(self, key: int) -> int:
+        return int(self._state[key][4])
 
     def keys(self) -> set[int]:
         return set(self._state)
@@ -181,10 +188,13 @@ class DecayPolicy:
 
 
 def with_recency(candidate: Callable[[], DecayPolicy]) -> AdaptivePolicy:
-    """The adaptive policy with ``candidate`` as its recency expert."""
+    """The adaptive policy with ``candidate`` as its recency expert and as that
+    expert's shadow in the duel (which decides when the policy follows it)."""
     policy = AdaptivePolicy()
     policy.recency = candidate()  # type: ignore[assignment]
     policy._experts = (policy.recency, policy.loop)
+    policy.duel._makers = (candidate, policy.duel._makers[1])  # type: ignore[assignment]
+    policy.duel.restart()
     return policy
 
 

@@ -83,3 +83,19 @@ def test_sized_simulation_charges_a_partial_block_its_share() -> None:
     result = lab.simulate_sized(trace, policy, capacity=10_000, chunk=1000)
     assert result.hit_chunks == 6 and result.hit_tokens == 2 * (2 * 512 + 128)
     assert policy._state[3][4] == 250 and policy._state[1][4] == 1000
+
+
+def test_a_candidate_runs_as_the_adaptive_policys_recency_expert() -> None:
+    """``--adaptive`` puts a candidate in the default policy's place of ``prefix-lru``:
+    the adaptive policy reads its expert's bytes and sizes, so the candidate keeps
+    them as the slot-table policies do."""
+    kt = sys.modules["kvtrace"]
+    trace = [kt.Request((i, i + 1, i + 2), 3 * 512 - 100, 0, 512) for i in range(0, 60, 2)]
+    policy = lab.with_recency(lambda: lab.DecayPolicy(half=1.0, partial=1.0))
+    result = lab.simulate_sized(trace, policy, capacity=8_000, chunk=1000)
+    assert 0 < result.hit_tokens < result.prompt_tokens and result.evictions > 0
+    expert = policy.recency
+    assert expert._bytes == sum(state[4] for state in expert._state.values()) <= 8_000
+    partial = kt.chunk_size(trace[0], 2, 1000)
+    assert partial < 1000 and {expert.size_of(k) for k in expert._state} == {1000, partial}
+    assert isinstance(policy.duel.shadows[0], lab.DecayPolicy)  # its shadow is one too
