@@ -15,7 +15,10 @@
 ``--speed`` times a track + evict pair per policy instead (5 000 resident keys);
 ``--upgrade`` times ``adaptive`` taking a ``kvfs`` image of ``--files`` keys;
 ``--turnover`` measures the evictor's whole state per file (policy, owners, grace
-list, gone files' ghosts) after a first fill and after a full turnover.
+list, gone files' ghosts) after a first fill and after a full turnover, evicted
+files' inode numbers reused by the next files as a mount's namespace does
+(``--distinct-numbers``: 2N numbers, as this tool measured before), counting only
+what was allocated under calls into ``kvfs/evict/``, by module.
 
 Set ``KVFS_SRC`` to another checkout to measure its code (the "before" numbers in
 docs/eviction.md come from the parent commit run this way). Prints JSON.
@@ -147,28 +150,69 @@ def evictor_bytes(n: int) -> dict[str, float]:
     }
 
 
-def turnover_bytes(n: int, policy: str = "adaptive") -> dict[str, float]:
+_FRAMES = 8
+"""Frames kept per allocation (the innermost): an allocation is at most a few calls
+below the ``kvfs/evict`` code that asked for it."""
+
+
+def _evictor_share(action: Any) -> tuple[int, dict[str, int], Any]:
+    """(bytes, bytes by evictor module, what ``action`` returned): the memory live
+    after ``action`` that was allocated under a call into ``kvfs/evict/`` (by its
+    traceback), so that the namespace's own growth is not counted. Each allocation
+    is charged to the innermost ``kvfs/evict`` module on its stack (a slot column's
+    chunk, made by ``kvfs/index/columns.py`` helpers, to ``evict/slots.py``)."""
+    gc.collect()
+    tracemalloc.start(_FRAMES)
+    try:
+        keep = action()
+        gc.collect()
+        snapshot = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    total, parts = 0, {}
+    for trace in snapshot.traces:
+        part = None
+        for frame in reversed(trace.traceback):  # innermost first
+            name = frame.filename.replace(os.sep, "/")
+            if "/kvfs/evict/" in name:
+                part = name.rsplit("/kvfs/", 1)[1]
+                break
+        if part is not None:
+            total += trace.size
+            parts[part] = parts.get(part, 0) + trace.size
+    return total, parts, keep
+
+
+def turnover_bytes(n: int, policy: str = "adaptive", reuse: bool = True) -> dict[str, Any]:
     """The evictor's whole state (policy, owners, grace list, gone files' ghosts) per
     resident file: after N files were written by 64 writer threads, and after N more
     were written while the oldest by the policy's order were evicted (a full
     turnover: every resident file written since, every evicted one's ghost kept
     under its name, ``Evictor._gone``). A quarter of the writes follow a read of a
-    random resident file (touches, chains). The namespace (2N files, made first)
-    is not counted."""
+    random resident file (touches, chains).
+
+    ``reuse`` (what a mount does): an evicted file leaves the namespace as the
+    store removes it (its names, ``Evictor.forget``, ``Namespace.drop``) and the
+    next file made takes its inode number, so the policy's tables span N numbers.
+    Without it, the 2N files are made first and the policy sees 2N numbers (the
+    tool's measurement before). Only memory allocated under calls into
+    ``kvfs/evict/`` counts (:func:`_evictor_share`): the namespace is not."""
     ns = Namespace(lambda ops: None)
     ns.init_root(0, 0)
+    made = n if reuse else 2 * n
     first = ns.add_files(
         ROOT_INO,
-        [b"f%d" % i for i in range(2 * n)],
+        [b"f%d" % i for i in range(made)],
         stat.S_IFREG | 0o644,
         (0, 0),
         1 << 21,
-        array("q", range(2 * n)),
-        array("Q", [0]) * (2 * n),
+        array("q", range(made)),
+        array("Q", [0]) * made,
     )
-    rng = random.Random(3)
+    numbers: set[int] = set()
 
     def run(turn: bool) -> Any:
+        rng = random.Random(3)
         evictor = Evictor(
             ns,
             policy=policy,
@@ -176,23 +220,45 @@ def turnover_bytes(n: int, policy: str = "adaptive") -> dict[str, float]:
             thread_group=lambda tid: tid,
             grace_bytes=(n << 21) // 64,
         )
+        resident = list(range(first, first + n))  # (the tool's, not counted)
+        where = {ino: i for i, ino in enumerate(resident)}
         for index in range(2 * n if turn else n):
             pid = 1000 + (index & 63)
-            if index >= n:
+            if index < n:
+                inode = ns.inodes[first + index]
+            else:
                 if index & 3 == 0:  # a read of a resident file first
-                    evictor.opened(ns.inodes[first + rng.randrange(index - n, n)], pid)
+                    evictor.opened(ns.inodes[resident[rng.randrange(n)]], pid)
                 victim = next(evictor.policy.victims())
-                evictor.forget(victim)
-            inode = ns.inodes[first + index]
+                if reuse:  # as the store's eviction (``Lifetime.unlink_everywhere``)
+                    gone = ns.inodes[victim]
+                    ns.remove(ROOT_INO, gone.name, want_dir=False)
+                    evictor.forget(victim)
+                    ns.drop(gone)
+                    del gone
+                    inode = ns.make(ROOT_INO, b"f%d" % index, stat.S_IFREG | 0o644, 0, 0)
+                    inode.size = 1 << 21
+                else:
+                    evictor.forget(victim)
+                    inode = ns.inodes[first + index]
+                slot = where.pop(victim)
+                resident[slot] = inode.ino
+                where[inode.ino] = slot
+            numbers.add(inode.ino)
             evictor.created(inode, pid)
             evictor.committed(inode, pid)
         return evictor
 
-    fill = _measure(lambda: run(False))
-    turned = _measure(lambda: run(True))
+    fill, _, _ = _evictor_share(lambda: run(False))
+    turned, parts, evictor = _evictor_share(lambda: run(True))
     return {
         "first_fill_per_file": round(fill / n, 1),
         "after_turnover_per_file": round(turned / n, 1),
+        "after_turnover_by_module": {
+            name: round(size / n, 1) for name, size in sorted(parts.items(), key=lambda p: -p[1])
+        },
+        "inode_numbers": len(numbers),
+        "tracked": len(evictor.policy),
     }
 
 
@@ -257,10 +323,17 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="the evictor's whole state per file before and after a full turnover",
     )
+    ap.add_argument(
+        "--distinct-numbers",
+        action="store_true",
+        help="--turnover with 2N inode numbers, none reused (as measured before)",
+    )
     args = ap.parse_args(argv)
     if args.turnover:
-        rows = {name: turnover_bytes(args.files, name) for name in args.policies.split(",")}
-        print(json.dumps({"files": args.files, "evictor_state": rows}, indent=1))
+        reuse = not args.distinct_numbers
+        rows = {name: turnover_bytes(args.files, name, reuse) for name in args.policies.split(",")}
+        out = {"files": args.files, "inode_numbers_reused": reuse, "evictor_state": rows}
+        print(json.dumps(out, indent=1))
         return 0
     if args.upgrade:
         print(json.dumps({"files": args.files, "seconds": upgrade(args.files)}, indent=1))

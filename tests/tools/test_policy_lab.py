@@ -2,26 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 
+from tests.tools import load_tool
 
-def _load(name: str) -> ModuleType:
-    tools = Path(__file__).resolve().parents[2] / "tools"
-    sys.path.insert(0, str(tools))
-    spec = importlib.util.spec_from_file_location(name, tools / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-lab = _load("policy_lab")
+lab = load_tool("policy_lab")
 
 
 def test_a_key_used_twice_outlives_newer_keys_used_once() -> None:
