@@ -3,30 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import itertools
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
 from kvfs.evict.policy import POLICY_NAMES, KvfsPolicy, make_policy
+from tests.tools import load_tool
 
-
-def _load_kvtrace() -> ModuleType:
-    path = Path(__file__).resolve().parents[2] / "tools" / "kvtrace.py"
-    spec = importlib.util.spec_from_file_location("kvtrace", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["kvtrace"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-kt = _load_kvtrace()
+kt = load_tool("kvtrace")
 CHUNK = 1000  # bytes per chunk in small simulations
 
 SMALL_QA = kt.QAConfig(users=8, rounds=4, history_tokens=1500, arrival_rounds=2.0)
@@ -247,17 +234,7 @@ def test_qa_steady_mode_keeps_concurrency_constant() -> None:
     assert len(kt.make_trace("qa-steady", scale=0.25)) == 16 * 10
 
 
-def _load_traces() -> ModuleType:
-    path = Path(__file__).resolve().parents[2] / "tools" / "traces.py"
-    spec = importlib.util.spec_from_file_location("traces", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["traces"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-tr = _load_traces()
+tr = load_tool("traces")
 SMALL_SUITE = {  # one small trace per generator (the full ones: tools/trace_suite.py)
     "vllm-qa": lambda: tr.vllm_qa(users=12, concurrent=4, rounds=4, history=2000),
     "sharegpt": lambda: tr.sharegpt(sessions=60),
@@ -344,11 +321,7 @@ def test_trace_suite_sized_run_names_its_outputs_and_keeps_whole_chunk_traces(
 ) -> None:
     """``trace_suite.py --sized`` writes ``trace_suite_sized.*``; a trace whose chunks
     are all whole (the generated ones) scores exactly as unsized."""
-    path = Path(__file__).resolve().parents[2] / "tools" / "trace_suite.py"
-    spec = importlib.util.spec_from_file_location("trace_suite", path)
-    assert spec is not None and spec.loader is not None
-    suite = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(suite)
+    suite = load_tool("trace_suite")
     args = ["--traces", "qa", "--capacities", "0.5", "--out"]
     assert suite.main([*args, str(tmp_path / "sized"), "--sized"]) == 0
     assert suite.main([*args, str(tmp_path / "whole")]) == 0
