@@ -5,13 +5,23 @@ removed, kept so that the chunk written again under its name inherits it
 There are as many as files are tracked, so their cost per entry is the evictor's
 cost per file after the cache has turned over (issue 30: ~130 B each as a dict of
 Python ints). Here they are spread by name over :data:`SHARDS` small tables (one
-while there are few), each flat arrays in insertion order (the name, and the ghost's
-four 64-bit fields narrowed to 32 bits each: 24 B a slot; a ghost with a wider field
-is kept whole beside them) and an open-addressing index of slot numbers (4 B a slot,
-at most 70 % full, linear probing): 40-60 B per name, depending on where a table is
-between two rebuilds. A table is rebuilt whole (its live entries compacted, its
-index sized anew) in Python, so the shards keep one rebuild short: 10^8 gone names
-are ~25 000 per shard, tens of ms.
+while there are few), each flat arrays in insertion order and an open-addressing
+index of array positions (4 B a slot, linear probing, at most 70 % full, sized
+1.75 slots per entry at each rebuild). An entry is the name's next 32 bits above the
+table's (the whole name in the one table) and the ghost's four 64-bit fields
+narrowed to 32 bits each: 20 B, ~28 B with the index and the arrays' slack between
+two rebuilds. The last use (field 1, a policy's event clock, which passes 2**32 in
+a long-lived mount) is kept as its distance from the table's ``base``, moved ahead
+of the newest last use when one falls past it, so it stays narrow however far the
+clock has run. A ghost with a field that does not fit is kept whole beside the arrays. A
+table is rebuilt whole (its live entries compacted, its index sized anew) in Python,
+so the shards keep one rebuild short: 10^8 gone names are ~25 000 per shard, tens
+of ms.
+
+A split table compares 32 bits of a name (names are hashes): two names may meet
+there once in ~2**32 probes, and the later lookup then takes the other's ghost. A
+ghost is a policy's memory of a file, never its bytes, so such a meeting costs a
+worse eviction order for one file at most.
 """
 
 from __future__ import annotations
@@ -21,9 +31,14 @@ from collections.abc import Iterator
 
 _EMPTY = 0
 """An index value: no slot ever here; otherwise the slot's position + 1 in the arrays.
-A dropped entry keeps its index value (its array name is -1, which no name matches):
-probes go on past it, and the next rebuild leaves it out."""
+A dropped entry keeps its index value (its fields are marked dead, which no lookup
+matches): probes go on past it, and the next rebuild leaves it out."""
 _MIN_CAPACITY = 16
+_SLOTS_PER_ENTRY = 1.75
+"""Index slots per live entry at a rebuild; the index is rebuilt at 70 % full, so a
+table takes 0.7 * 1.75 - 1 = 0.225 of its entries in new puts between two
+rebuilds: ~7 B of index and ~11 % of array slack per entry, 4.4 entries moved per
+put (a power-of-two index at 2 slots per entry took 8-16 B and 20-50 %)."""
 _SHARD_BITS = 12
 SHARDS = 1 << _SHARD_BITS
 """Tables, by a name's low bits; each keeps its oldest-first order, so the oldest
@@ -35,33 +50,36 @@ _SHARD_MIN = 8
 """Entries a table may keep whatever its share of the bound (a pool that shrank after
 the split keeps at most SHARDS * _SHARD_MIN)."""
 
-
-def _capacity(live: int) -> int:
-    """The index size for ``live`` names: a power of two, at least twice as many."""
-    cap = _MIN_CAPACITY
-    while cap < 2 * live:
-        cap *= 2
-    return cap
-
-
 _U32 = 0xFFFFFFFF
 _U64 = (1 << 64) - 1
+_MID = 1 << 31
+"""A narrowed last use is ``last - base + _MID``: last uses within 2**31 either side
+of the table's base."""
+_AHEAD = 1 << 30
+"""Where a re-centred base sits past the newest last use: the window then holds last
+uses up to 3 * 2**30 events behind it, and the next re-centring is 2**30 events
+away (a table's entries span its turnover of evictions, far less in events)."""
 _WIDE = _U64
 """Both halves of a slot's ghost when it is kept whole (in ``_Shard._wide``): no
 narrowed ghost has them, its fields being below 2**32 - 1."""
+_DEAD_HI = 0
+"""With a low half of all ones: the entry was dropped (a narrowed low half is never
+all ones, a whole ghost's high half is)."""
 
 
-def _narrow(ghost: int) -> tuple[int, int] | None:
+def _narrow(ghost: int, base: int) -> tuple[int, int] | None:
     """A ghost's four 64-bit fields (bits 0, 64, 128, 192) as 32-bit ones in two
-    64-bit halves, or None if one of them does not fit."""
-    f0, f1, f2, f3 = ghost & _U64, ghost >> 64 & _U64, ghost >> 128 & _U64, ghost >> 192
-    if max(f0, f1, f2, f3) >= _U32:
+    64-bit halves (field 1 as its distance from ``base``), or None if one of them
+    does not fit."""
+    f0, f2, f3 = ghost & _U64, ghost >> 128 & _U64, ghost >> 192
+    f1 = (ghost >> 64 & _U64) - base + _MID
+    if max(f0, f2, f3) >= _U32 or not 0 <= f1 < _U32:
         return None
     return f0 | f1 << 32, f2 | f3 << 32
 
 
-def _widen(lo: int, hi: int) -> int:
-    return (lo & _U32) | (lo >> 32) << 64 | (hi & _U32) << 128 | (hi >> 32) << 192
+def _widen(lo: int, hi: int, base: int) -> int:
+    return (lo & _U32) | ((lo >> 32) - _MID + base) << 64 | (hi & _U32) << 128 | (hi >> 32) << 192
 
 
 class GoneNames:
@@ -70,7 +88,8 @@ class GoneNames:
     (:meth:`put`), the oldest dropped first; an entry put again moves to the newest
     end. One table, so exactly that, until ``most`` first exceeds :data:`SPLIT_AT`;
     then :data:`SHARDS` tables, each holding its share of ``most`` (at least
-    :data:`_SHARD_MIN`), so the oldest dropped is the oldest of its table."""
+    :data:`_SHARD_MIN`), so the oldest dropped is the oldest of its table, and each
+    telling names apart by 32 bits (see the module's note)."""
 
     def __init__(self) -> None:
         self._shards: list[_Shard | None] = [None]
@@ -80,12 +99,15 @@ class GoneNames:
     def __len__(self) -> int:
         return self._live
 
+    def _key(self, name: int) -> int:
+        return name >> self._bits & _U32 if self._bits else name
+
     def pop(self, name: int) -> int | None:
         """The ghost kept under ``name``, forgotten; None if there is none."""
         shard = self._shards[name & ((1 << self._bits) - 1)]
         if shard is None:
             return None
-        ghost = shard.pop(name >> self._bits)
+        ghost = shard.pop(self._key(name))
         if ghost is not None:
             self._live -= 1
         return ghost
@@ -101,9 +123,9 @@ class GoneNames:
         i = name & ((1 << bits) - 1)
         shard = self._shards[i]
         if shard is None:
-            shard = self._shards[i] = _Shard()
+            shard = self._shards[i] = _Shard("I" if bits else "q")
         before = len(shard)
-        shard.put(name >> bits, ghost)
+        shard.put(self._key(name), ghost)
         shard.trim(max(_SHARD_MIN, -(-most // SHARDS)) if bits else most)
         self._live += len(shard) - before
 
@@ -118,104 +140,147 @@ class GoneNames:
 
 
 class _Shard:
-    """One table: names (a GoneNames name's high bits) -> ghosts, oldest first."""
+    """One table: keys (a GoneNames name's next 32 bits, or the name) -> ghosts,
+    oldest first."""
 
-    def __init__(self) -> None:
-        self._names = array("q")
-        """By age, oldest first from ``_head``; -1: an entry popped from the middle."""
+    def __init__(self, typecode: str) -> None:
+        self._names = array(typecode)
+        """By age, oldest first from ``_head``."""
         self._lo = array("Q")
         self._hi = array("Q")
-        self._wide: dict[int, int] = {}  # name -> a ghost a field of which is too wide
+        self._wide: dict[int, int] = {}  # key -> a ghost a field of which is too wide
+        self._base = 0  # the last uses' reference (_narrow)
         self._head = 0
         self._live = 0
         self._used = 0  # index slots that are not _EMPTY (live and dropped entries)
         self._index = array("i", bytes(4 * _MIN_CAPACITY))
-        self._mask = _MIN_CAPACITY - 1
+        self._cap = _MIN_CAPACITY
 
     def __len__(self) -> int:
         return self._live
 
-    def _find(self, name: int) -> int:
-        """The array position of ``name``'s entry, or -1."""
-        index, names, mask = self._index, self._names, self._mask
-        i = name & mask
+    def _find(self, key: int) -> int:
+        """The array position of ``key``'s live entry, or -1."""
+        index, names, lo, cap = self._index, self._names, self._lo, self._cap
+        i = key % cap
         while True:
             at = index[i]
             if at == _EMPTY:
                 return -1
-            if names[at - 1] == name:
-                return at - 1
-            i = (i + 1) & mask
+            at -= 1
+            if names[at] == key and not (lo[at] == _U64 and self._hi[at] == _DEAD_HI):
+                return at
+            i += 1
+            if i == cap:
+                i = 0
 
     def _drop(self, at: int) -> None:
-        """Forget the entry at array position ``at``."""
-        if self._wide and self._lo[at] == _WIDE == self._hi[at]:
+        """Forget the live entry at array position ``at``."""
+        if self._lo[at] == _WIDE == self._hi[at]:
             del self._wide[self._names[at]]
-        self._names[at] = -1
+        self._lo[at] = _U64
+        self._hi[at] = _DEAD_HI
         self._live -= 1
 
-    def pop(self, name: int) -> int | None:
-        at = self._find(name)
+    def _ghost(self, at: int) -> int:
+        lo, hi = self._lo[at], self._hi[at]
+        return self._wide[self._names[at]] if lo == _WIDE == hi else _widen(lo, hi, self._base)
+
+    def pop(self, key: int) -> int | None:
+        at = self._find(key)
         if at < 0:
             return None
-        lo, hi = self._lo[at], self._hi[at]
-        ghost = self._wide[name] if lo == _WIDE == hi else _widen(lo, hi)
+        ghost = self._ghost(at)
         self._drop(at)
         return ghost
 
-    def put(self, name: int, ghost: int) -> None:
-        at = self._find(name)
+    def put(self, key: int, ghost: int) -> None:
+        at = self._find(key)
         if at >= 0:
             self._drop(at)
-        if (
-            self._used + 1 > self._mask * 7 // 10
+        last = ghost >> 64 & _U64
+        if last - self._base + _MID >= _U32 and last < 1 << 63:
+            self._rebuild(self._live + 1, base=last + _AHEAD)  # the clock ran on
+        elif (
+            self._used + 1 > self._cap * 7 // 10
             or len(self._names) >= 2 * self._live + _MIN_CAPACITY
         ):
             self._rebuild(self._live + 1)
-        halves = _narrow(ghost)
+        halves = _narrow(ghost, self._base)
         if halves is None:
-            self._wide[name] = ghost
+            self._wide[key] = ghost
             halves = (_WIDE, _WIDE)
-        self._names.append(name)
+        self._names.append(key)
         self._lo.append(halves[0])
         self._hi.append(halves[1])
-        self._place(name, len(self._names))
+        self._place(key, len(self._names))
         self._live += 1
 
-    def _place(self, name: int, at: int) -> None:
-        index, mask = self._index, self._mask
-        i = name & mask
+    def _place(self, key: int, at: int) -> None:
+        index, cap = self._index, self._cap
+        i = key % cap
         while index[i] != _EMPTY:
-            i = (i + 1) & mask
+            i += 1
+            if i == cap:
+                i = 0
         index[i] = at
         self._used += 1
 
     def trim(self, most: int) -> None:
         """Drop the oldest entries until at most ``most`` are left."""
-        names = self._names
+        lo, hi = self._lo, self._hi
         while self._live > most:
-            if names[self._head] >= 0:
-                self._drop(self._head)
-            self._head += 1
+            head = self._head
+            if not (lo[head] == _U64 and hi[head] == _DEAD_HI):
+                self._drop(head)
+            self._head = head + 1
 
-    def _rebuild(self, live: int) -> None:
-        """The live entries, oldest first, in fresh arrays; an index sized for ``live``."""
-        keep = [i for i in range(self._head, len(self._names)) if self._names[i] >= 0]
-        self._names = array("q", (self._names[i] for i in keep))
-        self._lo = array("Q", (self._lo[i] for i in keep))
-        self._hi = array("Q", (self._hi[i] for i in keep))
+    def _rebuild(self, live: int, base: int | None = None) -> None:
+        """The live entries, oldest first, in fresh arrays (their last uses measured
+        from ``base`` if given: one that falls outside is kept whole); an index
+        sized for ``live``."""
+        names, lo, hi, head = self._names, self._lo, self._hi, self._head
+        if len(names) - head == self._live:  # no dropped entry past the head: slices
+            keep: range | list[int] = range(head, len(names))
+            new_lo = lo[head:]
+        else:
+            keep = [i for i in range(head, len(names)) if not (lo[i] == _U64 and hi[i] == _DEAD_HI)]
+            new_lo = array("Q", (lo[i] for i in keep))
+        if base is not None and base != self._base:
+            shift = self._base - base
+            for j, i in enumerate(keep):
+                low = new_lo[j]
+                if low == _WIDE == hi[i]:
+                    continue
+                f1 = (low >> 32) + shift
+                if 0 <= f1 < _U32:
+                    new_lo[j] = (low & _U32) | f1 << 32
+                else:
+                    self._wide[names[i]] = _widen(low, hi[i], self._base)
+                    new_lo[j] = _WIDE
+                    hi[i] = _WIDE
+            self._base = base
+        if isinstance(keep, range):
+            self._names, self._hi = names[head:], hi[head:]
+        else:
+            self._names = array(names.typecode, (names[i] for i in keep))
+            self._hi = array("Q", (hi[i] for i in keep))
+        self._lo = new_lo
         self._head = 0
-        cap = _capacity(live)
-        self._index = array("i", bytes(4 * cap))
-        self._mask = cap - 1
-        self._used = 0
-        for at, name in enumerate(self._names, 1):
-            self._place(name, at)
+        self._cap = cap = max(_MIN_CAPACITY, int(live * _SLOTS_PER_ENTRY) + 1)
+        self._index = index = array("i", bytes(4 * cap))
+        for at, key in enumerate(self._names, 1):  # _place, inline: most of a rebuild
+            i = key % cap
+            while index[i] != _EMPTY:
+                i += 1
+                if i == cap:
+                    i = 0
+            index[i] = at
+        self._used = len(self._names)
 
     def items(self) -> Iterator[tuple[int, int]]:
-        """(name, ghost), oldest first."""
+        """(key, ghost), oldest first."""
+        lo, hi = self._lo, self._hi
         for at in range(self._head, len(self._names)):
-            name = self._names[at]
-            if name >= 0:
-                lo, hi = self._lo[at], self._hi[at]
-                yield name, self._wide[name] if lo == _WIDE == hi else _widen(lo, hi)
+            if not (lo[at] == _U64 and hi[at] == _DEAD_HI):
+                yield self._names[at], self._ghost(at)

@@ -1,6 +1,6 @@
 """The ghosts of gone files by name (``kvfs.evict.gone``): the same answers as a dict
 with oldest-first trimming (exact in one table, per table once split), through
-rebuilds, wide ghosts, re-puts and the split."""
+rebuilds, wide ghosts, re-puts, the split, and a last-use clock past 32 bits."""
 
 from __future__ import annotations
 
@@ -118,3 +118,51 @@ def test_gone_names_refuse_what_they_cannot_hold() -> None:
         with pytest.raises(ValueError):
             gone.put(name, ghost, 10)
     assert len(gone) == 0 and gone.pop(1) is None
+
+
+def _wide_kept(gone: GoneNames) -> int:
+    """Ghosts kept whole (beside the arrays, as Python ints: ~130 B each)."""
+    return sum(len(shard._wide) for shard in gone._shards if shard is not None)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one-table", "split"])
+def test_gone_names_stay_narrow_when_the_clock_passes_32_bits(split: bool) -> None:
+    """A policy's last use is an event clock that passes 2**32 in a long-lived mount;
+    the ghosts of files evicted then stay narrow and come back exact."""
+    rng = random.Random(7)
+    gone, model = GoneNames(), Model(split)
+    most = 500 * SHARDS if split else 2000  # split: 500 a table, in four tables
+    clock = (1 << 32) - 5000
+    recent: list[int] = []
+    for step in range(30_000):
+        clock += rng.randrange(1, 1 << 20)  # ~2**34 in all: past 32 bits four times
+        name = rng.randrange(1 << 62) & ~(SHARDS - 1) | rng.randrange(4)
+        last = clock - rng.randrange(1 << 24)  # a last use up to a turnover ago
+        ghost = rng.randrange(1 << 30) | last << 64 | rng.randrange(1 << 30) << 128 | 6 << 192
+        gone.put(name, ghost, most)
+        model.put(name, ghost, most)
+        recent = [*recent[-999:], name]
+        if step % 7 == 0:
+            victim = rng.choice(recent)
+            assert gone.pop(victim) == model.pop(victim), step
+    assert clock > 1 << 33
+    assert len(gone) == len(model) > 1000
+    assert _wide_kept(gone) == 0
+    for table in list(model.tables.values()):
+        for name in list(table):
+            assert gone.pop(name) == model.pop(name)
+    assert len(gone) == 0
+
+
+def test_gone_names_keep_a_last_use_far_behind_the_newest_exactly() -> None:
+    gone = GoneNames()
+    old = 7 << 64 | 3  # last use 7
+    gone.put(1, old, most=100)
+    newer = [(n, (5 << 40) + n << 64 | n) for n in range(2, 50)]  # 2**42 events later
+    for name, ghost in newer:
+        gone.put(name, ghost, most=100)
+    gone.put(1 << 40, (1 << 64) - 1 << 64, most=100)  # a last use of all ones: whole
+    assert gone.pop(1) == old
+    assert [gone.pop(n) for n, _ in newer] == [g for _, g in newer]
+    assert gone.pop(1 << 40) == (1 << 64) - 1 << 64
+    assert len(gone) == 0 and _wide_kept(gone) == 0
