@@ -56,9 +56,11 @@ _MID = 1 << 31
 """A narrowed last use is ``last - base + _MID``: last uses within 2**31 either side
 of the table's base."""
 _AHEAD = 1 << 30
-"""Where a re-centred base sits past the newest last use: the window then holds last
-uses up to 3 * 2**30 events behind it, and the next re-centring is 2**30 events
-away (a table's entries span its turnover of evictions, far less in events)."""
+"""How far past the newest last use a moved window reaches (its base is then
+``newest + _AHEAD - _MID``): it holds last uses up to 2**32 - _AHEAD = 3 * 2**30
+events behind the newest, and moves again 2**30 events later (a table's entries
+span its turnover of evictions: the events of ~its share of the pool's
+evictions)."""
 _WIDE = _U64
 """Both halves of a slot's ghost when it is kept whole (in ``_Shard._wide``): no
 narrowed ghost has them, its fields being below 2**32 - 1."""
@@ -200,7 +202,7 @@ class _Shard:
             self._drop(at)
         last = ghost >> 64 & _U64
         if last - self._base + _MID >= _U32 and last < 1 << 63:
-            self._rebuild(self._live + 1, base=last + _AHEAD)  # the clock ran on
+            self._rebuild(self._live + 1, base=last + _AHEAD - _MID)  # the clock ran on
         elif (
             self._used + 1 > self._cap * 7 // 10
             or len(self._names) >= 2 * self._live + _MIN_CAPACITY

@@ -128,24 +128,27 @@ def _wide_kept(gone: GoneNames) -> int:
 @pytest.mark.parametrize("split", [False, True], ids=["one-table", "split"])
 def test_gone_names_stay_narrow_when_the_clock_passes_32_bits(split: bool) -> None:
     """A policy's last use is an event clock that passes 2**32 in a long-lived mount;
-    the ghosts of files evicted then stay narrow and come back exact."""
+    the ghosts of files evicted then stay narrow and come back exact. A table's
+    entries span ~2**31 events here (2000 of them, 2**20 apart on average): more
+    than a window centred on the newest would hold."""
     rng = random.Random(7)
     gone, model = GoneNames(), Model(split)
     most = 500 * SHARDS if split else 2000  # split: 500 a table, in four tables
     clock = (1 << 32) - 5000
     recent: list[int] = []
     for step in range(30_000):
-        clock += rng.randrange(1, 1 << 20)  # ~2**34 in all: past 32 bits four times
+        clock += rng.randrange(1, 1 << 21)  # ~2**35 in all: past 32 bits eight times
         name = rng.randrange(1 << 62) & ~(SHARDS - 1) | rng.randrange(4)
         last = clock - rng.randrange(1 << 24)  # a last use up to a turnover ago
         ghost = rng.randrange(1 << 30) | last << 64 | rng.randrange(1 << 30) << 128 | 6 << 192
         gone.put(name, ghost, most)
         model.put(name, ghost, most)
+        assert _wide_kept(gone) == 0, step
         recent = [*recent[-999:], name]
         if step % 7 == 0:
             victim = rng.choice(recent)
             assert gone.pop(victim) == model.pop(victim), step
-    assert clock > 1 << 33
+    assert clock > 1 << 34
     assert len(gone) == len(model) > 1000
     assert _wide_kept(gone) == 0
     for table in list(model.tables.values()):
