@@ -201,8 +201,10 @@ class _Shard:
         if at >= 0:
             self._drop(at)
         last = ghost >> 64 & _U64
+        # the clock ran past the window: move it (a last use of 2**63 or more is no
+        # clock reading; it is kept whole rather than moving the window for it)
         if last - self._base + _MID >= _U32 and last < 1 << 63:
-            self._rebuild(self._live + 1, base=last + _AHEAD - _MID)  # the clock ran on
+            self._rebuild(self._live + 1, base=last + _AHEAD - _MID)
         elif (
             self._used + 1 > self._cap * 7 // 10
             or len(self._names) >= 2 * self._live + _MIN_CAPACITY
@@ -242,12 +244,13 @@ class _Shard:
         from ``base`` if given: one that falls outside is kept whole); an index
         sized for ``live``."""
         names, lo, hi, head = self._names, self._lo, self._hi, self._head
-        if len(names) - head == self._live:  # no dropped entry past the head: slices
-            keep: range | list[int] = range(head, len(names))
-            new_lo = lo[head:]
-        else:
-            keep = [i for i in range(head, len(names)) if not (lo[i] == _U64 and hi[i] == _DEAD_HI)]
-            new_lo = array("Q", (lo[i] for i in keep))
+        no_holes = len(names) - head == self._live  # no dropped entry past the head: slices
+        keep = (
+            range(head, len(names))
+            if no_holes
+            else [i for i in range(head, len(names)) if not (lo[i] == _U64 and hi[i] == _DEAD_HI)]
+        )
+        new_lo = lo[head:] if no_holes else array("Q", (lo[i] for i in keep))
         if base is not None and base != self._base:
             shift = self._base - base
             for j, i in enumerate(keep):
@@ -262,7 +265,7 @@ class _Shard:
                     new_lo[j] = _WIDE
                     hi[i] = _WIDE
             self._base = base
-        if isinstance(keep, range):
+        if no_holes:
             self._names, self._hi = names[head:], hi[head:]
         else:
             self._names = array(names.typecode, (names[i] for i in keep))
