@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING
 
 from kvfs.evict.policy.base import LinkedPolicy
 from kvfs.evict.policy.protocol import PolicyStatistics
-from kvfs.evict.slots import NO_KEY
+from kvfs.evict.slots import NO_KEY, SHIFT
 from kvfs.format import policy_image as img
+from kvfs.index.columns import narrowed
 
 if TYPE_CHECKING:
     from kvfs.format.policy_image import Image
@@ -37,6 +38,17 @@ _SOON = 4  # a probation ghost hit counts if its gap is under horizon / _SOON
 _PEAK_DECAY = 16  # the byte high-water mark forgets 1/65536 per new key
 _GHOST_MIN = 1024  # evicted keys remembered at least, whatever the resident count
 _U64 = (1 << 64) - 1  # a handed-over ghost's fields (take_ghost)
+# Last uses are kept modulo 2**32 (the clock itself is exact), so the column stays 4
+# bytes a row however long the mount runs; an age is (clock - last) mod 2**32. Once
+# the clock passes _KEEP, a sweep visits one chunk of the column at a time, a full
+# pass at most every _SWEEP events, and sets any age past _KEEP to _KEEP: an age is
+# then exact up to 2**31 events and never wraps (it stays under _KEEP + 3 * _SWEEP).
+_M32 = (1 << 32) - 1
+_KEEP = 1 << 31
+_SWEEP = 1 << 29
+_IDLE = 1 << 62  # _sweep_next when no pass runs
+_GAP_MAX = (1 << 31) - 1  # a reuse interval kept (gap << 1 | flag: 32 bits)
+_RECORD = (1 << 30) - 1  # eviction numbers in a ghost's record, modulo 2**30
 RULES = frozenset({"dead-first", "cold-main", "chain-order", "lirs-admit", "adapt"})
 """Rules an ablation may switch off (``KvfsPolicy(without=...)``, docs/eviction.md)."""
 
@@ -122,6 +134,9 @@ class KvfsPolicy(LinkedPolicy):
         self._streams: OrderedDict[Hashable, int] = OrderedDict()
         self._clock = 0
         self._horizon = 0
+        self._sweep_at = _KEEP  # the clock of the sweep's next step
+        self._sweep_next = _IDLE  # the chunk it visits then
+        self._pass_end = 0  # the clock by which the running pass ends
         self._seg_bytes = [0] * self._slot_lists
         self._promotions = 0
         self._cold = min(_COLD_MAX, max(_COLD_MIN, cold_factor))
@@ -163,6 +178,8 @@ class KvfsPolicy(LinkedPolicy):
         # bytes (they only grow), so it ends at the total
         n, clock = len(keys), self._clock
         lasts = array("q", range(clock + 1, clock + n + 1))
+        if clock + n > _M32:
+            lasts = array("q", [t & _M32 for t in lasts])
         fills = [
             (self._size, sizes),
             (self._pred, NO_KEY),
@@ -172,6 +189,8 @@ class KvfsPolicy(LinkedPolicy):
         self._slots.adopt_keys(_PROBATION, keys, fills, spans)  # type: ignore[arg-type]
         total = sum(sizes)
         self._clock += n
+        if self._clock >= self._sweep_at:
+            self._sweep()
         self._seg_bytes[_PROBATION] += total
         self._peak = max(self._bytes + total, self._peak)
 
@@ -193,16 +212,16 @@ class KvfsPolicy(LinkedPolicy):
         ghost = self._slots.find(key)  # resident keys were handled above
         if ghost is not None:
             self._slots.unlink(ghost)
-            self._ghost_hit(self._size[ghost], size, self._clock + 1 - self._last[ghost])
+            self._ghost_hit(self._size[ghost], size, self._age(ghost) + 1)
         slot = self._add(key, size)
         self._peak = max(self._bytes, self._peak - (self._peak >> _PEAK_DECAY))
         prev = self._observe(slot, stream)
-        gap = 0 if ghost is None else self._clock - self._last[slot]
+        gap = 0 if ghost is None else min(self._age(slot), _GAP_MAX)
         self._info[slot] = (gap << 1) | (self._info[slot] & _CONFIRMED)
         continues_main = prev is not None and self._slots.owner[prev] == _MAIN
         admitted = (ghost is not None or continues_main) and self._main_admits(size, gap)
         self._place(slot, prev, _MAIN if admitted else _PROBATION)
-        self._last[slot] = self._clock
+        self._last[slot] = self._clock & _M32
         self._revive_successor(slot)
 
     def touch(self, key: int, stream: Hashable) -> None:
@@ -223,8 +242,9 @@ class KvfsPolicy(LinkedPolicy):
         self._seg_bytes[owner] -= self._size[slot]
         self._drop(slot)
         self._evictions += 1
-        # a ghost's size column: eviction number << 2 | evicted from main << 1 | was cold
-        self._size[slot] = self._evictions << 2 | (owner == _MAIN) << 1 | cold
+        # a ghost's size column: eviction number (mod 2**30) << 2 | evicted from main << 1
+        # | was cold
+        self._size[slot] = (self._evictions & _RECORD) << 2 | (owner == _MAIN) << 1 | cold
         self._info[slot] = 0
         if cold:
             self._cold = max(_COLD_MIN, self._cold - _COLD_DOWN)
@@ -240,16 +260,16 @@ class KvfsPolicy(LinkedPolicy):
             table.release(oldest)
 
     def take_ghost(self, key: int) -> int | None:
-        """Hand over ``key``'s ghost as one int (its eviction record, last use and
-        successor to revive, and its note) and forget it here; None if ``key`` is no
-        ghost."""
+        """Hand over ``key``'s ghost as one int (its eviction record, last use on the
+        whole clock, successor to revive, and its note) and forget it here; None if
+        ``key`` is no ghost."""
         table = self._slots
         slot = self._ghost_slot(key)
         if slot is None:
             return None
         ghost = (
             self._size[slot]
-            | self._last[slot] << 64
+            | (self._clock - self._age(slot)) << 64
             | (self._succ[slot] + 1) << 128
             | self._info[slot] << 192
         )
@@ -266,7 +286,8 @@ class KvfsPolicy(LinkedPolicy):
         slot = table.new(key)
         self._init_slot(slot)
         self._size[slot] = ghost & _U64
-        self._last[slot] = ghost >> 64 & _U64
+        age = min(max(self._clock - (ghost >> 64 & _U64), 0), _KEEP)  # (a sweep's)
+        self._last[slot] = (self._clock - age) & _M32
         self._succ[slot] = (ghost >> 128 & _U64) - 1
         self._info[slot] = ghost >> 192
         table.append(_GHOST, slot)
@@ -359,6 +380,8 @@ class KvfsPolicy(LinkedPolicy):
         """Advance the clock; return the slot of the stream's previous key if it precedes.
         No stream (``None``: files adopted at mount) learns no chain."""
         self._clock += 1
+        if self._clock >= self._sweep_at:
+            self._sweep()
         if stream is None:
             return None
         key = self._slots.key_of(slot)
@@ -406,10 +429,11 @@ class KvfsPolicy(LinkedPolicy):
 
     def _use(self, slot: int, prev: int | None) -> None:
         """Handle a re-use: refresh main keys, promote probation and dead ones if admitted."""
-        age = self._clock - self._last[slot]
-        self._last[slot] = self._clock
+        age = (self._clock - self._last[slot]) & _M32  # (_age, inline: a hot path)
+        self._last[slot] = self._clock & _M32
         if age > 0:
-            self._info[slot] = (age << 1) | (self._info[slot] & _CONFIRMED)
+            gap = age if age <= _GAP_MAX else _GAP_MAX
+            self._info[slot] = (gap << 1) | (self._info[slot] & _CONFIRMED)
         if not self._info[slot] & _CONFIRMED:
             prev = None  # e.g. a request boundary: do not file a hot key next to a stale one
         owner = self._unlink(slot)
@@ -448,7 +472,7 @@ class KvfsPolicy(LinkedPolicy):
         oldest = self._slots.first(_MAIN)
         if oldest is None or not self._lirs:
             return False
-        age = self._clock - self._last[oldest]
+        age = self._age(oldest)
         return self._is_cold(oldest) or (gap > 0 and age > self.admit_factor * gap)
 
     def _within_share(self, main: int, size: int) -> bool:
@@ -462,7 +486,8 @@ class KvfsPolicy(LinkedPolicy):
 
     def _ghost_hit(self, record: int, size: int, gap: int) -> None:
         """Learn from an evicted key written again (``record`` from ``remove()``)."""
-        if not self._adapt or self._evictions - (record >> 2) > self._resident or not self._bytes:
+        near = (self._evictions - (record >> 2)) & _RECORD <= self._resident
+        if not self._adapt or not near or not self._bytes:
             return  # not a near miss: a cache twice as large would not have hit it either
         if record & 1:  # evicted as cold, yet back: detect coldness later
             self._cold = min(_COLD_MAX, self._cold + _COLD_UP)
@@ -474,7 +499,43 @@ class KvfsPolicy(LinkedPolicy):
 
     def _is_cold(self, slot: int) -> bool:
         gap = (self._info[slot] >> 1) or self._horizon
-        return gap > 0 and self._clock - self._last[slot] > self._cold * gap
+        return gap > 0 and (self._clock - self._last[slot]) & _M32 > self._cold * gap
+
+    def _age(self, slot: int) -> int:
+        """Events since ``slot``'s last use (the column holds it modulo 2**32)."""
+        return (self._clock - self._last[slot]) & _M32
+
+    def _sweep(self) -> None:
+        """One step of the sweep (see ``_KEEP``): ages past ``_KEEP`` in one chunk of
+        the last-use column become ``_KEEP``; the next step is timed so that the
+        pass ends within ``_SWEEP`` events. A chunk that needs no change is not
+        written (a checkpoint's frozen chunk stays shared)."""
+        column, clock = self._last, self._clock
+        chunks = column.chunks
+        c = self._sweep_next
+        if c >= len(chunks):
+            c, self._pass_end = 0, clock + _SWEEP
+        chunk = chunks[c] if c < len(chunks) else None
+        if chunk is not None:
+            old = [i for i, t in enumerate(chunk) if (clock - t) & _M32 > _KEEP]
+            base, floor = c << SHIFT, (clock - _KEEP) & _M32
+            for i in old:
+                column[base + i] = floor
+        self._sweep_next = c + 1
+        left = max(1, len(chunks) - c - 1)
+        self._sweep_at = clock + max(1, (self._pass_end - clock) // left)
+
+    def _wrap_lasts(self) -> None:
+        """After loading an image: last uses modulo 2**32 (an earlier release kept
+        them whole: an int64 chunk), and a new sweep pass at once if the clock has
+        passed ``_KEEP``."""
+        column, clock = self._last, self._clock
+        for c, chunk in enumerate(column.chunks):
+            if chunk is not None and chunk.typecode == "q":
+                whole = [clock - min(max(clock - t, 0), _KEEP) for t in chunk]
+                column.chunks[c] = narrowed(array("I", [t & _M32 for t in whole]), column.ladder)
+                column.shared[c] = 0
+        self._sweep_next, self._sweep_at = _IDLE, max(_KEEP, clock)
 
     def _cold_main(self) -> Iterator[int]:
         find = self._slots.find
@@ -526,6 +587,7 @@ class KvfsPolicy(LinkedPolicy):
 
     def _set_scalars(self, clock: int, horizon: int) -> None:
         self._clock, self._horizon = clock, horizon
+        self._wrap_lasts()  # (the columns are loaded by now)
 
     def _extra_scalars(self) -> list[int]:
         # the adaptive thresholds too (floats as their int64 bit patterns)
@@ -565,6 +627,7 @@ class KvfsPolicy(LinkedPolicy):
         for slot, t in zip(slots, kept.values(), strict=True):
             pred[slot] = succ[slot] = NO_KEY
             last[slot] = t
+        self._wrap_lasts()
         for keys, _sizes, preds, _lasts, _flags in decoded.lists:
             if not preds or max(preds) == NO_KEY:
                 continue  # no learned chains in this list
