@@ -18,7 +18,8 @@
 list, gone files' ghosts) after a first fill and after a full turnover, evicted
 files' inode numbers reused by the next files as a mount's namespace does
 (``--distinct-numbers``: 2N numbers, as this tool measured before), counting only
-what was allocated under calls into ``kvfs/evict/``, by module.
+what was allocated under calls into ``kvfs/evict/``, by module; ``--clock-from 32``
+starts the policy's event clock at 2**32, as on a mount that has run for a day.
 
 Set ``KVFS_SRC`` to another checkout to measure its code (the "before" numbers in
 docs/eviction.md come from the parent commit run this way). Prints JSON.
@@ -190,7 +191,18 @@ def _evictor_share(action: Any) -> tuple[int, dict[str, int], Any]:
     return total, parts, keep
 
 
-def turnover_bytes(n: int, policy: str = "adaptive", reuse: bool = True) -> dict[str, Any]:
+def _start_clock(policy: Any, at: int) -> None:
+    """Start the event clock of ``policy`` (and of its experts) at ``at``: a mount
+    that has run for a while (a clock past 2**32 is about a day at 50 000 accesses a
+    second)."""
+    for part in (policy, *(getattr(policy, name, None) for name in ("loop", "recency"))):
+        if part is not None and hasattr(part, "_clock"):
+            part._clock = at
+
+
+def turnover_bytes(
+    n: int, policy: str = "adaptive", reuse: bool = True, clock_from: int = 0
+) -> dict[str, Any]:
     """The evictor's whole state (policy, owners, grace list, gone files' ghosts) per
     resident file: after N files were written by 64 writer threads, and after N more
     were written while the oldest by the policy's order were evicted (a full
@@ -203,7 +215,8 @@ def turnover_bytes(n: int, policy: str = "adaptive", reuse: bool = True) -> dict
     next file made takes its inode number, so the policy's tables span N numbers.
     Without it, the 2N files are made first and the policy sees 2N numbers (the
     tool's measurement before). Only memory allocated under calls into
-    ``kvfs/evict/`` counts (:func:`_evictor_share`): the namespace is not."""
+    ``kvfs/evict/`` counts (:func:`_evictor_share`): the namespace is not.
+    ``clock_from``: the policy's event clock starts there (:func:`_start_clock`)."""
     ns = Namespace(lambda ops: None)
     ns.init_root(0, 0)
     made = n if reuse else 2 * n
@@ -229,6 +242,7 @@ def turnover_bytes(n: int, policy: str = "adaptive", reuse: bool = True) -> dict
             thread_group=lambda tid: tid,
             grace_bytes=(n << 21) // 64,
         )
+        _start_clock(evictor.policy, clock_from)
         resident = list(range(first, first + n))  # (the tool's, not counted)
         where = {ino: i for i, ino in enumerate(resident)}
         for index in range(2 * n):
@@ -338,11 +352,27 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="--turnover with 2N inode numbers, none reused (as measured before)",
     )
+    ap.add_argument(
+        "--clock-from",
+        type=int,
+        default=0,
+        metavar="BITS",
+        help="--turnover with the policy's event clock started at 2**BITS (a long-lived mount)",
+    )
     args = ap.parse_args(argv)
     if args.turnover:
         reuse = not args.distinct_numbers
-        rows = {name: turnover_bytes(args.files, name, reuse) for name in args.policies.split(",")}
-        out = {"files": args.files, "inode_numbers_reused": reuse, "evictor_state": rows}
+        start = 1 << args.clock_from if args.clock_from else 0
+        rows = {
+            name: turnover_bytes(args.files, name, reuse, start)
+            for name in args.policies.split(",")
+        }
+        out = {
+            "files": args.files,
+            "inode_numbers_reused": reuse,
+            "clock_from": start,
+            "evictor_state": rows,
+        }
         print(json.dumps(out, indent=1))
         return 0
     if args.upgrade:

@@ -38,3 +38,19 @@ def test_only_memory_allocated_under_the_evictor_counts() -> None:
     assert 0 < total < 1 << 20
     assert total == sum(parts.values())
     assert all(name.startswith("evict/") for name in parts)
+
+
+def test_a_clock_started_past_2_to_the_32_costs_the_policy_no_more() -> None:
+    """``--clock-from``: the policy's clock starts where a long-lived mount's is, and
+    its tables cost what they do from 0 (before issue 30's session 19 the last-use
+    column took 8 bytes a row from there: +4 B a file)."""
+    n = 1100  # two chunks of rows
+    start = 1 << 32
+    late = memory.turnover_bytes(n, "kvfs", clock_from=start)
+    early = memory.turnover_bytes(n, "kvfs")
+    assert late["tracked"] == early["tracked"] == n
+    slots = [row["after_turnover_by_module"]["evict/slots.py"] for row in (early, late)]
+    assert slots[1] <= slots[0] + 1.0, slots
+    policy = make_policy("adaptive")
+    memory._start_clock(policy, start)
+    assert policy.loop._clock == start  # type: ignore[attr-defined]
