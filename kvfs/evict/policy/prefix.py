@@ -286,7 +286,7 @@ class KvfsPolicy(LinkedPolicy):
         slot = table.new(key)
         self._init_slot(slot)
         self._size[slot] = ghost & _U64
-        age = min(max(self._clock - (ghost >> 64 & _U64), 0), _KEEP)  # (a sweep's)
+        age = min(max(self._clock - (ghost >> 64 & _U64), 0), _KEEP)  # capped as the sweep caps
         self._last[slot] = (self._clock - age) & _M32
         self._succ[slot] = (ghost >> 128 & _U64) - 1
         self._info[slot] = ghost >> 192
@@ -429,7 +429,7 @@ class KvfsPolicy(LinkedPolicy):
 
     def _use(self, slot: int, prev: int | None) -> None:
         """Handle a re-use: refresh main keys, promote probation and dead ones if admitted."""
-        age = (self._clock - self._last[slot]) & _M32  # (_age, inline: a hot path)
+        age = self._age(slot)
         self._last[slot] = self._clock & _M32
         if age > 0:
             gap = age if age <= _GAP_MAX else _GAP_MAX
@@ -499,7 +499,7 @@ class KvfsPolicy(LinkedPolicy):
 
     def _is_cold(self, slot: int) -> bool:
         gap = (self._info[slot] >> 1) or self._horizon
-        return gap > 0 and (self._clock - self._last[slot]) & _M32 > self._cold * gap
+        return gap > 0 and self._age(slot) > self._cold * gap
 
     def _age(self, slot: int) -> int:
         """Events since ``slot``'s last use (the column holds it modulo 2**32)."""
