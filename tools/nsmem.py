@@ -6,6 +6,16 @@ per file of each structure, the image size, and freeze / image-load times.
     python tools/nsmem.py 1000000
     python tools/nsmem.py 1000000 --xattr
     python tools/nsmem.py 1000000 --drop 0.5   # then the image after a random half went
+    python tools/nsmem.py 1000000 --turnover   # then every file replaced, as eviction does
+    python tools/nsmem.py 1000000 --names lmcache --turnover   # LMCache's names, one directory
+
+``--turnover``: N times, a random file leaves as the store evicts one (its name
+removed, its row dropped) and a new one-unit file is made in its directory (its
+row the freed one, as a mount reuses it), written and committed; then the RSS and
+structures again, per file, before and after a heap trim (what the daemon does
+while serving, ``kvfs.common.heap``). ``--names lmcache``: LMCache ``local_disk``'s
+names (~58 bytes, ``harness.lmcache_name``) in one flat directory, as LMCache keeps
+them.
 """
 
 from __future__ import annotations
@@ -13,15 +23,19 @@ from __future__ import annotations
 import argparse
 import gc
 import random
+import stat
 import sys
 import time
+from array import array
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kvfs.common import heap
 from kvfs.format.records import Xattr
 from kvfs.index.namespace import Namespace
-from kvfs.testing.harness import fill_namespace
+from kvfs.testing.harness import chunk_name, fill_namespace, lmcache_name
 
 PER_DIR = 1000
 
@@ -31,14 +45,48 @@ def rss() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) * 1024
 
 
-def build(n: int, xattr: bool) -> Namespace:
+NAMES = {"chunk": (chunk_name, PER_DIR), "lmcache": (lmcache_name, 0)}
+"""Name style -> (file i's name, files per directory; 0: one directory of all)."""
+
+
+def build(n: int, xattr: bool, names: str = "chunk") -> Namespace:
     ns = Namespace(lambda ops: None)
     ns.init_root(0, 0)
-    for _, first, count in fill_namespace(ns, n, PER_DIR):
+    name, per_dir = NAMES[names]
+    for _, first, count in fill_namespace(ns, n, per_dir or max(n, 1), name):
         if xattr:
             for ino in range(first, first + count):
                 ns.apply(Xattr(ino, b"user.vllm.kv_crc32c", b"%08x" % ino))
     return ns
+
+
+def structures(ns: Namespace) -> tuple[int, int]:
+    """(bytes of the columns, of the directories' listing arrays)."""
+    columns = sum(c.nbytes() for c in ns.persisted_columns) + ns._lookups.nbytes()
+    return columns, sum(len(d.children) * 4 for d in ns._dirs.values())
+
+
+def turnover(ns: Namespace, n: int, name: Callable[[int], bytes]) -> int:
+    """Replace ``n`` files at random as the store's eviction and a writer do: the
+    victim's name removed and its row dropped, then a new file (``name(n + k)``, a
+    freed row) made in the same directory, one unit written and committed. Returns
+    the files made."""
+    rng = random.Random(2)
+    files = array("q", (i for i in ns.inodes if not ns.inodes[i].is_dir))  # no int objects
+    for k in range(n):
+        j = rng.randrange(len(files))
+        victim = ns.inodes[files[j]]
+        parent = victim.parent
+        ns.drop(ns.remove(parent, victim.name, want_dir=False))
+        inode = ns.make(parent, name(n + k), stat.S_IFREG | 0o644, 0, 0)
+        inode.size = 1 << 20
+        units, sums = ns.edit_map(inode)
+        units.append(n + k)
+        sums.append((n + k) * 2654435761 & ((1 << 64) - 1))
+        ns.commit(inode)
+        files[j] = inode.ino
+    del victim, inode
+    return n
 
 
 def main() -> None:
@@ -46,16 +94,17 @@ def main() -> None:
     ap.add_argument("files", type=int)
     ap.add_argument("--xattr", action="store_true")
     ap.add_argument("--drop", type=float, default=0.0, help="then drop this fraction, at random")
+    ap.add_argument("--turnover", action="store_true", help="then replace N files as evicted")
+    ap.add_argument("--names", choices=sorted(NAMES), default="chunk")
     args = ap.parse_args()
     n = args.files
     r0 = rss()
     t = time.perf_counter()
-    ns = build(n, args.xattr)
+    ns = build(n, args.xattr, args.names)
     built = time.perf_counter() - t
     gc.collect()
     grown = rss() - r0
-    columns = sum(c.nbytes() for c in ns.persisted_columns) + ns._lookups.nbytes()
-    listing = sum(len(d.children) * 4 for d in ns._dirs.values())
+    columns, listing = structures(ns)
     t = time.perf_counter()
     payloads = ns.snapshot_payloads()
     froze = time.perf_counter() - t
@@ -66,16 +115,35 @@ def main() -> None:
         fresh.load_payload(payload)
     fresh.finish_load()
     loaded = time.perf_counter() - t
+    del fresh, payload, payloads  # (their memory is not the namespace's)
     print(
-        f"files {n:,} xattr {args.xattr}: RSS {grown / n:.1f} B/file (columns "
+        f"files {n:,} names {args.names} xattr {args.xattr}: RSS {grown / n:.1f} B/file (columns "
         f"{columns / n:.1f}, arena {ns._arena.nbytes() / n:.1f}, name index "
         f"{ns._index.nbytes() / n:.1f}, listing arrays {listing / n:.1f}); image "
         f"{image / n:.1f} B/file; build {built:.1f} s, freeze {froze * 1e3:.1f} ms, "
         f"image load {loaded:.2f} s"
     )
+    if args.turnover:
+        t = time.perf_counter()
+        made = turnover(ns, n, NAMES[args.names][0])
+        turned = time.perf_counter() - t
+        gc.collect()
+        columns, listing = structures(ns)
+        untrimmed, free = rss() - r0, heap.free_heap_bytes()
+        t = time.perf_counter()
+        heap.release_free_heap()
+        trim = time.perf_counter() - t
+        print(
+            f"after a turnover ({made:,} files replaced, {turned:.1f} s): RSS "
+            f"{untrimmed / n:.1f} B/file ({(free or 0) / n:.1f} free in the heap), "
+            f"{(rss() - r0) / n:.1f} after a heap trim ({trim * 1e3:.0f} ms) (columns "
+            f"{columns / n:.1f}, arena {ns._arena.nbytes() / n:.1f}, name index "
+            f"{ns._index.nbytes() / n:.1f}, listing arrays {listing / n:.1f}); "
+            f"{ns.file_count:,} files"
+        )
     if args.drop:
         rng = random.Random(1)
-        files = [i for i in ns.inodes if not ns.inodes[i].is_dir]
+        files = array("q", (i for i in ns.inodes if not ns.inodes[i].is_dir))  # no int objects
         gone = rng.sample(files, int(len(files) * args.drop))
         t = time.perf_counter()
         for ino in gone:

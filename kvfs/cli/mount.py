@@ -18,6 +18,7 @@ from kvfs.cli.args import DEVICES_HELP, parse_fraction, parse_seconds, parse_siz
 from kvfs.cli.outcome import EXIT_FAIL, EXIT_OK, EXIT_USAGE, describe, root_cause
 from kvfs.common import sizes
 from kvfs.common.errors import UserError
+from kvfs.common.heap import release_free_heap
 from kvfs.evict.policy import DEFAULT_POLICY, POLICY_NAMES
 
 log = logging.getLogger("kvfs")
@@ -259,23 +260,6 @@ def _daemonize(args: argparse.Namespace) -> int:
             log.error("mount ended: %s", describe(cause))
         os._exit(EXIT_FAIL)
     os._exit(code)
-
-
-def release_free_heap() -> None:
-    """Give the heap that recovery freed back to the kernel (glibc ``malloc_trim``):
-    decoding a checkpoint's pieces leaves hundreds of MiB free but mapped at 10^7
-    files, which the daemon would otherwise keep as RSS. No-op without glibc."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        trim = getattr(libc, "malloc_trim", None)
-    except OSError:
-        return
-    if trim is not None:
-        trim(0)
 
 
 def _run_mount(args: argparse.Namespace, ready: Callable[[], None]) -> int:

@@ -31,10 +31,12 @@ import os
 import stat
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import asdict
 from typing import Any, TypeVar
 
 import trio
 
+from kvfs.common import heap
 from kvfs.common.errors import (
     DeviceError,
     KvfsError,
@@ -251,6 +253,7 @@ class Store:
             commit=self.commit,
         )
         """Open, read, write, flush, release (:mod:`kvfs.store.opened`)."""
+        self.heap = heap.HeapStatistics()  # freed heap given back while serving
         self.reports = Reports(
             pool,
             self.ns,
@@ -306,6 +309,7 @@ class Store:
             await self.journal.start()
             nursery.start_soon(self.eviction.evict_loop)
             nursery.start_soon(self.space.trim_loop)
+            nursery.start_soon(heap.trim_loop, self.heap)
             await self.hooks.start(nursery)
             task_status.started()
             await trio.sleep_forever()
@@ -693,7 +697,7 @@ class Store:
 
     def all_statistics(self) -> dict[str, Any]:
         """Every part's statistics, as ``kvfs stats`` shows them."""
-        return self.reports.all_statistics()
+        return {**self.reports.all_statistics(), "heap": asdict(self.heap)}
 
     def describe(self) -> dict[str, str | int]:
         """What identifies the mounted pool."""

@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -152,12 +152,28 @@ def write_file(path: str | Path, data: bytes) -> None:
         os.close(fd)
 
 
-def fill_namespace(ns: Namespace, files: int, per_dir: int = 1000) -> list[tuple[int, int, int]]:
+def chunk_name(i: int) -> bytes:
+    """File i's name in :func:`fill_namespace`'s default: ``chunk-%08d.pt`` (14 bytes)."""
+    return b"chunk-%08d.pt" % i
+
+
+def lmcache_name(i: int) -> bytes:
+    """File i's name as LMCache's ``local_disk`` names a chunk (``docs/engines.md`` of
+    the shared docs: model with ``/`` as ``-``, world size, worker, the chunk hash as
+    signed hex, dtype): ~56-60 bytes, a distinct pseudo-random hash per ``i``."""
+    h = (i * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) & ((1 << 64) - 1)
+    signed = h - (1 << 64) if h >> 63 else h
+    return b"meta-llama-Meta-Llama-3-8B@1@0@%x@bfloat16.pt" % signed
+
+
+def fill_namespace(
+    ns: Namespace, files: int, per_dir: int = 1000, name: Callable[[int], bytes] = chunk_name
+) -> list[tuple[int, int, int]]:
     """Directories ``d00000``.. of ``per_dir`` committed one-unit files named
-    ``chunk-%08d.pt`` (file i maps unit i of device 0, checksum i * 2654435761), made
-    in bulk, with a mount's spread of times: the pools and namespaces of
-    ``tools/mounttime.py``, ``nsmem.py`` and ``nsindex.py``. Returns (directory
-    inode, first file inode, files) per directory."""
+    ``name(i)`` (``chunk-%08d.pt``; file i maps unit i of device 0, checksum i *
+    2654435761), made in bulk, with a mount's spread of times: the pools and
+    namespaces of ``tools/mounttime.py``, ``nsmem.py`` and ``nsindex.py``. Returns
+    (directory inode, first file inode, files) per directory."""
     import stat
     from array import array
 
@@ -169,7 +185,7 @@ def fill_namespace(ns: Namespace, files: int, per_dir: int = 1000) -> list[tuple
         dino = ns.make(ROOT_INO, b"d%05d" % d, stat.S_IFDIR | 0o755, 0, 0).ino
         ino = ns.add_files(
             dino,
-            [b"chunk-%08d.pt" % i for i in range(first, first + count)],
+            [name(i) for i in range(first, first + count)],
             stat.S_IFREG | 0o644,
             (0, 0),
             1 << 20,
