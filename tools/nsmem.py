@@ -89,14 +89,14 @@ def turnover(ns: Namespace, n: int, name: Callable[[int], bytes]) -> int:
     return n
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("files", type=int)
     ap.add_argument("--xattr", action="store_true")
     ap.add_argument("--drop", type=float, default=0.0, help="then drop this fraction, at random")
     ap.add_argument("--turnover", action="store_true", help="then replace N files as evicted")
     ap.add_argument("--names", choices=sorted(NAMES), default="chunk")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     n = args.files
     r0 = rss()
     t = time.perf_counter()

@@ -1,0 +1,44 @@
+"""tools/nsmem.py: the namespace's memory, after a turnover as the store evicts and
+writers replace files, with the names engines give."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from kvfs.index.namespace import Namespace
+from kvfs.testing.harness import fill_namespace, lmcache_name
+from tests.tools import load_tool
+
+nsmem = load_tool("nsmem")
+
+
+def test_a_turnover_replaces_every_file_in_the_rows_it_freed() -> None:
+    ns = Namespace(lambda ops: None)
+    ns.init_root(0, 0)
+    fill_namespace(ns, 3000, 1000)
+    before = {ns.inodes[i].name for i in ns.inodes if not ns.inodes[i].is_dir}
+    rows = ns.next_ino
+    nsmem.turnover(ns, 3000, lmcache_name)
+    files = [ns.inodes[i] for i in ns.inodes if not ns.inodes[i].is_dir]
+    assert len(files) == 3000 == ns.file_count
+    # random victims: some old files are left, most went, every new one is written
+    assert 0 < len({f.name for f in files} & before) < 3000 // 2
+    assert all(f.size == 1 << 20 and f.nunits == 1 for f in files if f.name not in before)
+    # each new file took a freed row (one may wait while the victim's view is held)
+    assert rows <= ns.next_ino <= rows + 1
+
+
+def test_the_tool_reports_the_turnover_and_the_names_it_was_given(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    arena = {}
+    for names in ("chunk", "lmcache"):
+        nsmem.main(["3000", "--turnover", "--names", names])
+        out = capsys.readouterr().out
+        assert "after a turnover (3,000 files replaced" in out and "3,000 files\n" in out
+        arena[names] = [float(x) for x in re.findall(r"arena ([0-9.]+)", out)]
+    # names are kept whole: LMCache's ~58 bytes against chunk-%08d.pt's 14
+    assert all(a >= 50 for a in arena["lmcache"]), arena
+    assert all(a < 30 for a in arena["chunk"]), arena
