@@ -8,6 +8,7 @@ per file of each structure, the image size, and freeze / image-load times.
     python tools/nsmem.py 1000000 --drop 0.5   # then the image after a random half went
     python tools/nsmem.py 1000000 --turnover   # then every file replaced, as eviction does
     python tools/nsmem.py 1000000 --names lmcache --turnover   # LMCache's names, one directory
+    python tools/nsmem.py 1000000 --names lmcache --lookups 200000   # and their cost
 
 ``--turnover``: N times, a random file leaves as the store evicts one (its name
 removed, its row dropped) and a new one-unit file is made in its directory (its
@@ -15,7 +16,8 @@ row the freed one, as a mount reuses it), written and committed; then the RSS an
 structures again, per file, before and after a heap trim (what the daemon does
 while serving, ``kvfs.common.heap``). ``--names lmcache``: LMCache ``local_disk``'s
 names (~58 bytes, ``harness.lmcache_name``) in one flat directory, as LMCache keeps
-them.
+them. ``--lookups K``: after the build, the time of K lookups of random files by
+name and of listing the largest directory, per name (medians of 5 rounds).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import argparse
 import gc
 import random
 import stat
+import statistics
 import sys
 import time
 from array import array
@@ -87,6 +90,29 @@ def turnover(ns: Namespace, n: int, name: Callable[[int], bytes]) -> None:
         del victim, inode  # (views: the next drop frees its row at once)
 
 
+def lookups(ns: Namespace, k: int) -> None:
+    """Print the median time of a lookup by name (K random files) and of a listed
+    name (the largest directory), over 5 rounds."""
+    rng = random.Random(3)
+    files = [i for i in ns.inodes if not ns.inodes[i].is_dir]
+    keys = [(ns.inodes[i].parent, ns.inodes[i].name) for i in rng.sample(files, min(k, len(files)))]
+    big = max(ns._dirs, key=lambda d: len(ns._dirs[d].children))
+    per_lookup, per_listed = [], []
+    for _ in range(5):
+        t = time.perf_counter()
+        for parent, name in keys:
+            ns.lookup(parent, name)
+        per_lookup.append((time.perf_counter() - t) / len(keys))
+        t = time.perf_counter()
+        listed = ns.directory(big).items()
+        per_listed.append((time.perf_counter() - t) / len(listed))
+    print(
+        f"lookup {statistics.median(per_lookup) * 1e6:.2f} µs per name ({len(keys):,} "
+        f"names), listing {statistics.median(per_listed) * 1e6:.3f} µs per name "
+        f"({len(listed):,} in the largest directory)"
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("files", type=int)
@@ -94,6 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--drop", type=float, default=0.0, help="then drop this fraction, at random")
     ap.add_argument("--turnover", action="store_true", help="then replace N files as evicted")
     ap.add_argument("--names", choices=sorted(NAMES), default="chunk")
+    ap.add_argument("--lookups", type=int, default=0, help="then time K lookups and a listing")
     args = ap.parse_args(argv)
     n = args.files
     r0 = rss()
@@ -121,6 +148,8 @@ def main(argv: list[str] | None = None) -> None:
         f"{image / n:.1f} B/file; build {built:.1f} s, freeze {froze * 1e3:.1f} ms, "
         f"image load {loaded:.2f} s"
     )
+    if args.lookups:
+        lookups(ns, args.lookups)
     if args.turnover:
         t = time.perf_counter()
         turnover(ns, n, NAMES[args.names][0])

@@ -35,6 +35,7 @@ from kvfs.format.nsparts import (
     Listings,
     Meta,
     MultiMaps,
+    NameFormsPart,
     Owners,
     Part,
     Snapshot,
@@ -43,8 +44,9 @@ from kvfs.format.nsparts import (
 )
 
 TAG = 0xC5
-VERSION = 3
-"""3: column chunks in their own item code (pid's high byte), atime and ctime as
+VERSION = 4
+"""4: names may be kept by their form (side table 12, ``kvfs.index.nameforms``);
+3: column chunks in their own item code (pid's high byte), atime and ctime as
 distances from mtime; 2 and 1 are read (full-width chunks, absolute times)."""
 CODES = "BHIQbhiq"
 """A dense column part's item code is ``CODES[(pid >> 8) - 1]`` (version 3)."""
@@ -74,7 +76,8 @@ K_META, K_COLUMN, K_SLOTS, K_ARENA, K_SIDE, K_ROWS, K_CODED_ROWS = 1, 2, 3, 4, 5
     S_BIGX,
     S_AFREE,
     S_BLOBS,
-) = range(1, 12)
+    S_FORMS,
+) = range(1, 13)
 SIDE_BATCH = 4 << 20
 """Side-table payloads are cut at about this many bytes."""
 
@@ -113,9 +116,11 @@ def _side_tables(snap: Snapshot) -> tuple[list[bytes], Iterator[bytes]]:
         for d, names in snap.links
     )
     maps = ((i, u.tobytes() + c.tobytes()) for i, (u, c) in snap.maps.items())
+    forms = enumerate(snap.name_forms[: snap.name_form_count])
     parts = [
         *_pairs(S_OWNERS, ((i, _OWNER.pack(*o)) for i, o in enumerate(snap.owners))),
         *_pairs(S_XNAMES, enumerate(snap.xattr_names)),
+        *_pairs(S_FORMS, ((i, bytes((len(p),)) + p + s) for i, (p, s) in forms)),
         *_pairs(S_FREE, [(0, snap.free.tobytes())]),
         *_pairs(S_DEAD, ((i, b"") for i in snap.dead)),
         *_pairs(S_LINKS, links),
@@ -462,7 +467,7 @@ def decode_part(payload: bytes) -> list[Part]:
 
 def _decode_meta(body: bytes) -> Meta:
     version, next_ino, live, rows, isize, iused, itombs, tail = _META.unpack_from(body)
-    if version not in (1, 2, VERSION):
+    if version not in (1, 2, 3, VERSION):
         raise Corruption(f"namespace image version {version} (this release reads 1 to {VERSION})")
     osize = oused = cursor = 0
     if version > 1:
@@ -516,11 +521,20 @@ def _links(value: bytes) -> list[tuple[bytes, int]]:
     return out
 
 
+def _form(value: bytes) -> tuple[bytes, bytes]:
+    """A name form: ``<B>`` prefix length, prefix, suffix."""
+    if not value or value[0] + 1 > len(value):
+        raise ValueError(f"name form of {len(value)} bytes")
+    return value[1 : 1 + value[0]], value[1 + value[0] :]
+
+
 def _decode_side(pid: int, pairs: list[tuple[int, bytes]]) -> Part:
     if pid == S_OWNERS:
         return Owners([_OWNER.unpack(value) for _, value in pairs])
     if pid == S_XNAMES:
         return XattrNames([value for _, value in pairs])
+    if pid == S_FORMS:
+        return NameFormsPart([_form(value) for _, value in pairs])
     if pid == S_FREE:
         return FreeRows(_array("I", b"".join(value for _, value in pairs)))
     if pid == S_DEAD:

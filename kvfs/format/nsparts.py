@@ -102,6 +102,10 @@ class Snapshot:
     arena: Sequence[bytearray]
     owners: Sequence[tuple[int, int]]
     xattr_names: Sequence[bytes]
+    name_forms: Sequence[tuple[bytes, bytes]]
+    """Interned name forms (``kvfs.index.nameforms``): (prefix, suffix) by id,
+    the first ``name_form_count`` of them (the list is shared and only grows)."""
+    name_form_count: int
     free: array[int]
     dead: Sequence[int]
     """Rows dropped while something still named them."""
@@ -167,6 +171,11 @@ class XattrNames(NamedTuple):
     """Interned xattr names, ids from the next one on."""
 
 
+class NameFormsPart(NamedTuple):
+    forms: list[tuple[bytes, bytes]]
+    """Interned name forms (prefix, suffix), ids from the next one on."""
+
+
 class FreeRows(NamedTuple):
     rows: array[int]
 
@@ -214,6 +223,7 @@ Part = (
     | ArenaChunks
     | Owners
     | XattrNames
+    | NameFormsPart
     | FreeRows
     | DeadRows
     | Listings
@@ -252,6 +262,8 @@ def root_snapshot(uid: int, gid: int, now: int, mode: int) -> Snapshot:
         arena=[],
         owners=[(uid, gid)],
         xattr_names=[],
+        name_forms=[],
+        name_form_count=0,
         free=array("I"),
         dead=[],
         links=[],

@@ -175,9 +175,10 @@ class Namespace(Replay, Scans):
             col.fill(first, array(col.code, [value]) * n)
         self._unit0.fill(first, array("q", [u + 1 for u in units]))
         self._csum0.fill(first, csums)
-        self._name_len.fill(first, array("B", map(len, names)))
+        entries = [*map(self._forms.entry, names)]
+        self._name_len.fill(first, array("B", map(len, entries)))
         put, insert = self._arena.put, self._index.insert
-        self._name_off.fill(first, array("I", map(put, names)))
+        self._name_off.fill(first, array("I", map(put, entries)))
         for i, name in enumerate(names):
             insert(parent, name, first + i)
         children = self._dirs[parent].own_children()

@@ -23,6 +23,7 @@ from kvfs.common.errors import InvalidArgument, NoSpace
 from kvfs.format.nsparts import COLUMNS, ROOT_INO
 from kvfs.format.records import Op
 from kvfs.index.columns import MASK, ROWS, SHIFT, Arena, Column, NameIndex
+from kvfs.index.nameforms import NameForms
 
 F_DEAD = 0x80
 """Internal: the row was dropped (kept until no view or kernel reference names it)."""
@@ -102,6 +103,7 @@ class State:
         self._owner_ids: dict[tuple[int, int], int] = {}
         self._xnames: list[bytes] = []
         self._xname_ids: dict[bytes, int] = {}
+        self._forms = NameForms()
         self._big_xattrs: dict[int, bytes] = {}
         self._maps: dict[int, tuple[array[int], array[int]]] = {}
         self._multi: dict[int, array[int]] = {}
@@ -210,23 +212,28 @@ class State:
     # ------------------------------------------------------------------ name bytes
     def _name(self, ino: int) -> bytes:
         n = self._name_len[ino]
-        return self._arena.get(self._name_off[ino], n) if n else b""
+        return self._forms.name(self._arena.get(self._name_off[ino], n)) if n else b""
 
     def _set_name(self, ino: int, name: bytes) -> None:
         n = self._name_len[ino]
-        if n == len(name) and self._arena.equals(self._name_off[ino], n, name):
+        if n and self._is_named(ino, name):
             return
         if n:
             self._arena.release(self._name_off[ino], n)
-        self._name_off[ino] = self._arena.put(name)
-        self._name_len[ino] = len(name)
+        entry = self._forms.entry(name)
+        self._name_off[ino] = self._arena.put(entry)
+        self._name_len[ino] = len(entry)
+
+    def _is_named(self, ino: int, name: bytes) -> bool:
+        """Row ``ino``'s name is ``name``, kept whole or by its form (an entry by
+        form is shorter than its name and starts with NUL, which no name holds)."""
+        n, off = self._name_len[ino], self._name_off[ino]
+        if n >= len(name):
+            return n == len(name) and self._arena.equals(off, n, name)
+        return self._forms.name(self._arena.get(off, n)) == name
 
     def _matches(self, ino: int, parent: int, name: bytes) -> bool:
-        return (
-            self._parent[ino] == parent
-            and self._name_len[ino] == len(name)
-            and self._arena.equals(self._name_off[ino], len(name), name)
-        )
+        return self._parent[ino] == parent and self._is_named(ino, name)
 
     def _key_of(self, ino: int) -> tuple[int, bytes]:
         return self._parent[ino], self._name(ino)

@@ -4,7 +4,8 @@ check the durability contract of ``docs/design.md`` against a model.
 A worker process (this file run as a script) drives three threads on the mount, each
 owning one top-level directory: create+write+close of files of random, unaligned
 sizes, overwrites in place (no O_TRUNC), O_TRUNC rewrites, vLLM-style tmp+rename,
-unlink, mkdir/rmdir, fsync, fsyncdir and verified reads. Every operation is logged
+unlink, mkdir/rmdir, fsync, fsyncdir and verified reads, half of the files under an
+engine's hex-hash name (kept by its form, ``kvfs/index/nameforms.py``). Every operation is logged
 (outside the mount, one ``write`` per record to an O_APPEND file: the worker machine
 does not crash, only the daemon) with a begin record before the syscall and an end
 record after it returned. The checker replays the log into per-path *versions*:
@@ -84,6 +85,9 @@ class Worker:
     def new_name(self, suffix: str = "") -> str:
         self.serial += 1
         d = self.rng.choice(sorted(self.dirs))
+        if self.rng.random() < 0.5:  # an engine's name: kept by its form (index/nameforms)
+            h = f"{self.rng.getrandbits(64):x}{self.serial:06x}"
+            return f"{d}/model@1@{os.getpid() % 3}@{h}@bfloat16.pt{suffix}"
         return f"{d}/f{os.getpid()}_{self.serial}{suffix}"
 
     def size(self) -> int:

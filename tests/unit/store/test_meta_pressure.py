@@ -29,14 +29,18 @@ GRAIN = ROWS * 80 + ARENA_CHUNK
 """The image is made of chunks (ROWS rows of every column, arena chunks), the
 estimate of per-file costs: they may differ by about a chunk of each."""
 NAME = 180  # long names: the 1 MiB metadata area fills long before 2000 units of data
+_LETTERS = bytes.maketrans(b"0123456789", b"ghijklmnop")
 
 
 def name_of(i: int) -> bytes:
-    return b"%0*d" % (NAME, i)
+    """File i's name: its number in letters, with no hex digit, so that it is kept
+    whole (a run of hex digits would be kept by its form, at half the size:
+    ``kvfs/index/nameforms.py``)."""
+    return (b"%0*d" % (NAME, i)).translate(_LETTERS)
 
 
 def content(name: bytes) -> bytes:
-    return hashlib.sha256(name).digest() * (1 + int(name) % 5)
+    return hashlib.sha256(name).digest() * (1 + name[-1] % 5)
 
 
 async def put(store: Store, i: int, keep_open: bool = False) -> int:
