@@ -45,9 +45,10 @@ from kvfs.format.nsparts import (
 
 TAG = 0xC5
 VERSION = 4
-"""4: names may be kept by their form (side table 12, ``kvfs.index.nameforms``);
-3: column chunks in their own item code (pid's high byte), atime and ctime as
-distances from mtime; 2 and 1 are read (full-width chunks, absolute times)."""
+"""4: names may be kept by their form (side table 12, ``kvfs.index.nameforms``;
+an image with no form in use is written as version 3); 3: column chunks in their
+own item code (pid's high byte), atime and ctime as distances from mtime; 2 and 1
+are read (full-width chunks, absolute times)."""
 CODES = "BHIQbhiq"
 """A dense column part's item code is ``CODES[(pid >> 8) - 1]`` (version 3)."""
 _HEAD = struct.Struct("<BBHI")
@@ -60,6 +61,9 @@ XATTR_SET_LEN = struct.Struct("<H")
 XATTR_HEAD = struct.Struct("<HH")  # xattr name id, value length (arena sets are < 4 KiB)
 BIG_XATTR_HEAD = struct.Struct("<HI")  # the same in the big-xattr side table
 _PAIR = struct.Struct("<QI")
+_FORM = struct.Struct("<IB")
+"""A name form in side table 12 (key: its id): the entries that use it, its prefix's
+length; then the prefix and the suffix."""
 _OWNER = struct.Struct("<II")
 _LINK = struct.Struct("<BI")
 
@@ -116,11 +120,10 @@ def _side_tables(snap: Snapshot) -> tuple[list[bytes], Iterator[bytes]]:
         for d, names in snap.links
     )
     maps = ((i, u.tobytes() + c.tobytes()) for i, (u, c) in snap.maps.items())
-    forms = enumerate(snap.name_forms[: snap.name_form_count])
     parts = [
         *_pairs(S_OWNERS, ((i, _OWNER.pack(*o)) for i, o in enumerate(snap.owners))),
         *_pairs(S_XNAMES, enumerate(snap.xattr_names)),
-        *_pairs(S_FORMS, ((i, bytes((len(p),)) + p + s) for i, (p, s) in forms)),
+        *_pairs(S_FORMS, ((i, _FORM.pack(n, len(p)) + p + s) for i, n, p, s in snap.name_forms)),
         *_pairs(S_FREE, [(0, snap.free.tobytes())]),
         *_pairs(S_DEAD, ((i, b"") for i in snap.dead)),
         *_pairs(S_LINKS, links),
@@ -391,8 +394,9 @@ def _expand(where: array[int], values: array[int], items: array[int]) -> None:
 def image_payloads(snap: Snapshot) -> Iterator[bytes]:
     """An iterator over the image payloads of ``snap``: its small side tables are
     serialized now, its frozen chunks and big side tables as it is consumed."""
+    version = VERSION if snap.name_forms else 3  # an earlier release reads a pool without forms
     meta = _META.pack(
-        VERSION, snap.next_ino, snap.live, snap.rows, *snap.table, 0, snap.arena_tail
+        version, snap.next_ino, snap.live, snap.rows, *snap.table, 0, snap.arena_tail
     ) + _MIGRATION.pack(*snap.old_table, snap.cursor)
     columns = snap.columns
     codes = [spec.code for spec in COLUMNS]  # sparse records' item codes
@@ -521,11 +525,13 @@ def _links(value: bytes) -> list[tuple[bytes, int]]:
     return out
 
 
-def _form(value: bytes) -> tuple[bytes, bytes]:
-    """A name form: ``<B>`` prefix length, prefix, suffix."""
-    if not value or value[0] + 1 > len(value):
-        raise ValueError(f"name form of {len(value)} bytes")
-    return value[1 : 1 + value[0]], value[1 + value[0] :]
+def _form(fid: int, value: bytes) -> tuple[int, int, bytes, bytes]:
+    """A name form: id, ``_FORM`` (entries that use it, prefix length), prefix,
+    suffix."""
+    count, n = _FORM.unpack_from(value)
+    if _FORM.size + n > len(value):
+        raise ValueError(f"name form of {len(value)} bytes with a {n}-byte prefix")
+    return fid, count, value[_FORM.size : _FORM.size + n], value[_FORM.size + n :]
 
 
 def _decode_side(pid: int, pairs: list[tuple[int, bytes]]) -> Part:
@@ -534,7 +540,7 @@ def _decode_side(pid: int, pairs: list[tuple[int, bytes]]) -> Part:
     if pid == S_XNAMES:
         return XattrNames([value for _, value in pairs])
     if pid == S_FORMS:
-        return NameFormsPart([_form(value) for _, value in pairs])
+        return NameFormsPart([_form(key, value) for key, value in pairs])
     if pid == S_FREE:
         return FreeRows(_array("I", b"".join(value for _, value in pairs)))
     if pid == S_DEAD:

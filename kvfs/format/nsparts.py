@@ -102,10 +102,9 @@ class Snapshot:
     arena: Sequence[bytearray]
     owners: Sequence[tuple[int, int]]
     xattr_names: Sequence[bytes]
-    name_forms: Sequence[tuple[bytes, bytes]]
-    """Interned name forms (``kvfs.index.nameforms``): (prefix, suffix) by id,
-    the first ``name_form_count`` of them (the list is shared and only grows)."""
-    name_form_count: int
+    name_forms: Sequence[tuple[int, int, bytes, bytes]]
+    """The name forms in use (``kvfs.index.nameforms``): id, entries that use it,
+    prefix, suffix (none: the image is written as version 3)."""
     free: array[int]
     dead: Sequence[int]
     """Rows dropped while something still named them."""
@@ -172,8 +171,8 @@ class XattrNames(NamedTuple):
 
 
 class NameFormsPart(NamedTuple):
-    forms: list[tuple[bytes, bytes]]
-    """Interned name forms (prefix, suffix), ids from the next one on."""
+    forms: list[tuple[int, int, bytes, bytes]]
+    """Name forms in use: id, entries that use it, prefix, suffix."""
 
 
 class FreeRows(NamedTuple):
@@ -263,7 +262,6 @@ def root_snapshot(uid: int, gid: int, now: int, mode: int) -> Snapshot:
         owners=[(uid, gid)],
         xattr_names=[],
         name_forms=[],
-        name_form_count=0,
         free=array("I"),
         dead=[],
         links=[],

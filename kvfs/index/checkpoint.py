@@ -53,8 +53,7 @@ class Checkpoint(Lifecycle):
             arena=arena.freeze(),
             owners=self._owners,
             xattr_names=self._xnames,
-            name_forms=self._forms.parts,
-            name_form_count=len(self._forms.parts),
+            name_forms=self._forms.in_use(),
             free=self._free,
             dead=[*self._deferred, *self._ghosts],
             links=[(d, state.links) for d, state in self._dirs.items() if state.links],
@@ -113,8 +112,8 @@ class Checkpoint(Lifecycle):
                 self._xname_ids[name] = len(self._xnames)
                 self._xnames.append(name)
         elif isinstance(part, nsparts.NameFormsPart):
-            for prefix, suffix in part.forms:
-                self._forms.add(prefix, suffix)
+            for form in part.forms:
+                self._forms.load(*form)
         elif isinstance(part, nsparts.FreeRows):
             self._free.extend(part.rows)
         elif isinstance(part, nsparts.DeadRows):

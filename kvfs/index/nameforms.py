@@ -26,16 +26,22 @@ import re
 import struct
 from binascii import hexlify, unhexlify
 
+from kvfs.common.errors import Corruption
 from kvfs.format.nsparts import GRANULE
 
 FORM_HEAD = struct.Struct("<BHB")
 """0 (no name starts with NUL), the form's id, the count of hex digits."""
 MAX_FORMS = 1 << 16
-"""Form ids are 16 bits; past that many distinct forms, new names are kept whole.
-A form costs ~0.2 KiB of the daemon's memory, so the table is at most ~13 MiB."""
+"""Form ids are 16 bits; while that many forms are in use, names of a new form are
+kept whole. A form costs ~0.2 KiB of the daemon's memory and up to ~0.26 KiB of
+each checkpoint."""
 MAX_SEEN = 1 << 16
 """Forms seen once, remembered (~4 MiB at most)."""
 _RUN = re.compile(rb"[0-9a-f]+")
+
+
+def _second(item: tuple[tuple[bytes, bytes], int]) -> int:
+    return item[1]
 
 
 def _granules(n: int) -> int:
@@ -43,12 +49,21 @@ def _granules(n: int) -> int:
 
 
 class NameForms:
-    """The pool's interned forms (prefix, suffix) by id, and a name's entry."""
+    """The pool's interned forms (prefix, suffix) by id, how many arena entries use
+    each, and a name's entry. A form lives while an entry uses it: the namespace
+    calls :meth:`hold` for each entry it puts in the arena and :meth:`drop` for each
+    it releases, and the last drop frees the form's id for another form (so frames
+    that come and go, a request id in every name, do not fill the table or the
+    image)."""
 
-    __slots__ = ("ids", "parts", "seen")
+    __slots__ = ("counts", "free", "ids", "parts", "seen")
 
     def __init__(self) -> None:
-        self.parts: list[tuple[bytes, bytes]] = []
+        self.parts: list[tuple[bytes, bytes] | None] = []
+        """By id; None: a free id (in ``free``)."""
+        self.counts: list[int] = []
+        """By id: the arena entries that use the form."""
+        self.free: list[int] = []
         self.ids: dict[tuple[bytes, bytes], int] = {}
         self.seen: set[int] = set()
         """Hashes of forms stored once, whole (a form is interned at its second
@@ -56,12 +71,46 @@ class NameForms:
         fill the table); forgotten at ``MAX_SEEN``."""
 
     def __len__(self) -> int:
-        return len(self.parts)
+        return len(self.ids)
 
-    def add(self, prefix: bytes, suffix: bytes) -> None:
-        """Intern a form loaded from an image, as the next id."""
-        self.ids[prefix, suffix] = len(self.parts)
-        self.parts.append((prefix, suffix))
+    def load(self, fid: int, count: int, prefix: bytes, suffix: bytes) -> None:
+        """Install a form of an image at its id, used by ``count`` entries."""
+        if count <= 0 or fid >= MAX_FORMS or (prefix, suffix) in self.ids:
+            raise ValueError(f"name form {fid}: {count} entries, or twice")
+        while len(self.parts) <= fid:
+            self.free.append(len(self.parts))
+            self.parts.append(None)
+            self.counts.append(0)
+        if self.parts[fid] is not None:
+            raise ValueError(f"name form {fid} twice")
+        self.free.remove(fid)
+        self.parts[fid] = prefix, suffix
+        self.counts[fid] = count
+        self.ids[prefix, suffix] = fid
+
+    def in_use(self) -> list[tuple[int, int, bytes, bytes]]:
+        """Each form in use: id, entries that use it, prefix, suffix (O(forms))."""
+        return [(fid, self.counts[fid], *key) for key, fid in sorted(self.ids.items(), key=_second)]
+
+    def hold(self, entry: bytes) -> None:
+        """An arena entry was put: count it against its form."""
+        if entry[:1] == b"\0":
+            self.counts[FORM_HEAD.unpack_from(entry)[1]] += 1
+
+    def drop(self, head: bytes) -> None:
+        """An arena entry (its first ``FORM_HEAD.size`` bytes or all of it, if
+        shorter) is released: the form's last one frees its id."""
+        if head[:1] != b"\0":
+            return
+        fid = FORM_HEAD.unpack_from(head)[1]
+        left = self.counts[fid] - 1
+        self.counts[fid] = left
+        if left == 0:
+            part = self.parts[fid]
+            assert part is not None
+            del self.ids[part]
+            self.parts[fid] = None
+            self.free.append(fid)
 
     def entry(self, name: bytes, intern: bool = True) -> bytes:
         """The arena entry of ``name``: by its form when that is known (or
@@ -79,7 +128,7 @@ class NameForms:
         key = (name[:start], name[end:])
         fid = self.ids.get(key)
         if fid is None:
-            if not intern or len(self.parts) >= MAX_FORMS:
+            if not intern or len(self.ids) >= MAX_FORMS:
                 return name
             h = hash(key)
             if h not in self.seen:
@@ -88,8 +137,14 @@ class NameForms:
                 self.seen.add(h)
                 return name
             self.seen.discard(h)
-            fid = self.ids[key] = len(self.parts)
-            self.parts.append(key)
+            if self.free:
+                fid = self.free.pop()
+                self.parts[fid] = key
+            else:
+                fid = len(self.parts)
+                self.parts.append(key)
+                self.counts.append(0)
+            self.ids[key] = fid
         return FORM_HEAD.pack(0, fid, digits) + unhexlify(run + b"0" if digits & 1 else run)
 
     def name(self, entry: bytes) -> bytes:
@@ -97,6 +152,9 @@ class NameForms:
         if entry[:1] != b"\0":
             return entry
         _, fid, digits = FORM_HEAD.unpack_from(entry)
-        prefix, suffix = self.parts[fid]
+        part = self.parts[fid] if fid < len(self.parts) else None
+        if part is None:  # a damaged image: EIO, never another name
+            raise Corruption(f"a name of form {fid}, which is not in use")
+        prefix, suffix = part
         whole: bytes = prefix + hexlify(entry[FORM_HEAD.size :])[:digits] + suffix
         return whole

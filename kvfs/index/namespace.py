@@ -177,7 +177,7 @@ class Namespace(Replay, Scans):
         self._csum0.fill(first, csums)
         entries = [*map(self._forms.entry, names)]
         self._name_len.fill(first, array("B", map(len, entries)))
-        put, insert = self._arena.put, self._index.insert
+        put, insert = self._put_entry, self._index.insert
         self._name_off.fill(first, array("I", map(put, entries)))
         for i, name in enumerate(names):
             insert(parent, name, first + i)

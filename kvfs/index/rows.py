@@ -64,9 +64,8 @@ class Rows(Names, Xattrs, UnitMaps):
         answered with another file's attributes)."""
         if not self._mode[ino]:
             return  # stripped already
-        n = self._name_len[ino]
-        if n:
-            self._arena.release(self._name_off[ino], n)
+        if self._name_len[ino]:
+            self._release_name(ino)
         self._drop_xattrs(ino)
         self._maps.pop(ino, None)
         self._multi.pop(ino, None)

@@ -23,7 +23,7 @@ from kvfs.common.errors import InvalidArgument, NoSpace
 from kvfs.format.nsparts import COLUMNS, ROOT_INO
 from kvfs.format.records import Op
 from kvfs.index.columns import MASK, ROWS, SHIFT, Arena, Column, NameIndex
-from kvfs.index.nameforms import NameForms
+from kvfs.index.nameforms import FORM_HEAD, NameForms
 
 F_DEAD = 0x80
 """Internal: the row was dropped (kept until no view or kernel reference names it)."""
@@ -215,21 +215,32 @@ class State:
         return self._forms.name(self._arena.get(self._name_off[ino], n)) if n else b""
 
     def _set_name(self, ino: int, name: bytes) -> None:
-        n = self._name_len[ino]
-        if n and self._is_named(ino, name):
-            return
-        if n:
-            self._arena.release(self._name_off[ino], n)
+        if self._name_len[ino]:
+            if self._is_named(ino, name):
+                return
+            self._release_name(ino)
         entry = self._forms.entry(name)
-        self._name_off[ino] = self._arena.put(entry)
+        self._name_off[ino] = self._put_entry(entry)
         self._name_len[ino] = len(entry)
+
+    def _put_entry(self, entry: bytes) -> int:
+        """A name's arena entry stored (and counted against its form)."""
+        self._forms.hold(entry)
+        return self._arena.put(entry)
+
+    def _release_name(self, ino: int) -> None:
+        """Row ``ino``'s name entry released (its form's count too); the caller
+        clears or replaces the row's name."""
+        n, off = self._name_len[ino], self._name_off[ino]
+        self._forms.drop(self._arena.get(off, min(n, FORM_HEAD.size)))
+        self._arena.release(off, n)
 
     def _is_named(self, ino: int, name: bytes) -> bool:
         """Row ``ino``'s name is ``name``, kept whole or by its form (an entry by
         form is shorter than its name and starts with NUL, which no name holds)."""
         n, off = self._name_len[ino], self._name_off[ino]
-        if n >= len(name):
-            return n == len(name) and self._arena.equals(off, n, name)
+        if n >= len(name):  # (a name with a NUL, never valid, is never found)
+            return n == len(name) and name[:1] != b"\0" and self._arena.equals(off, n, name)
         return self._forms.name(self._arena.get(off, n)) == name
 
     def _matches(self, ino: int, parent: int, name: bytes) -> bool:

@@ -4,11 +4,13 @@ check the durability contract of ``docs/design.md`` against a model.
 A worker process (this file run as a script) drives three threads on the mount, each
 owning one top-level directory: create+write+close of files of random, unaligned
 sizes, overwrites in place (no O_TRUNC), O_TRUNC rewrites, vLLM-style tmp+rename,
-unlink, mkdir/rmdir, fsync, fsyncdir and verified reads, half of the files under an
-engine's hex-hash name (kept by its form, ``kvfs/index/nameforms.py``). Every operation is logged
-(outside the mount, one ``write`` per record to an O_APPEND file: the worker machine
-does not crash, only the daemon) with a begin record before the syscall and an end
-record after it returned. The checker replays the log into per-path *versions*:
+unlink, mkdir/rmdir, fsync, fsyncdir and verified reads, half of the files under a
+hex-hash name (kept by its form, ``kvfs/index/nameforms.py``: an engine's frame, or
+one with a request number that comes and goes, so forms are freed and reused).
+Every operation is logged (outside the mount, one ``write`` per record to an
+O_APPEND file: the worker machine does not crash, only the daemon) with a begin
+record before the syscall and an end record after it returned. The checker replays
+the log into per-path *versions*:
 
 - a file's content is durable once its close (of a writable fd) or fsync returned;
 - a namespace operation (create, unlink, rename, mkdir, rmdir) is durable once some
@@ -85,9 +87,11 @@ class Worker:
     def new_name(self, suffix: str = "") -> str:
         self.serial += 1
         d = self.rng.choice(sorted(self.dirs))
-        if self.rng.random() < 0.5:  # an engine's name: kept by its form (index/nameforms)
-            h = f"{self.rng.getrandbits(64):x}{self.serial:06x}"
+        r, h = self.rng.random(), f"{self.rng.getrandbits(64):x}{self.serial:06x}"
+        if r < 0.3:  # an engine's name: kept by its form (index/nameforms)
             return f"{d}/model@1@{os.getpid() % 3}@{h}@bfloat16.pt{suffix}"
+        if r < 0.5:  # a frame that comes and goes: its form is freed, its id reused
+            return f"{d}/{h}_req{self.serial // 4}.kv{suffix}"
         return f"{d}/f{os.getpid()}_{self.serial}{suffix}"
 
     def size(self) -> int:

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from kvfs.common.errors import Exists, NotFound
+from kvfs.common.errors import Corruption, Exists, NotFound
 from kvfs.format import nsimage
 from kvfs.format.records import decode_ops
 from kvfs.index.nameforms import FORM_HEAD, NameForms
@@ -167,9 +167,9 @@ def test_names_by_form_through_every_namespace_path(seed: int) -> None:
 
 
 def test_whole_names_of_an_older_image_stay_reachable(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A version 3 image keeps every name whole. Loaded by this release, which then
-    learns the same names' form from new files, each old name is still found,
-    refused as a duplicate, renamed and removed."""
+    """A version 3 image keeps every name whole (as an earlier release wrote it).
+    Loaded by this release, which then learns the same names' form from new files,
+    each old name is still found, refused as a duplicate, renamed and removed."""
     ns = Namespace(lambda ops: None)
     ns.init_root(0, 0)
     d = ns.make(R, b"d", DIR, 0, 0).ino
@@ -179,9 +179,8 @@ def test_whole_names_of_an_older_image_stay_reachable(monkeypatch: pytest.Monkey
     assert len(ns._forms) == 0
     image = list(ns.snapshot_payloads())
     fields = list(nsimage._META.unpack_from(image[0], 8))
-    assert image[0][1] == nsimage.K_META and fields[0] == nsimage.VERSION
-    fields[0] = 3
-    image[0] = image[0][:8] + nsimage._META.pack(*fields) + image[0][8 + nsimage._META.size :]
+    # no form in use: written as version 3, which an earlier release reads too
+    assert image[0][1] == nsimage.K_META and fields[0] == 3
     fresh = Namespace(lambda ops: None)
     for payload in image:
         fresh.load_payload(payload)
@@ -225,9 +224,9 @@ def test_an_image_from_a_newer_release_is_refused() -> None:
 
 
 def test_a_name_whose_make_interns_its_form_is_found_by_the_same_object() -> None:
-    """A lookup remembers the last name's entry; the make that interns the name's
-    form must not leave the whole-name entry behind for the next lookup. (Each
-    form is interned once; a full directory makes the lookups probe other rows.)"""
+    """The make that interns a name's form (its second name) stores it by form, and
+    a lookup of the same name object right after finds it. (A full directory makes
+    the lookups probe other rows.)"""
     ns = Namespace(lambda ops: None)
     ns.init_root(0, 0)
     for i in range(4000):
@@ -242,3 +241,158 @@ def test_a_name_whose_make_interns_its_form_is_found_by_the_same_object() -> Non
         assert ns.lookup(R, name).ino == ino
         with pytest.raises(Exists):
             ns.make(R, name, FILE, 0, 0)
+
+
+def _counts_by_form(ns: Namespace) -> dict[int, int]:
+    """The entries by form in the arena, counted row by row (rows dropped and not
+    yet reclaimed included: their names go when they are)."""
+    out: dict[int, int] = {}
+    for ino in range(ns.next_ino):
+        n = ns._name_len[ino]
+        head = ns._arena.get(ns._name_off[ino], min(n, FORM_HEAD.size)) if n else b""
+        if head[:1] == b"\0":
+            fid = FORM_HEAD.unpack_from(head)[1]
+            out[fid] = out.get(fid, 0) + 1
+    return out
+
+
+def _assert_forms_consistent(ns: Namespace) -> None:
+    forms = ns._forms
+    counted = _counts_by_form(ns)
+    assert {fid: forms.counts[fid] for fid in forms.ids.values()} == counted
+    assert sorted(forms.free) == [i for i, p in enumerate(forms.parts) if p is None]
+    assert all(forms.ids[p] == i for i, p in enumerate(forms.parts) if p is not None)
+
+
+def test_a_form_goes_with_its_last_name() -> None:
+    """Frames that come and go (a request id in every name, two files each) leave no
+    form behind, and the image none: the forms in use are what names use."""
+    ns = Namespace(lambda ops: None)
+    ns.init_root(0, 0)
+    d = ns.make(R, b"d", DIR, 0, 0).ino
+    names = [
+        b"%064x_%032x" % (random.getrandbits(256), request)
+        for request in range(2000)
+        for _ in range(2)
+    ]
+    for name in names:
+        ns.make(d, name, FILE, 0, 0)
+    assert len(ns._forms) == 2000  # the second name of each request's frame
+    _assert_forms_consistent(ns)
+    full = sum(map(len, ns.snapshot_payloads()))
+    for name in names:
+        ns.drop(ns.remove(d, name, want_dir=False))
+    _assert_forms_consistent(ns)
+    image = list(ns.snapshot_payloads())  # (dropped rows are reclaimed first)
+    assert len(ns._forms) == 0 and len(ns._forms.free) == 2000
+    _assert_forms_consistent(ns)
+    assert sum(map(len, image)) < full / 4
+    assert nsimage._META.unpack_from(image[0], 8)[0] == 3  # no form in use
+    # the freed ids serve new forms
+    for i in range(10):
+        ns.make(d, lmcache_name(i), FILE, 0, 0)
+    assert 1 <= len(ns._forms) <= 2 and len(ns._forms.parts) == 2000
+    _assert_forms_consistent(ns)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_forms_churn_at_the_cap_with_images_along_the_way(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Names of many frames made, renamed and removed with room for only 6 forms
+    (and 5 remembered first sightings): forms are freed, their ids reused, names of
+    a new form kept whole while the table is full. At every step the counts match
+    the arena; at the end the live tree, the journal replayed, and each image taken
+    on the way plus the journal after it all give the same tree."""
+    monkeypatch.setattr("kvfs.index.nameforms.MAX_FORMS", 6)
+    monkeypatch.setattr("kvfs.index.nameforms.MAX_SEEN", 5)
+    rng = random.Random(seed)
+    lg = Logged()
+    ns = lg.ns
+    d = ns.make(R, b"d", DIR, 0, 0).ino
+    serial = iter(range(10**9))
+
+    def new_name() -> bytes:
+        frame = rng.randrange(12)
+        return b"f%d@%x@bf16" % (frame, (next(serial) << 40) | rng.getrandbits(40))
+
+    model: dict[bytes, int] = {}
+    images: list[tuple[list[bytes], int]] = []
+    full_seen = False
+    for step in range(4000):
+        k = rng.randrange(10)
+        if k < 5 or not model:
+            name = new_name()
+            model[name] = ns.make(d, name, FILE, 0, 0).ino
+        elif k < 7:
+            name = rng.choice(list(model))
+            ns.drop(ns.remove(d, name, want_dir=False))
+            del model[name]
+        elif k < 9:
+            name, new = rng.choice(list(model)), new_name()
+            ns.rename(d, name, d, new)
+            model[new] = model.pop(name)
+        else:
+            name = rng.choice(list(model))
+            with pytest.raises(Exists):
+                ns.make(d, name, FILE, 0, 0)
+        full_seen |= len(ns._forms) == 6
+        if step % 400 == 0:
+            _assert_forms_consistent(ns)
+            _model_check(ns, d, model)
+            images.append((list(ns.snapshot_payloads()), len(lg.txns)))
+    assert full_seen and len(ns._forms.parts) <= 6
+    _assert_forms_consistent(ns)
+    _model_check(ns, d, model)
+    assert_same(ns, replayed(lg.txns))
+    for image, mark in images:
+        fresh = Namespace(lambda ops: None)
+        for payload in image:
+            fresh.load_payload(payload)
+        for raw in lg.txns[mark:]:
+            for op in decode_ops(raw):
+                fresh.apply(op)
+        fresh.finish_load()
+        assert_same(ns, fresh)
+        _model_check(fresh, d, model)
+        _assert_forms_consistent(fresh)
+
+
+def test_a_name_with_a_nul_is_never_found() -> None:
+    """No valid name holds a NUL byte; an entry by form starts with one. A lookup,
+    removal or rename given an entry's raw bytes as a name finds nothing."""
+    ns = Namespace(lambda ops: None)
+    ns.init_root(0, 0)
+    for i in range(2):
+        ino = ns.make(R, b"model@1@0@%016x@bfloat16.pt" % (i + 1), FILE, 0, 0).ino
+    raw = ns._arena.get(ns._name_off[ino], ns._name_len[ino])
+    assert raw[:1] == b"\0"
+    with pytest.raises(NotFound):
+        ns.lookup(R, raw)
+    with pytest.raises(NotFound):
+        ns.remove(R, raw, want_dir=False)
+    with pytest.raises(NotFound):
+        ns.rename(R, raw, R, b"x")
+    assert ns.lookup(R, b"model@1@0@%016x@bfloat16.pt" % 2).ino == ino
+
+
+def test_an_image_without_its_forms_does_not_give_wrong_names() -> None:
+    """An entry by form whose form the image lacks (a damaged image): the name
+    cannot be read back (EIO), and is never read as another name."""
+    ns = Namespace(lambda ops: None)
+    ns.init_root(0, 0)
+    for i in range(3):
+        ns.make(R, b"model@1@0@%016x@bfloat16.pt" % (i + 1), FILE, 0, 0)
+    image = [
+        p
+        for p in ns.snapshot_payloads()
+        if not (p[1] == nsimage.K_SIDE and p[2] == nsimage.S_FORMS)
+    ]
+    fresh = Namespace(lambda ops: None)
+    for payload in image:
+        fresh.load_payload(payload)
+    fresh.finish_load()
+    with pytest.raises(Corruption, match="form 0, which is not in use"):
+        fresh.directory(R).items()
+    with pytest.raises(Corruption):  # EIO, not another file
+        fresh.lookup(R, b"model@1@0@%016x@bfloat16.pt" % 2)
