@@ -13,6 +13,7 @@ per-file work on either side beyond what the bytes require).
 
 from __future__ import annotations
 
+import struct
 from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -27,6 +28,10 @@ GRANULE = 4
 """Arena allocation unit in bytes: offsets are granule numbers in an 'I' column."""
 ARENA_CHUNK = 64 << 10
 """Arena chunk size in bytes; no entry spans two chunks."""
+FORM_HEAD = struct.Struct("<BHB")
+"""A name kept by its form in the arena (``kvfs.index.nameforms``): 0 (no name
+starts with NUL), the form's id (side table 12), the count of hex digits; then the
+digits, two to a byte."""
 
 ROOT_INO = 1
 """The root directory's inode number (its row's parent is itself)."""

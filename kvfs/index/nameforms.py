@@ -23,14 +23,11 @@ by a release before forms, a full table), and both are found.
 from __future__ import annotations
 
 import re
-import struct
 from binascii import hexlify, unhexlify
 
 from kvfs.common.errors import Corruption
-from kvfs.format.nsparts import GRANULE
+from kvfs.format.nsparts import FORM_HEAD, GRANULE
 
-FORM_HEAD = struct.Struct("<BHB")
-"""0 (no name starts with NUL), the form's id, the count of hex digits."""
 MAX_FORMS = 1 << 16
 """Form ids are 16 bits; while that many forms are in use, names of a new form are
 kept whole. A form costs ~0.2 KiB of the daemon's memory and up to ~0.26 KiB of

@@ -20,10 +20,10 @@ from collections.abc import Callable
 from operator import sub
 
 from kvfs.common.errors import InvalidArgument, NoSpace
-from kvfs.format.nsparts import COLUMNS, ROOT_INO
+from kvfs.format.nsparts import COLUMNS, FORM_HEAD, ROOT_INO
 from kvfs.format.records import Op
 from kvfs.index.columns import MASK, ROWS, SHIFT, Arena, Column, NameIndex
-from kvfs.index.nameforms import FORM_HEAD, NameForms
+from kvfs.index.nameforms import NameForms
 
 F_DEAD = 0x80
 """Internal: the row was dropped (kept until no view or kernel reference names it)."""

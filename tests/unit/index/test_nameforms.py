@@ -11,8 +11,9 @@ import pytest
 
 from kvfs.common.errors import Corruption, Exists, NotFound
 from kvfs.format import nsimage
+from kvfs.format.nsparts import FORM_HEAD
 from kvfs.format.records import decode_ops
-from kvfs.index.nameforms import FORM_HEAD, NameForms
+from kvfs.index.nameforms import NameForms
 from kvfs.index.namespace import Namespace
 from kvfs.testing.harness import lmcache_name
 from tests.unit.index.test_namespace import DIR, FILE, Logged, R, assert_same, replayed
