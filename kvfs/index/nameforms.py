@@ -37,10 +37,6 @@ MAX_SEEN = 1 << 16
 _RUN = re.compile(rb"[0-9a-f]+")
 
 
-def _second(item: tuple[tuple[bytes, bytes], int]) -> int:
-    return item[1]
-
-
 def _granules(n: int) -> int:
     return -(-n // GRANULE)
 
@@ -87,7 +83,7 @@ class NameForms:
 
     def in_use(self) -> list[tuple[int, int, bytes, bytes]]:
         """Each form in use: id, entries that use it, prefix, suffix (O(forms))."""
-        return [(fid, self.counts[fid], *key) for key, fid in sorted(self.ids.items(), key=_second)]
+        return sorted((fid, self.counts[fid], *key) for key, fid in self.ids.items())
 
     def hold(self, entry: bytes) -> None:
         """An arena entry was put: count it against its form."""
