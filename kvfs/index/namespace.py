@@ -223,12 +223,16 @@ class Namespace(Replay, Scans):
         self._del_name(parent, name)
         now = time.time_ns()
         self._touch(parent, now)
-        inode.ctime_ns = now
         if inode.is_dir:
+            inode.ctime_ns = now
             inode.nlink = 0
             self.inodes[parent].nlink -= 1
         else:
             inode.nlink -= 1
+            if inode.nlink or inode.opens:
+                inode.ctime_ns = now
+            # else nothing can see its ctime again (no name, no descriptor), and its
+            # row goes: a stamp far from its mtime would widen its chunk for good
         return [inode.record()]
 
     def rename(

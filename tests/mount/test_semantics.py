@@ -209,10 +209,13 @@ def test_unlink_while_open_keeps_data_until_close(kvfs_mount: KvfsMount) -> None
     rfd = os.open(mnt / "victim", os.O_RDONLY)
     wfd = os.open(mnt / "victim", os.O_RDWR)
     try:
+        before = time.time_ns()
+        assert os.fstat(rfd).st_ctime_ns < before
         os.unlink(mnt / "victim")
         assert not (mnt / "victim").exists()
         assert os.listdir(mnt) == []
         assert os.fstat(rfd).st_nlink == 0
+        assert os.fstat(rfd).st_ctime_ns >= before  # open: the unlink is its last change
         assert os.pread(rfd, len(data) + 1, 0) == data
         os.pwrite(wfd, b"still writable", 4 * MiB)
         got = os.pread(rfd, len(data), 0)

@@ -8,6 +8,7 @@ import errno
 import itertools
 import random
 import stat
+import time
 from array import array
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -1057,6 +1058,41 @@ def test_a_narrowing_column_widens_one_chunk_exactly_and_keeps_frozen_copies() -
         unsigned[0] = -1
     unsigned[0] = (1 << 32) - 1
     assert unsigned.chunks[0].typecode == "I"
+
+
+def test_evicted_files_do_not_leave_their_chunks_wide() -> None:
+    """An unlink stamps a file's ctime only while something can still see it (a
+    name left, an open descriptor): the last name of a closed file goes without a
+    stamp, so the chunks of a cache that turns over keep their ctime distances at a
+    byte a row (a stamp days after the mtime took 8 bytes a row for the chunk, for
+    good); every time the namespace answers, and its image holds, is the one set."""
+    ns = Namespace(lambda ops: None)
+    ns.init_root(0, 0)
+    files = [ns.make(R, b"f%d" % i, FILE, 0, 0) for i in range(2 * ROWS)]
+    for i, f in enumerate(files):
+        f.set_times(10**15 + i, 10**15 + i, 10**15 + i)
+    rng = random.Random(5)
+    for k in range(3 * ROWS):
+        j = rng.randrange(len(files))
+        victim = files[j]
+        ns.remove(R, victim.name, want_dir=False)
+        assert victim.ctime_ns == victim.mtime_ns  # (no stamp: nothing sees it)
+        ns.drop(victim)
+        f = files[j] = ns.make(R, b"g%d" % k, FILE, 0, 0)
+        f.set_times(2 * 10**15 + k, 2 * 10**15 + k, 2 * 10**15 + k)
+    assert {c.typecode for c in ns._ctime.chunks} == {"b"}
+    opened, linked = files[3], files[4]
+    opened.opens = 1  # an open descriptor: fstat shows the unlink's ctime
+    before = time.time_ns()
+    ns.remove(R, opened.name, want_dir=False)
+    assert opened.nlink == 0 and opened.ctime_ns >= before > opened.mtime_ns + (1 << 40)
+    ns.link(linked.ino, R, b"second")
+    ns.remove(R, linked.name, want_dir=False)  # a name is left
+    assert linked.nlink == 1 and linked.ctime_ns >= before
+    assert ns._ctime.chunks[linked.ino >> SHIFT].typecode == "q"
+    times = {f.ino: f.times() for f in files if f is not opened}
+    fresh = loaded(list(ns.snapshot_payloads()))
+    assert {ino: fresh.get(ino).times() for ino in times} == times
 
 
 def test_wide_values_survive_the_image_and_times_are_exact() -> None:
