@@ -9,6 +9,7 @@ per file of each structure, the image size, and freeze / image-load times.
     python tools/nsmem.py 1000000 --turnover   # then every file replaced, as eviction does
     python tools/nsmem.py 1000000 --names lmcache --turnover   # LMCache's names, one directory
     python tools/nsmem.py 1000000 --names lmcache --lookups 200000   # and their cost
+    python tools/nsmem.py 1000000 --names lmcache --turnover --evictor adaptive   # the daemon's
 
 ``--turnover``: N times, a random file leaves as the store evicts one (its name
 removed, its row dropped) and a new one-unit file is made in its directory (its
@@ -18,6 +19,11 @@ while serving, ``kvfs.common.heap``). ``--names lmcache``: LMCache ``local_disk`
 names (~58 bytes, ``harness.lmcache_name``) in one flat directory, as LMCache keeps
 them. ``--lookups K``: after the build, the time of K lookups of random files by
 name and of listing the largest directory, per name (medians of 5 rounds).
+``--evictor POLICY`` (with ``--turnover``): the daemon's eviction state beside the
+namespace, as a mount keeps it: the files tracked as 64 writers' files, then each
+victim the evictor's first candidate; its policy, ghosts by name, grace list and
+owners are in the RSS figures, which are then the daemon's index and eviction state
+together after the cache turned over.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvfs.common import heap
+from kvfs.evict.evictor import Evictor
 from kvfs.format.records import Xattr
 from kvfs.index.namespace import Namespace
 from kvfs.testing.harness import chunk_name, fill_namespace, lmcache_name
@@ -90,6 +97,47 @@ def turnover(ns: Namespace, n: int, name: Callable[[int], bytes]) -> None:
         del victim, inode  # (views: the next drop frees its row at once)
 
 
+def turnover_evicted(ns: Namespace, n: int, name: Callable[[int], bytes], evictor: Evictor) -> None:
+    """:func:`turnover` with the daemon's eviction state beside the namespace: the
+    files are tracked as 64 writers' (``created``, ``committed``), then ``n`` times
+    the evictor's first candidate
+    (orphans first, then the policy's order) is evicted as the store does (its name
+    removed, ``Evictor.forget``: its ghost kept by name, the row dropped) and a new
+    file is made in its directory by one of 64 writers (``created``, written,
+    ``committed``: tracked, in its grace); a quarter of them after a read of a random
+    file (``opened``)."""
+    rng = random.Random(2)
+    files = array("q", (i for i in ns.inodes if not ns.inodes[i].is_dir))  # no int objects
+    for j, ino in enumerate(files):  # written by 64 writers, as on a mount
+        inode = ns.inodes[ino]
+        evictor.created(inode, 1000 + (j & 63))
+        evictor.committed(inode, 1000 + (j & 63))
+    where = array("q", bytes(8 * ns.next_ino))  # inode number -> position in files
+    for j, ino in enumerate(files):
+        where[ino] = j
+    for k in range(n):
+        pid = 1000 + (k & 63)
+        if k & 3 == 0:
+            evictor.opened(ns.inodes[files[rng.randrange(len(files))]], pid)
+        victim, _ = next(iter(evictor.candidates(lambda inode: True)))
+        parent, j = victim.parent, where[victim.ino]
+        ns.remove(parent, victim.name, want_dir=False)
+        evictor.forget(victim.ino)
+        ns.drop(victim)
+        inode = ns.make(parent, name(n + k), stat.S_IFREG | 0o644, 0, 0)
+        evictor.created(inode, pid)
+        inode.size = 1 << 20
+        units, sums = ns.edit_map(inode)
+        units.append(n + k)
+        sums.append((n + k) * 2654435761 & ((1 << 64) - 1))
+        ns.commit(inode)
+        evictor.committed(inode, pid)
+        if inode.ino >= len(where):
+            where.extend(bytes(8 * (inode.ino + 1 - len(where))))
+        files[j], where[inode.ino] = inode.ino, j
+        del victim, inode  # (views: the next drop frees its row at once)
+
+
 def lookups(ns: Namespace, k: int) -> None:
     """Print the median time of a lookup by name (K random files) and of a listed
     name (the largest directory), over 5 rounds."""
@@ -121,6 +169,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--turnover", action="store_true", help="then replace N files as evicted")
     ap.add_argument("--names", choices=sorted(NAMES), default="chunk")
     ap.add_argument("--lookups", type=int, default=0, help="then time K lookups and a listing")
+    ap.add_argument(
+        "--evictor",
+        metavar="POLICY",
+        help="with --turnover: the daemon's eviction state too (its victims, its policy)",
+    )
     args = ap.parse_args(argv)
     n = args.files
     r0 = rss()
@@ -152,8 +205,24 @@ def main(argv: list[str] | None = None) -> None:
         lookups(ns, args.lookups)
     if args.turnover:
         t = time.perf_counter()
-        turnover(ns, n, NAMES[args.names][0])
+        if args.evictor:
+            evictor = Evictor(
+                ns,
+                policy=args.evictor,
+                alive=lambda pid: 7,
+                thread_group=lambda tid: tid,
+                grace_bytes=(n << 20) // 64,
+            )
+            turnover_evicted(ns, n, NAMES[args.names][0], evictor)
+        else:
+            turnover(ns, n, NAMES[args.names][0])
         turned = time.perf_counter() - t
+        tracked = ""
+        if args.evictor:
+            tracked = (
+                f"; the evictor ({args.evictor}): {len(evictor.policy):,} tracked, "
+                f"{len(evictor._gone):,} ghosts by name, {evictor.fresh():,} in their grace"
+            )
         gc.collect()
         columns, listing = structures(ns)
         untrimmed, free = rss() - r0, heap.free_heap_bytes()
@@ -166,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{(rss() - r0) / n:.1f} after a heap trim ({trim * 1e3:.0f} ms) (columns "
             f"{columns / n:.1f}, arena {ns._arena.nbytes() / n:.1f}, name index "
             f"{ns._index.nbytes() / n:.1f}, listing arrays {listing / n:.1f}); "
-            f"{ns.file_count:,} files"
+            f"{ns.file_count:,} files{tracked}"
         )
     if args.drop:
         rng = random.Random(1)

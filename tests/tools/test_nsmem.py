@@ -40,3 +40,30 @@ def test_the_tool_reports_the_turnover_and_the_names_it_was_given(
         assert "after a turnover (3,000 files replaced" in out and "3,000 files\n" in out
         assert re.search(r"lookup [0-9.]+ µs per name \(500 names\)", out), out
     # (the names themselves: test_a_turnover_replaces_every_file_in_the_rows_it_freed)
+
+
+def test_the_daemons_turnover_evicts_by_the_policy_and_keeps_its_ghosts() -> None:
+    """``--evictor``: every file is tracked as a writer's, each victim is the
+    evictor's first candidate (the oldest of an LRU order here), and every evicted
+    file's ghost is kept by name, as on a mount."""
+    ns = Namespace(lambda ops: None)
+    ns.init_root(0, 0)
+    fill_namespace(ns, 2000, 2000, lmcache_name)
+    first = {ns.inodes[i].name for i in ns.inodes if not ns.inodes[i].is_dir}
+    evictor = nsmem.Evictor(
+        ns, policy="lru", alive=lambda pid: 7, thread_group=lambda tid: tid, grace=0
+    )
+    later = lambda i: lmcache_name(10**6 + i)  # noqa: E731 (names the fill did not use)
+    nsmem.turnover_evicted(ns, 1500, later, evictor)
+    names = {ns.inodes[i].name for i in ns.inodes if not ns.inodes[i].is_dir}
+    assert len(names) == 2000 == ns.file_count == len(evictor.policy)
+    # LRU: the 1500 victims were the first fill's least recently used (its oldest,
+    # unless read lately); no new file went
+    assert len(names & first) == 500 and lmcache_name(0) not in names
+    assert {later(1500 + k) for k in range(1500)} <= names
+
+
+def test_the_tool_reports_the_daemons_state(capsys: pytest.CaptureFixture[str]) -> None:
+    nsmem.main(["2000", "--turnover", "--names", "lmcache", "--evictor", "adaptive"])
+    out = capsys.readouterr().out
+    assert re.search(r"the evictor \(adaptive\): 2,000 tracked, [0-9,]+ ghosts by name", out), out
