@@ -6,10 +6,11 @@ There are as many as files are tracked, so their cost per entry is the evictor's
 cost per file after the cache has turned over (issue 30: ~130 B each as a dict of
 Python ints). Here they are spread by name over :data:`SHARDS` small tables (one
 while there are few), each flat arrays in insertion order and an open-addressing
-index of array positions (4 B a slot, linear probing, at most 70 % full, sized
-1.75 slots per entry at each rebuild). An entry is the name's next 32 bits above the
+index of array positions (2 B a slot up to ~53 000 entries a table, 4 B past it;
+linear probing, at most 70 % full, sized 1.75 slots per entry at each rebuild).
+An entry is the name's next 32 bits above the
 table's (the whole name in the one table) and the ghost's four 64-bit fields
-narrowed to 32 bits each: 20 B, ~28 B with the index and the arrays' slack between
+narrowed to 32 bits each: 20 B, ~25 B with the index and the arrays' slack between
 two rebuilds. The last use (field 1, a policy's event clock, which passes 2**32 in
 a long-lived mount) is kept as its distance from the table's ``base``, moved ahead
 of the newest last use when one falls past it, so it stays narrow however far the
@@ -37,8 +38,9 @@ _MIN_CAPACITY = 16
 _SLOTS_PER_ENTRY = 1.75
 """Index slots per live entry at a rebuild; the index is rebuilt at 70 % full, so a
 table takes 0.7 * 1.75 - 1 = 0.225 of its entries in new puts between two
-rebuilds: ~7 B of index and ~11 % of array slack per entry, 4.4 entries moved per
-put (a power-of-two index at 2 slots per entry took 8-16 B and 20-50 %)."""
+rebuilds: ~3.5 B of index (2-byte slots, :func:`_index_of`) and ~11 % of array
+slack per entry, 4.4 entries moved per put (a power-of-two index of 4-byte slots
+at 2 slots per entry took 8-16 B and 20-50 %)."""
 _SHARD_BITS = 12
 SHARDS = 1 << _SHARD_BITS
 """Tables, by a name's low bits; each keeps its oldest-first order, so the oldest
@@ -141,6 +143,15 @@ class GoneNames:
             self.put(name, ghost, 1 << 62)
 
 
+def _index_of(cap: int) -> array[int]:
+    """An empty index of ``cap`` slots: 2 bytes a slot while every array position
+    fits them, as it does in a table of up to ~53 000 entries (10^8 gone names are
+    ~25 000 a table): a table holds at most ``cap * 7 // 10`` entries between two
+    rebuilds (:meth:`_Shard.put`), so no position placed exceeds that."""
+    code = "H" if cap * 7 // 10 <= 0xFFFF else "I"
+    return array(code, bytes(array(code).itemsize * cap))
+
+
 class _Shard:
     """One table: keys (a GoneNames name's next 32 bits, or the name) -> ghosts,
     oldest first."""
@@ -155,7 +166,7 @@ class _Shard:
         self._head = 0
         self._live = 0
         self._used = 0  # index slots that are not _EMPTY (live and dropped entries)
-        self._index = array("i", bytes(4 * _MIN_CAPACITY))
+        self._index = _index_of(_MIN_CAPACITY)
         self._cap = _MIN_CAPACITY
 
     def __len__(self) -> int:
@@ -273,7 +284,7 @@ class _Shard:
         self._lo = new_lo
         self._head = 0
         self._cap = cap = max(_MIN_CAPACITY, int(live * _SLOTS_PER_ENTRY) + 1)
-        self._index = index = array("i", bytes(4 * cap))
+        self._index = index = _index_of(cap)
         for at, key in enumerate(self._names, 1):  # _place, inline: most of a rebuild
             i = key % cap
             while index[i] != _EMPTY:

@@ -9,7 +9,7 @@ from collections import OrderedDict
 
 import pytest
 
-from kvfs.evict.gone import _SHARD_MIN, SHARDS, SPLIT_AT, GoneNames
+from kvfs.evict.gone import _SHARD_MIN, SHARDS, SPLIT_AT, GoneNames, _Shard
 
 
 def ghost_of(rng: random.Random, wide: bool) -> int:
@@ -169,3 +169,19 @@ def test_gone_names_keep_a_last_use_far_behind_the_newest_exactly() -> None:
     assert [gone.pop(n) for n, _ in newer] == [g for _, g in newer]
     assert gone.pop(1 << 40) == (1 << 64) - 1 << 64
     assert len(gone) == 0 and _wide_kept(gone) == 0
+
+
+def test_a_table_index_takes_two_bytes_a_slot_until_its_positions_need_four() -> None:
+    """A table's index holds array positions: 2 bytes a slot while the most a table
+    may hold before its next rebuild fits them, 4 past that; every entry is found
+    across the change."""
+    shard = _Shard("I")
+    rng = random.Random(7)
+    keys = rng.sample(range(1 << 32), 60_000)
+    codes = []
+    for i, key in enumerate(keys):
+        shard.put(key, i | (i + 1) << 64)
+        codes.append(shard._index.typecode)
+        assert shard._cap * 7 // 10 <= (0xFFFF if codes[-1] == "H" else 0xFFFFFFFF)
+    assert codes[0] == "H" and codes[-1] == "I" and "H" in codes[50_000:]
+    assert [shard.pop(key) for key in keys] == [i | (i + 1) << 64 for i in range(60_000)]
