@@ -53,7 +53,10 @@ def test_the_daemons_turnover_evicts_by_the_policy_and_keeps_its_ghosts() -> Non
     evictor = nsmem.Evictor(
         ns, policy="lru", alive=lambda pid: 7, thread_group=lambda tid: tid, grace=0
     )
-    later = lambda i: lmcache_name(10**6 + i)  # noqa: E731 (names the fill did not use)
+
+    def later(i: int) -> bytes:  # names the fill did not use
+        return lmcache_name(10**6 + i)
+
     nsmem.turnover_evicted(ns, 1500, later, evictor)
     names = {ns.inodes[i].name for i in ns.inodes if not ns.inodes[i].is_dir}
     assert len(names) == 2000 == ns.file_count == len(evictor.policy)
