@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvfs.common import heap
 from kvfs.evict.evictor import Evictor
 from kvfs.format.records import Xattr
-from kvfs.index.namespace import Namespace
+from kvfs.index.namespace import Inode, Namespace
 from kvfs.testing.harness import chunk_name, fill_namespace, lmcache_name
 
 PER_DIR = 1000
@@ -76,6 +76,15 @@ def structures(ns: Namespace) -> tuple[int, int]:
     return columns, sum(len(d.children) * 4 for d in ns._dirs.values())
 
 
+def write_unit(ns: Namespace, inode: Inode, unit: int) -> None:
+    """A new file's one unit (``unit``, device 0) written and committed."""
+    inode.size = 1 << 20
+    units, sums = ns.edit_map(inode)
+    units.append(unit)
+    sums.append(unit * 2654435761 & ((1 << 64) - 1))
+    ns.commit(inode)
+
+
 def turnover(ns: Namespace, n: int, name: Callable[[int], bytes]) -> None:
     """Replace ``n`` files at random as the store's eviction and a writer do: the
     victim's name removed and its row dropped, then a new file (``name(n + k)``, a
@@ -88,11 +97,7 @@ def turnover(ns: Namespace, n: int, name: Callable[[int], bytes]) -> None:
         parent = victim.parent
         ns.drop(ns.remove(parent, victim.name, want_dir=False))
         inode = ns.make(parent, name(n + k), stat.S_IFREG | 0o644, 0, 0)
-        inode.size = 1 << 20
-        units, sums = ns.edit_map(inode)
-        units.append(n + k)
-        sums.append((n + k) * 2654435761 & ((1 << 64) - 1))
-        ns.commit(inode)
+        write_unit(ns, inode, n + k)
         files[j] = inode.ino
         del victim, inode  # (views: the next drop frees its row at once)
 
@@ -100,9 +105,9 @@ def turnover(ns: Namespace, n: int, name: Callable[[int], bytes]) -> None:
 def turnover_evicted(ns: Namespace, n: int, name: Callable[[int], bytes], evictor: Evictor) -> None:
     """:func:`turnover` with the daemon's eviction state beside the namespace: the
     files are tracked as 64 writers' (``created``, ``committed``), then ``n`` times
-    the evictor's first candidate
-    (orphans first, then the policy's order) is evicted as the store does (its name
-    removed, ``Evictor.forget``: its ghost kept by name, the row dropped) and a new
+    the evictor's first candidate (orphans first, then the policy's order) is
+    evicted as the store does (its name removed, ``Evictor.forget``: its ghost kept
+    by name, the row dropped) and a new
     file is made in its directory by one of 64 writers (``created``, written,
     ``committed``: tracked, in its grace); a quarter of them after a read of a random
     file (``opened``)."""
@@ -126,11 +131,7 @@ def turnover_evicted(ns: Namespace, n: int, name: Callable[[int], bytes], evicto
         ns.drop(victim)
         inode = ns.make(parent, name(n + k), stat.S_IFREG | 0o644, 0, 0)
         evictor.created(inode, pid)
-        inode.size = 1 << 20
-        units, sums = ns.edit_map(inode)
-        units.append(n + k)
-        sums.append((n + k) * 2654435761 & ((1 << 64) - 1))
-        ns.commit(inode)
+        write_unit(ns, inode, n + k)
         evictor.committed(inode, pid)
         if inode.ino >= len(where):
             where.extend(bytes(8 * (inode.ino + 1 - len(where))))
@@ -205,6 +206,7 @@ def main(argv: list[str] | None = None) -> None:
         lookups(ns, args.lookups)
     if args.turnover:
         t = time.perf_counter()
+        evictor = None
         if args.evictor:
             evictor = Evictor(
                 ns,
@@ -217,12 +219,12 @@ def main(argv: list[str] | None = None) -> None:
         else:
             turnover(ns, n, NAMES[args.names][0])
         turned = time.perf_counter() - t
-        tracked = ""
-        if args.evictor:
-            tracked = (
-                f"; the evictor ({args.evictor}): {len(evictor.policy):,} tracked, "
-                f"{len(evictor._gone):,} ghosts by name, {evictor.fresh():,} in their grace"
-            )
+        tracked = (
+            ""
+            if evictor is None
+            else f"; the evictor ({args.evictor}): {len(evictor.policy):,} tracked, "
+            f"{len(evictor._gone):,} ghosts by name, {evictor.fresh():,} in their grace"
+        )
         gc.collect()
         columns, listing = structures(ns)
         untrimmed, free = rss() - r0, heap.free_heap_bytes()

@@ -8,16 +8,15 @@ Python ints). Here they are spread by name over :data:`SHARDS` small tables (one
 while there are few), each flat arrays in insertion order and an open-addressing
 index of array positions (2 B a slot up to ~53 000 entries a table, 4 B past it;
 linear probing, at most 70 % full, sized 1.75 slots per entry at each rebuild).
-An entry is the name's next 32 bits above the
-table's (the whole name in the one table) and the ghost's four 64-bit fields
-narrowed to 32 bits each: 20 B, ~25 B with the index and the arrays' slack between
-two rebuilds. The last use (field 1, a policy's event clock, which passes 2**32 in
-a long-lived mount) is kept as its distance from the table's ``base``, moved ahead
-of the newest last use when one falls past it, so it stays narrow however far the
-clock has run. A ghost with a field that does not fit is kept whole beside the arrays. A
-table is rebuilt whole (its live entries compacted, its index sized anew) in Python,
-so the shards keep one rebuild short: 10^8 gone names are ~25 000 per shard, tens
-of ms.
+An entry is the name's next 32 bits above the table's (the whole name in the one
+table) and the ghost's four 64-bit fields narrowed to 32 bits each: 20 B, ~25 B
+with the index and the arrays' slack between two rebuilds. The last use (field 1,
+a policy's event clock, which passes 2**32 in a long-lived mount) is kept as its
+distance from the table's ``base``, moved ahead of the newest last use when one
+falls past it, so it stays narrow however far the clock has run. A ghost with a
+field that does not fit is kept whole beside the arrays. A table is rebuilt whole
+(its live entries compacted, its index sized anew) in Python, so the shards keep
+one rebuild short: 10^8 gone names are ~25 000 per shard, tens of ms.
 
 A split table compares 32 bits of a name (names are hashes): two names may meet
 there once in ~2**32 probes, and the later lookup then takes the other's ghost. A
