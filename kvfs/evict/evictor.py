@@ -512,25 +512,28 @@ class Evictor:
                 at = raw.find(pattern, at + 1)
 
     def reap(self) -> int:
-        """Turn the files of processes that exited into orphans; returns how many.
+        """Turn the files of processes that exited into orphans, oldest mtime first
+        (inode numbers are reused: inode order is not age order); returns how many.
         Runs at most every REAP_INTERVAL seconds (it reads /proc per owner)."""
         now = time.monotonic()
         if now - self._reaped < REAP_INTERVAL:
             return 0
         self._reaped = now
-        count = 0
         dead = [(n, k) for k, n in self._proc_ids.items() if self._alive(k[0]) != k[1]]
         for _, (pid, _start) in dead:
             self._starts.pop(pid, None)
-        inodes = self.ns.inodes
+        inodes, orphaned = self.ns.inodes, []
         for number, _key in dead:
             for ino in list(self._files_of(number)):
                 self._owner[ino] = 0
                 if ino in inodes:
-                    self.orphans.add(ino)
-                    count += 1
+                    orphaned.append(ino)
             self._drop_process(number)
-        return count
+        orphaned.sort()  # the tie break: inode order
+        orphaned.sort(key=self.ns._mtime.__getitem__)
+        for ino in orphaned:
+            self.orphans.add(ino)
+        return len(orphaned)
 
     # ------------------------------------------------------------------ groups
     def group_of(self, inode: Inode) -> int:

@@ -514,6 +514,29 @@ def test_evictor_shares_one_owner_tuple_per_process_and_reaps_it() -> None:
     assert [evictor.owner_of(ino) for ino in (2, 3, 5)] == [None, None, (1000, 7)]
 
 
+def test_a_reaped_writers_files_turn_orphans_oldest_first() -> None:
+    """Inode numbers are reused, so a writer's newest file may have its lowest
+    number: its files join the orphan list (evicted first) in mtime order, oldest
+    first, never in inode order -- else an engine's newest chunk goes first when
+    it exits (a clean-clone run of the metadata pressure mount test saw it)."""
+    mtimes = {9: 1, 12: 2, 4: 3, 15: 4, 2: 5, 7: 5}  # 2 and 7 tie: inode order
+    ns = _namespace_with_files(dict.fromkeys(mtimes, 100))
+    for ino, mtime in mtimes.items():
+        ns.inodes[ino].mtime_ns = mtime
+    alive = {1000: 7, 1001: 8}
+    evictor = Evictor(ns, policy="lru", alive=alive.get, thread_group=lambda tid: tid)
+    for ino in mtimes:
+        writer = 1001 if ino == 12 else 1000
+        evictor.created(ns.inodes[ino], writer)
+        evictor.committed(ns.inodes[ino], writer)
+    del alive[1000], alive[1001]
+    evictor._reaped = 0.0
+    assert evictor.reap() == 6
+    assert list(evictor.orphans) == [9, 12, 4, 15, 2, 7]  # both writers' files, merged
+    victims = [inode.ino for inode, orphan in evictor.candidates(lambda inode: True)]
+    assert victims[:6] == [9, 12, 4, 15, 2, 7]
+
+
 @pytest.mark.parametrize("source", POLICY_NAMES)
 def test_every_policy_adopts_every_other_policys_image(source: str) -> None:
     """A pool remounted with another ``--eviction`` keeps its residents (and the kvfs
