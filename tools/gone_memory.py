@@ -6,11 +6,12 @@ baseline version of it in the same run.
 
 For each bound ``most`` and each start of the policy's event clock (2**k), the table
 takes ``3 * most`` puts of random 62-bit names (each ghost as ``take_ghost`` packs
-it: a size, the last use = the clock, a successor, a note; the clock advancing 50
-events a put), so it is full and has turned over twice. Through the last two
-turnovers it samples the memory traced (tracemalloc) per entry kept, 20 times a
-turnover, and reports the median; ``kept_whole`` is how many ghosts the table held
-as whole Python ints at the end (a field that did not fit 32 bits). Then the put and
+it: an eviction record, the last use = the clock, a successor, and a note of 0, as
+``KvfsPolicy.remove`` leaves it; the clock advancing 50 events a put), so it is full
+and has turned over twice. Through the last two turnovers it samples the memory
+traced (tracemalloc) per entry kept, 20 times a turnover, and reports the median;
+``kept_whole`` is how many ghosts the table held as whole Python ints at the end (a
+field that did not fit 32 bits, or a note that was not 0). Then the put and
 pop time per call, the tables built again without tracemalloc. The baseline is
 another version of ``kvfs/evict/gone.py``, from a git revision of this checkout or
 a file, run in the same process, interleaved. Prints JSON.
@@ -52,8 +53,7 @@ def _ghosts(most: int, clock_from: int, seed: int) -> tuple[list[int], list[int]
     n = 3 * most
     names = [rng.getrandbits(62) for _ in range(n)]
     ghosts = [
-        (1 << 21) | (clock_from + STEP * i) << 64 | (i % 100_003 + 1) << 128 | 6 << 192
-        for i in range(n)
+        (1 << 21) | (clock_from + STEP * i) << 64 | (i % 100_003 + 1) << 128 for i in range(n)
     ]
     return names, ghosts
 

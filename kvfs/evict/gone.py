@@ -9,8 +9,12 @@ while there are few), each flat arrays in insertion order and an open-addressing
 index of array positions (2 B a slot up to ~53 000 entries a table, 4 B past it;
 linear probing, at most 70 % full, sized 1.75 slots per entry at each rebuild).
 An entry is the name's next 32 bits above the table's (the whole name in the one
-table) and the ghost's four 64-bit fields narrowed to 32 bits each: 20 B, ~25 B
-with the index and the arrays' slack between two rebuilds. The last use (field 1,
+table) and the ghost's first three 64-bit fields narrowed to 32 bits each: 16 B,
+~20 B with the index and the arrays' slack between two rebuilds. Field 3 (the loop
+expert's note of the file's reuse gap) is 0 in every ghost a policy hands over
+(``KvfsPolicy.remove`` clears it), so it is not kept; a ghost whose field 3 is
+not 0 is kept whole. (Four fields of 32 bits, as until session 24, took 20 B,
+~25 B in all: 24.1 B per file at 10^7.) The last use (field 1,
 a policy's event clock, which passes 2**32 in a long-lived mount) is kept as its
 distance from the table's ``base``, moved ahead of the newest last use when one
 falls past it, so it stays narrow however far the clock has run. A ghost with a
@@ -63,26 +67,27 @@ events behind the newest, and moves again 2**30 events later (a table's entries
 span its turnover of evictions: the events of ~its share of the pool's
 evictions)."""
 _WIDE = _U64
-"""Both halves of a slot's ghost when it is kept whole (in ``_Shard._wide``): no
-narrowed ghost has them, its fields being below 2**32 - 1."""
+_WIDE_HI = _U32
+"""A slot's low and high words when its ghost is kept whole (in ``_Shard._wide``):
+no narrowed ghost has them, its fields being below 2**32 - 1."""
 _DEAD_HI = 0
-"""With a low half of all ones: the entry was dropped (a narrowed low half is never
-all ones, a whole ghost's high half is)."""
+"""With a low word of all ones: the entry was dropped (a narrowed low word is never
+all ones, a whole ghost's high word is)."""
 
 
 def _narrow(ghost: int, base: int) -> tuple[int, int] | None:
-    """A ghost's four 64-bit fields (bits 0, 64, 128, 192) as 32-bit ones in two
-    64-bit halves (field 1 as its distance from ``base``), or None if one of them
-    does not fit."""
-    f0, f2, f3 = ghost & _U64, ghost >> 128 & _U64, ghost >> 192
+    """A ghost's four 64-bit fields (bits 0, 64, 128, 192) as a 64-bit low word
+    (fields 0 and 1, field 1 as its distance from ``base``) and a 32-bit high word
+    (field 2), or None if one of them does not fit or field 3 is not 0."""
+    f0, f2 = ghost & _U64, ghost >> 128 & _U64
     f1 = (ghost >> 64 & _U64) - base + _MID
-    if max(f0, f2, f3) >= _U32 or not 0 <= f1 < _U32:
+    if max(f0, f2) >= _U32 or ghost >> 192 or not 0 <= f1 < _U32:
         return None
-    return f0 | f1 << 32, f2 | f3 << 32
+    return f0 | f1 << 32, f2
 
 
 def _widen(lo: int, hi: int, base: int) -> int:
-    return (lo & _U32) | ((lo >> 32) - _MID + base) << 64 | (hi & _U32) << 128 | (hi >> 32) << 192
+    return (lo & _U32) | ((lo >> 32) - _MID + base) << 64 | hi << 128
 
 
 class GoneNames:
@@ -159,7 +164,7 @@ class _Shard:
         self._names = array(typecode)
         """By age, oldest first from ``_head``."""
         self._lo = array("Q")
-        self._hi = array("Q")
+        self._hi = array("I")
         self._wide: dict[int, int] = {}  # key -> a ghost a field of which is too wide
         self._base = 0  # the last uses' reference (_narrow)
         self._head = 0
@@ -188,7 +193,7 @@ class _Shard:
 
     def _drop(self, at: int) -> None:
         """Forget the live entry at array position ``at``."""
-        if self._lo[at] == _WIDE == self._hi[at]:
+        if self._lo[at] == _WIDE and self._hi[at] == _WIDE_HI:
             del self._wide[self._names[at]]
         self._lo[at] = _U64
         self._hi[at] = _DEAD_HI
@@ -196,7 +201,9 @@ class _Shard:
 
     def _ghost(self, at: int) -> int:
         lo, hi = self._lo[at], self._hi[at]
-        return self._wide[self._names[at]] if lo == _WIDE == hi else _widen(lo, hi, self._base)
+        if lo == _WIDE and hi == _WIDE_HI:
+            return self._wide[self._names[at]]
+        return _widen(lo, hi, self._base)
 
     def pop(self, key: int) -> int | None:
         at = self._find(key)
@@ -223,7 +230,7 @@ class _Shard:
         halves = _narrow(ghost, self._base)
         if halves is None:
             self._wide[key] = ghost
-            halves = (_WIDE, _WIDE)
+            halves = (_WIDE, _WIDE_HI)
         self._names.append(key)
         self._lo.append(halves[0])
         self._hi.append(halves[1])
@@ -265,7 +272,7 @@ class _Shard:
             shift = self._base - base
             for j, i in enumerate(keep):
                 low = new_lo[j]
-                if low == _WIDE == hi[i]:
+                if low == _WIDE and hi[i] == _WIDE_HI:
                     continue
                 f1 = (low >> 32) + shift
                 if 0 <= f1 < _U32:
@@ -273,13 +280,13 @@ class _Shard:
                 else:
                     self._wide[names[i]] = _widen(low, hi[i], self._base)
                     new_lo[j] = _WIDE
-                    hi[i] = _WIDE
+                    hi[i] = _WIDE_HI
             self._base = base
         if no_holes:
             self._names, self._hi = names[head:], hi[head:]
         else:
             self._names = array(names.typecode, (names[i] for i in keep))
-            self._hi = array("Q", (hi[i] for i in keep))
+            self._hi = array("I", (hi[i] for i in keep))
         self._lo = new_lo
         self._head = 0
         self._cap = cap = max(_MIN_CAPACITY, int(live * _SLOTS_PER_ENTRY) + 1)

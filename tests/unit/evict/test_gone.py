@@ -10,6 +10,7 @@ from collections import OrderedDict
 import pytest
 
 from kvfs.evict.gone import _SHARD_MIN, SHARDS, SPLIT_AT, GoneNames, _Shard
+from kvfs.evict.policy import make_policy
 
 
 def ghost_of(rng: random.Random, wide: bool) -> int:
@@ -140,7 +141,7 @@ def test_gone_names_stay_narrow_when_the_clock_passes_32_bits(split: bool) -> No
         clock += rng.randrange(1, 1 << 21)  # ~2**35 in all: past 32 bits eight times
         name = rng.randrange(1 << 62) & ~(SHARDS - 1) | rng.randrange(4)
         last = clock - rng.randrange(1 << 24)  # a last use up to a turnover ago
-        ghost = rng.randrange(1 << 30) | last << 64 | rng.randrange(1 << 30) << 128 | 6 << 192
+        ghost = rng.randrange(1 << 30) | last << 64 | rng.randrange(1 << 30) << 128  # field 3: 0
         gone.put(name, ghost, most)
         model.put(name, ghost, most)
         assert _wide_kept(gone) == 0, step
@@ -185,3 +186,40 @@ def test_a_table_index_takes_two_bytes_a_slot_until_its_positions_need_four() ->
         assert shard._cap * 7 // 10 <= (0xFFFF if codes[-1] == "H" else 0xFFFFFFFF)
     assert codes[0] == "H" and codes[-1] == "I" and "H" in codes[50_000:]
     assert [shard.pop(key) for key in keys] == [i | (i + 1) << 64 for i in range(60_000)]
+
+
+def test_a_ghost_is_kept_in_16_bytes_unless_its_note_is_set() -> None:
+    """A policy's ghost has field 3 (the loop expert's note) at 0: it is kept in a
+    64-bit and a 32-bit word. One whose field 3 is set, or whose field 2 takes all
+    32 bits, is kept whole, and every one comes back exact."""
+    shard = _Shard("I")
+    plain = [(k, k | (k + 9) << 64 | (0xFFFFFFFE - k) << 128) for k in range(1, 200)]
+    noted = [(1000 + k, k | k << 64 | k << 128 | (k + 1) << 192) for k in range(50)]
+    full = [(2000, 5 | 6 << 64 | 0xFFFFFFFF << 128)]
+    for key, ghost in plain + noted + full:
+        shard.put(key, ghost)
+    assert shard._hi.itemsize == 4 and shard._lo.itemsize == 8
+    assert len(shard._wide) == len(noted) + len(full)
+    assert [shard.pop(k) for k, _ in plain + noted + full] == [g for _, g in plain + noted + full]
+    assert not shard._wide and len(shard) == 0
+
+
+@pytest.mark.parametrize("policy", ["kvfs", "adaptive"])
+def test_the_ghosts_a_policy_hands_over_are_kept_narrow(policy: str) -> None:
+    """The ghosts the ghost-keeping policies hand over (``take_ghost`` after
+    ``remove``, as ``Evictor.forget`` does) have field 3 at 0 and fit the narrow
+    words, chained, re-used and cold ones alike: none is kept whole."""
+    p = make_policy(policy)
+    rng = random.Random(5)
+    gone = GoneNames()
+    for key in range(2000):  # chains on 8 streams, some re-read, the oldest evicted
+        p.track(key, 1 << 20, key % 8)
+        if rng.random() < 0.3:
+            p.touch(rng.randrange(key + 1), key % 8)
+        if key >= 500:
+            victim = next(iter(p.victims()))
+            p.remove(victim)
+            ghost = p.take_ghost(victim)
+            assert ghost is not None and ghost >> 192 == 0
+            gone.put(victim, ghost, 1000)
+    assert len(gone) == 1000 and _wide_kept(gone) == 0
