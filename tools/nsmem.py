@@ -23,7 +23,9 @@ name and of listing the largest directory, per name (medians of 5 rounds).
 namespace, as a mount keeps it: the files tracked as 64 writers' files, then each
 victim the evictor's first candidate; its policy, ghosts by name, grace list and
 owners are in the RSS figures, which are then the daemon's index and eviction state
-together after the cache turned over.
+together after the cache turned over; a last line gives the eviction state's bytes
+by part (the objects' sizes, :func:`footprint`) and the RSS left over (the
+allocators' free blocks, the interpreter's own objects).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import time
 from array import array
 from collections.abc import Callable
 from pathlib import Path
+from types import FunctionType, MethodType, ModuleType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -74,6 +77,58 @@ def structures(ns: Namespace) -> tuple[int, int]:
     """(bytes of the columns, of the directories' listing arrays)."""
     columns = sum(c.nbytes() for c in ns.persisted_columns) + ns._lookups.nbytes()
     return columns, sum(len(d.children) * 4 for d in ns._dirs.values())
+
+
+def footprint(root: object, seen: set[int]) -> int:
+    """Bytes of ``root`` and of what it holds (containers, arrays, instances' fields),
+    each object once across calls sharing ``seen``; functions, classes and modules
+    are not followed, and the small ints Python caches are free."""
+    total = 0
+    stack = [root]
+    while stack:
+        o = stack.pop()
+        if id(o) in seen or isinstance(o, (type, ModuleType, FunctionType, MethodType)):
+            continue
+        seen.add(id(o))
+        if isinstance(o, bool) or o is None or (isinstance(o, int) and -5 <= o <= 256):
+            continue
+        total += sys.getsizeof(o)
+        if isinstance(o, dict):
+            stack.extend(o.keys())
+            stack.extend(o.values())
+        elif isinstance(o, (list, tuple, set, frozenset)):
+            stack.extend(o)
+        elif not isinstance(o, (int, float, str, bytes, bytearray, array)):
+            fields = getattr(o, "__dict__", None)
+            if fields is not None:
+                stack.append(fields)
+            for cls in type(o).__mro__:
+                for slot in getattr(cls, "__slots__", ()):
+                    if hasattr(o, slot):
+                        stack.append(getattr(o, slot))
+    return total
+
+
+def evictor_parts(evictor: Evictor) -> dict[str, int]:
+    """The eviction state's bytes by part (:func:`footprint`): the adaptive policy's
+    experts, shadows and sampled identities apart, then each of the evictor's own
+    structures (the namespace, which it refers to, excluded)."""
+    seen = {id(evictor.ns)}
+    parts: dict[str, int] = {}
+    policy = evictor.policy
+    for name, label in (
+        ("loop", "loop expert"),
+        ("recency", "recency expert"),
+        ("duel", "shadows"),
+        ("_chunks", "sampled identities"),
+    ):
+        if hasattr(policy, name):
+            parts[label] = footprint(getattr(policy, name), seen)
+    parts["policy, other"] = footprint(policy, seen)
+    for name, value in vars(evictor).items():
+        if name not in ("ns", "policy"):
+            parts[name.lstrip("_")] = footprint(value, seen)
+    return parts
 
 
 def write_unit(ns: Namespace, inode: Inode, unit: int) -> None:
@@ -239,6 +294,19 @@ def main(argv: list[str] | None = None) -> None:
             f"{ns._index.nbytes() / n:.1f}, listing arrays {listing / n:.1f}); "
             f"{ns.file_count:,} files{tracked}"
         )
+        if evictor is not None:
+            parts = evictor_parts(evictor)
+            shown = ", ".join(
+                f"{name} {size / n:.1f}"
+                for name, size in sorted(parts.items(), key=lambda kv: -kv[1])
+                if size / n >= 0.05
+            )
+            namespace = columns + listing + ns._arena.nbytes() + ns._index.nbytes()
+            rest = rss() - r0 - sum(parts.values()) - namespace
+            print(
+                f"the eviction state by part, B/file: {sum(parts.values()) / n:.1f} in all "
+                f"({shown}); RSS in neither it nor the namespace's structures: {rest / n:.1f}"
+            )
     if args.drop:
         rng = random.Random(1)
         files = array("q", (i for i in ns.inodes if not ns.inodes[i].is_dir))  # no int objects

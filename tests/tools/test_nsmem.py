@@ -70,3 +70,18 @@ def test_the_tool_reports_the_daemons_state(capsys: pytest.CaptureFixture[str]) 
     nsmem.main(["2000", "--turnover", "--names", "lmcache", "--evictor", "adaptive"])
     out = capsys.readouterr().out
     assert re.search(r"the evictor \(adaptive\): 2,000 tracked, [0-9,]+ ghosts by name", out), out
+    assert re.search(r"the eviction state by part, B/file: [0-9.]+ in all \(.*loop expert", out)
+    assert "gone " in out and "recency expert " in out
+
+
+def test_footprint_counts_what_an_object_holds_once() -> None:
+    from array import array
+
+    big = array("q", range(1000))
+    holder = {"a": [big, big], "b": (big, 10**20)}
+    seen: set[int] = set()
+    size = nsmem.footprint(holder, seen)
+    alone = nsmem.footprint(big, set())
+    assert alone >= 8000 and alone < size < 2 * alone  # big once, beside the rest
+    assert nsmem.footprint({"again": big}, seen) < 1000  # already counted: not again
+    assert nsmem.footprint(nsmem.footprint, set()) == 0  # functions are not followed
