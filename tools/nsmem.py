@@ -24,8 +24,10 @@ namespace, as a mount keeps it: the files tracked as 64 writers' files, then eac
 victim the evictor's first candidate; its policy, ghosts by name, grace list and
 owners are in the RSS figures, which are then the daemon's index and eviction state
 together after the cache turned over; a last line gives the eviction state's bytes
-by part (the objects' sizes, :func:`footprint`) and the RSS left over (the
-allocators' free blocks, the interpreter's own objects).
+by part and the namespace's whole (the objects' sizes, :func:`footprint`: its
+rows' every column and table, where the figures before count its main
+structures) and the RSS left over (the allocators' free blocks, the interpreter's
+own objects).
 """
 
 from __future__ import annotations
@@ -301,11 +303,12 @@ def main(argv: list[str] | None = None) -> None:
                 for name, size in sorted(parts.items(), key=lambda kv: -kv[1])
                 if size / n >= 0.05
             )
-            namespace = columns + listing + ns._arena.nbytes() + ns._index.nbytes()
+            namespace = footprint(ns, set())
             rest = rss() - r0 - sum(parts.values()) - namespace
             print(
                 f"the eviction state by part, B/file: {sum(parts.values()) / n:.1f} in all "
-                f"({shown}); RSS in neither it nor the namespace's structures: {rest / n:.1f}"
+                f"({shown}); the namespace whole {namespace / n:.1f}; RSS in neither: "
+                f"{rest / n:.1f}"
             )
     if args.drop:
         rng = random.Random(1)
