@@ -111,11 +111,11 @@ def footprint(root: object, seen: set[int]) -> int:
     return total
 
 
-def evictor_parts(evictor: Evictor) -> dict[str, int]:
-    """The eviction state's bytes by part (:func:`footprint`): the adaptive policy's
-    experts, shadows and sampled identities apart, then each of the evictor's own
-    structures (the namespace, which it refers to, excluded)."""
-    seen = {id(evictor.ns)}
+def evictor_parts(evictor: Evictor, seen: set[int]) -> dict[str, int]:
+    """The eviction state's bytes by part (:func:`footprint`, sharing ``seen``): the
+    adaptive policy's experts, shadows and sampled identities apart, then each of the
+    evictor's own structures (the namespace, which it refers to, excluded)."""
+    seen.add(id(evictor.ns))
     parts: dict[str, int] = {}
     policy = evictor.policy
     for name, label in (
@@ -297,14 +297,17 @@ def main(argv: list[str] | None = None) -> None:
             f"{ns.file_count:,} files{tracked}"
         )
         if evictor is not None:
-            parts = evictor_parts(evictor)
+            resident = rss() - r0  # (before the walk, whose set of ids takes memory)
+            seen: set[int] = set()
+            namespace = footprint(ns, seen)  # first: what both hold is the namespace's
+            parts = evictor_parts(evictor, seen)
+            del seen
             shown = ", ".join(
                 f"{name} {size / n:.1f}"
                 for name, size in sorted(parts.items(), key=lambda kv: -kv[1])
                 if size / n >= 0.05
             )
-            namespace = footprint(ns, set())
-            rest = rss() - r0 - sum(parts.values()) - namespace
+            rest = resident - sum(parts.values()) - namespace
             print(
                 f"the eviction state by part, B/file: {sum(parts.values()) / n:.1f} in all "
                 f"({shown}); the namespace whole {namespace / n:.1f}; RSS in neither: "
