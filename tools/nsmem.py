@@ -92,7 +92,7 @@ def footprint(root: object, seen: set[int]) -> int:
         if id(o) in seen or isinstance(o, (type, ModuleType, FunctionType, MethodType)):
             continue
         seen.add(id(o))
-        if isinstance(o, bool) or o is None or (isinstance(o, int) and -5 <= o <= 256):
+        if o is None or (isinstance(o, int) and -5 <= o <= 256):  # (bools among them)
             continue
         total += sys.getsizeof(o)
         if isinstance(o, dict):
