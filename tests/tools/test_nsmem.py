@@ -72,6 +72,23 @@ def test_the_tool_reports_the_daemons_state(capsys: pytest.CaptureFixture[str]) 
     assert re.search(r"the evictor \(adaptive\): 2,000 tracked, [0-9,]+ ghosts by name", out), out
     assert re.search(r"the eviction state by part, B/file: [0-9.]+ in all \(.*loop expert", out)
     assert "gone " in out and "recency expert " in out and "the namespace whole " in out
+    assert re.search(
+        r"RSS in neither: -?[0-9.]+ \(the small-object allocator's slack -?[0-9.]+\)", out
+    )
+
+
+def test_the_small_object_allocators_slack_grows_with_objects_that_come_and_go() -> None:
+    """Small objects freed among ones kept leave their pools in use: their blocks
+    stay the allocator's, and the slack counts them (what the RSS holds for no
+    structure)."""
+    before = nsmem.small_object_slack()
+    assert before is not None and before > 0
+    many = [float(i) for i in range(200_000)]  # 32-byte blocks, 6.4 MB
+    kept = many[::64]
+    del many
+    after = nsmem.small_object_slack()
+    assert after is not None and after - before > 3_000_000
+    del kept
 
 
 def test_footprint_counts_what_an_object_holds_once() -> None:
