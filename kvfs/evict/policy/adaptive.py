@@ -208,10 +208,23 @@ class AdaptivePolicy(Policy):
         chunk: ``_chunk`` answers None, no shadow access, for the others). Once a
         policy is told any identity, keys never identified are not sampled."""
         self._named = True
+        self._resample(len(self.recency))
         if chunk % self.duel.sample == 0:
             self._chunks[key] = chunk
         else:
             self._chunks.pop(key, None)
+
+    def _resample(self, resident: int) -> None:
+        """The shadows' sample for a cache of ``resident`` keys (``Duel.resize``);
+        when it grows, the identities it no longer samples are forgotten, so they
+        stay about ``resident / sample`` (at most ~2 * ``SHADOW_KEYS``) whatever
+        the keys told under a finer sample (a pool filling up, reads after a
+        remount before the first write). They were never fed to a shadow again."""
+        sample = self.duel.sample
+        self.duel.resize(resident)
+        if self.duel.sample != sample:
+            sample = self.duel.sample
+            self._chunks = {k: c for k, c in self._chunks.items() if c % sample == 0}
 
     def _chunk(self, key: int) -> int | None:
         """The chunk id the shadows see for ``key``: its identity on a mount (None
@@ -226,7 +239,7 @@ class AdaptivePolicy(Policy):
         if key not in self.recency:  # (the cache's bytes once it is written)
             resident, nbytes = resident + 1, nbytes + size
         self._recovered = None
-        self.duel.resize(resident)
+        self._resample(resident)
         chunk = self._chunk(key)
         if chunk is not None:
             self.duel.access(chunk, size, stream, resident, nbytes)

@@ -619,6 +619,47 @@ def test_shadows_know_a_rewritten_chunk_by_its_identity() -> None:
     assert all(a < b for a, b in zip(adaptive.duel.scores, before, strict=True))
 
 
+def test_the_sampled_identities_are_those_the_sample_keeps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The policy keeps a file's identity only while the shadows' sample takes it:
+    as the pool fills and the sample grows, and when a remounted pool's files are
+    read before any write, the identities told under a finer sample are not kept
+    (they were once, one per file, where the sample was 1)."""
+    from kvfs.evict.policy import duel as duel_mod
+
+    monkeypatch.setattr(duel_mod, "SHADOW_KEYS", 8)
+
+    def ident(ino: int) -> int:
+        return ino * 2654435761 % (1 << 40)
+
+    def expected(policy: AdaptivePolicy) -> dict[int, int]:
+        sample, resident = policy.duel.sample, policy.keys()
+        return {k: ident(k) for k in resident if ident(k) % sample == 0}
+
+    filling = AdaptivePolicy()
+    for ino in range(2, 3000):  # a pool filling up: the sample grows to 256
+        filling.identify(ino, ident(ino))
+        filling.track(ino, SIZE, ino % 7)
+        if ino % 3 == 0:
+            filling.identify(ino - 1, ident(ino - 1))
+            filling.touch(ino - 1, ino % 7)
+    assert filling.duel.sample == 256
+    assert filling._chunks == expected(filling)
+    for ino in range(2, 1000):  # evicted: forgotten
+        filling.remove(ino)
+    assert filling._chunks == expected(filling)
+
+    remounted = AdaptivePolicy()  # a remount: adopted in bulk, then read
+    keys = array("q", range(2, 3000))
+    remounted.adopt(keys, array("q", [SIZE]) * len(keys))
+    for ino in keys:
+        remounted.identify(ino, ident(ino))
+        remounted.touch(ino, "reader")
+    assert remounted.duel.sample == 256
+    assert remounted._chunks == expected(remounted) and len(remounted._chunks) < 40
+
+
 def test_a_reused_number_drops_the_ghost_it_held() -> None:
     """The namespace hands a gone inode's number to the next file: that file is new,
     not a rewrite of the gone one, so no ghost hit (kvfs) and no regret (adaptive)."""
