@@ -83,7 +83,9 @@ def test_the_small_object_allocators_slack_grows_with_objects_that_come_and_go()
     structure)."""
     before = nsmem.small_object_slack()
     assert before is not None and before > 0
-    many = [float(i) for i in range(200_000)]  # 32-byte blocks, 6.4 MB
+    # 32-byte blocks: more than the free blocks there are (at most ``before``) can
+    # hold, so most land in new pools, and 63 of 64 are freed in each
+    many = [float(i) for i in range((2 * before + 8_000_000) // 32)]
     kept = many[::64]
     del many
     after = nsmem.small_object_slack()

@@ -181,7 +181,7 @@ async def test_background_eviction_acts_before_the_limit() -> None:
                 await put(store, i)
                 i += 1
         assert store.journal.checkpoint_bytes <= META_FULL * half(store)
-        await wait_until(lambda: store.eviction.metadata_evictions > 0, limit=10)
+        await wait_until(lambda: store.eviction.metadata_evictions > 0)
         # (the estimate after eviction is rough: the policy keeps ghost keys of the
         # evicted files, so the checkpoint shrinks a little less than the index)
         assert store.eviction.metadata_estimate() < META_HIGH * half(store)

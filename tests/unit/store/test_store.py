@@ -89,8 +89,10 @@ async def serving(pool: Pool, cfg: StoreConfig = CFG) -> AsyncIterator[Store]:
         nursery.cancel_scope.cancel()
 
 
-async def wait_until(cond: Callable[[], bool], limit: float = 5.0) -> None:
-    """Poll a condition the store has no event for, with a deadline."""
+async def wait_until(cond: Callable[[], bool], limit: float = 60.0) -> None:
+    """Poll a condition the store has no event for, with a deadline that only
+    catches a hang: the background work it waits for (journal commits, TRIM in a
+    worker thread) may take seconds on a loaded machine."""
     with trio.fail_after(limit):
         while not cond():  # noqa: ASYNC110 - no event to wait on
             await trio.sleep(0.005)
