@@ -9,12 +9,15 @@ while there are few), each flat arrays in insertion order and an open-addressing
 index of array positions (2 B a slot up to ~53 000 entries a table, 4 B past it;
 linear probing, at most 70 % full, sized 1.75 slots per entry at each rebuild).
 An entry is the name's next 32 bits above the table's (the whole name in the one
-table) and the ghost's first three 64-bit fields narrowed to 32 bits each: 16 B,
-~20 B with the index and the arrays' slack between two rebuilds. Field 3 (the loop
-expert's note of the file's reuse gap) is 0 in every ghost a policy hands over
-(``KvfsPolicy.remove`` clears it), so it is not kept; a ghost whose field 3 is
-not 0 is kept whole. (Four fields of 32 bits, as until session 24, took 20 B,
-~25 B in all: 24.1 B per file at 10^7.) The last use (field 1,
+table) and the ghost's first two 64-bit fields narrowed to 32 bits each: 12 B,
+~16 B with the index and the arrays' slack between two rebuilds. Field 2 (the
+successor a rewrite revives) is 0 in almost every ghost, so a table keeps the few
+that are not in a dict, and all of them in a 32-bit array only while they are many
+(:data:`_SPARSE`). Field 3 (the loop expert's note of the file's reuse gap) is 0 in
+every ghost a policy hands over (``KvfsPolicy.remove`` clears it), so it is not
+kept; a ghost whose field 3 is not 0 is kept whole. (Four fields of 32 bits, as
+until session 24, took 20 B, ~25 B in all: 24.1 B per file at 10^7; three, until
+session 26, 16 B and 20.1 B.) The last use (field 1,
 a policy's event clock, which passes 2**32 in a long-lived mount) is kept as its
 distance from the table's ``base``, moved ahead of the newest last use when one
 falls past it, so it stays narrow however far the clock has run. A ghost with a
@@ -66,22 +69,31 @@ _AHEAD = 1 << 30
 events behind the newest, and moves again 2**30 events later (a table's entries
 span its turnover of evictions: the events of ~its share of the pool's
 evictions)."""
-_WIDE = _U64
-_WIDE_HI = _U32
-"""A slot's low and high words when its ghost is kept whole (in ``_Shard._wide``):
-no narrowed ghost has them, its fields being below 2**32 - 1."""
-_DEAD_HI = 0
-"""With a low word of all ones: the entry was dropped (a narrowed low word is never
-all ones, a whole ghost's high word is)."""
+_DEAD = _U64
+"""The low word of a dropped entry (its key's index value is kept: see ``_EMPTY``)."""
+_WIDE = _U64 - 1
+"""The low word of an entry whose ghost is kept whole (in ``_Shard._wide``). A
+narrowed low word is neither: its field 0 is below 2**32 - 2 (:func:`_narrow`)."""
+_SPARSE = 32
+"""A table keeps its high words (field 2, the successor to revive) in a dict of the
+few that are not 0 while they are at most one in ``_SPARSE`` of its entries, and in
+a 32-bit array beside the others past that; a rebuild goes back to the dict when
+they are one in ``2 * _SPARSE`` or fewer. A dict entry costs ~100 B, a word ~4.4 B
+(the arrays' slack included): the dict is the cheaper while under ~1 in 23. Policies
+set it only for a key evicted before its chain's tail, whose confirmed successor it
+made a dead tail: none of the 382 343 evictions of ``adaptive`` on the suite's qa,
+sharegpt, agent-fanout, docqa-mix and mooncake-conversation traces at 10 and 30 %
+did (session 26)."""
 
 
 def _narrow(ghost: int, base: int) -> tuple[int, int] | None:
     """A ghost's four 64-bit fields (bits 0, 64, 128, 192) as a 64-bit low word
     (fields 0 and 1, field 1 as its distance from ``base``) and a 32-bit high word
-    (field 2), or None if one of them does not fit or field 3 is not 0."""
+    (field 2), or None if one of them does not fit (field 0 at 2**32 - 2 or more:
+    the low word's two marks, :data:`_DEAD` and :data:`_WIDE`) or field 3 is not 0."""
     f0, f2 = ghost & _U64, ghost >> 128 & _U64
     f1 = (ghost >> 64 & _U64) - base + _MID
-    if max(f0, f2) >= _U32 or ghost >> 192 or not 0 <= f1 < _U32:
+    if f0 >= _U32 - 1 or f2 > _U32 or ghost >> 192 or not 0 <= f1 < _U32:
         return None
     return f0 | f1 << 32, f2
 
@@ -164,7 +176,9 @@ class _Shard:
         self._names = array(typecode)
         """By age, oldest first from ``_head``."""
         self._lo = array("Q")
-        self._hi = array("I")
+        self._hi: array[int] | None = None
+        """The high words by array position, once they are too many for ``_his``."""
+        self._his: dict[int, int] = {}  # key -> its live entry's high word, if not 0
         self._wide: dict[int, int] = {}  # key -> a ghost a field of which is too wide
         self._base = 0  # the last uses' reference (_narrow)
         self._head = 0
@@ -185,7 +199,7 @@ class _Shard:
             if at == _EMPTY:
                 return -1
             at -= 1
-            if names[at] == key and not (lo[at] == _U64 and self._hi[at] == _DEAD_HI):
+            if names[at] == key and lo[at] != _DEAD:
                 return at
             i += 1
             if i == cap:
@@ -193,16 +207,19 @@ class _Shard:
 
     def _drop(self, at: int) -> None:
         """Forget the live entry at array position ``at``."""
-        if self._lo[at] == _WIDE and self._hi[at] == _WIDE_HI:
-            del self._wide[self._names[at]]
-        self._lo[at] = _U64
-        self._hi[at] = _DEAD_HI
+        key = self._names[at]
+        if self._lo[at] == _WIDE:
+            del self._wide[key]
+        elif self._hi is None:
+            self._his.pop(key, None)
+        self._lo[at] = _DEAD
         self._live -= 1
 
     def _ghost(self, at: int) -> int:
-        lo, hi = self._lo[at], self._hi[at]
-        if lo == _WIDE and hi == _WIDE_HI:
-            return self._wide[self._names[at]]
+        lo, key = self._lo[at], self._names[at]
+        if lo == _WIDE:
+            return self._wide[key]
+        hi = self._his.get(key, 0) if self._hi is None else self._hi[at]
         return _widen(lo, hi, self._base)
 
     def pop(self, key: int) -> int | None:
@@ -230,12 +247,30 @@ class _Shard:
         halves = _narrow(ghost, self._base)
         if halves is None:
             self._wide[key] = ghost
-            halves = (_WIDE, _WIDE_HI)
+            halves = (_WIDE, 0)
         self._names.append(key)
         self._lo.append(halves[0])
-        self._hi.append(halves[1])
-        self._place(key, len(self._names))
         self._live += 1
+        if self._hi is not None:
+            self._hi.append(halves[1])
+        elif halves[1]:
+            self._his[key] = halves[1]
+            if len(self._his) * _SPARSE > self._live + _SPARSE * _SHARD_MIN:
+                self._densify()
+        self._place(key, len(self._names))
+
+    def _densify(self) -> None:
+        """The high words from ``_his`` into an array by position (0 at dropped and
+        whole entries, whose high word is never read)."""
+        his, lo = self._his, self._lo
+        self._hi = array(
+            "I",
+            (
+                his.get(key, 0) if low != _DEAD and low != _WIDE else 0
+                for key, low in zip(self._names, lo, strict=True)
+            ),
+        )
+        self._his = {}
 
     def _place(self, key: int, at: int) -> None:
         index, cap = self._index, self._cap
@@ -249,45 +284,58 @@ class _Shard:
 
     def trim(self, most: int) -> None:
         """Drop the oldest entries until at most ``most`` are left."""
-        lo, hi = self._lo, self._hi
+        lo = self._lo
         while self._live > most:
             head = self._head
-            if not (lo[head] == _U64 and hi[head] == _DEAD_HI):
+            if lo[head] != _DEAD:
                 self._drop(head)
             self._head = head + 1
 
     def _rebuild(self, live: int, base: int | None = None) -> None:
         """The live entries, oldest first, in fresh arrays (their last uses measured
         from ``base`` if given: one that falls outside is kept whole); an index
-        sized for ``live``."""
+        sized for ``live``. High words in an array go back to the dict when few
+        are not 0 (:data:`_SPARSE`)."""
         names, lo, hi, head = self._names, self._lo, self._hi, self._head
         no_holes = len(names) - head == self._live  # no dropped entry past the head: slices
         keep = (
             range(head, len(names))
             if no_holes
-            else [i for i in range(head, len(names)) if not (lo[i] == _U64 and hi[i] == _DEAD_HI)]
+            else [i for i in range(head, len(names)) if lo[i] != _DEAD]
         )
         new_lo = lo[head:] if no_holes else array("Q", (lo[i] for i in keep))
         if base is not None and base != self._base:
             shift = self._base - base
             for j, i in enumerate(keep):
                 low = new_lo[j]
-                if low == _WIDE and hi[i] == _WIDE_HI:
+                if low == _WIDE:
                     continue
                 f1 = (low >> 32) + shift
                 if 0 <= f1 < _U32:
                     new_lo[j] = (low & _U32) | f1 << 32
                 else:
-                    self._wide[names[i]] = _widen(low, hi[i], self._base)
+                    key = names[i]
+                    high = self._his.pop(key, 0) if hi is None else hi[i]
+                    self._wide[key] = _widen(low, high, self._base)
                     new_lo[j] = _WIDE
-                    hi[i] = _WIDE_HI
             self._base = base
         if no_holes:
-            self._names, self._hi = names[head:], hi[head:]
+            self._names = names[head:]
+            if hi is not None:
+                self._hi = hi[head:]
         else:
             self._names = array(names.typecode, (names[i] for i in keep))
-            self._hi = array("I", (hi[i] for i in keep))
+            if hi is not None:
+                self._hi = array("I", (hi[i] for i in keep))
         self._lo = new_lo
+        hi = self._hi
+        if hi is not None and (len(hi) - hi.count(0)) * 2 * _SPARSE <= len(hi):
+            self._his = {
+                key: high
+                for key, low, high in zip(self._names, new_lo, hi, strict=True)
+                if high and low != _WIDE
+            }
+            self._hi = None
         self._head = 0
         self._cap = cap = max(_MIN_CAPACITY, int(live * _SLOTS_PER_ENTRY) + 1)
         self._index = index = _index_of(cap)
@@ -302,7 +350,7 @@ class _Shard:
 
     def items(self) -> Iterator[tuple[int, int]]:
         """(key, ghost), oldest first."""
-        lo, hi = self._lo, self._hi
+        lo = self._lo
         for at in range(self._head, len(self._names)):
-            if not (lo[at] == _U64 and hi[at] == _DEAD_HI):
+            if lo[at] != _DEAD:
                 yield self._names[at], self._ghost(at)
