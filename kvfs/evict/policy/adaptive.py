@@ -52,7 +52,7 @@ from kvfs.evict.policy.duel import HOLD, MARGIN, Duel
 from kvfs.evict.policy.prefix import _GHOST, _PROBATION, KvfsPolicy
 from kvfs.evict.policy.prefix_lru import PrefixLRUPolicy
 from kvfs.evict.policy.protocol import Policy, PolicyStatistics
-from kvfs.evict.slots import FREE, LOOSE, SHIFT, SlotTable, share_equal_chunks
+from kvfs.evict.slots import FREE, LOOSE, ROWS, SHIFT, SlotTable, share_equal_chunks
 from kvfs.format import policy_image as img
 from kvfs.format.policy_image import Image
 
@@ -65,19 +65,64 @@ _RECENCY_LIST = 1  # the recency expert's list: where the loop expert's probatio
 assert _RECENCY_LIST == _PROBATION
 
 
+class _LoopSizes:
+    """The recency expert's sizes, read from the loop expert's table: the two hold
+    the same residents, and the adaptive policy tells the recency expert of each
+    write and removal first, so a read sees the size the key had before it. Writes
+    are dropped (the loop expert stores the same size)."""
+
+    __slots__ = ("_keys", "_loop")
+
+    def __init__(self, keys: SlotTable, loop: KvfsPolicy) -> None:
+        self._keys, self._loop = keys, loop
+
+    def __getitem__(self, slot: int) -> int:
+        return self._loop.size_of(self._keys.key_of(slot))
+
+    def __setitem__(self, slot: int, value: int) -> None:
+        pass
+
+
 class _Recency(PrefixLRUPolicy):
     """The recency expert: prefix-LRU in the loop expert's table geometry (four
     sentinels, its one list where the loop expert's probation is), so that the
     two tables' chunks can be one array while they agree; its image scalars carry
-    the adaptive policy's own (``carried``)."""
+    the adaptive policy's own (``carried``). With ``loop``, its sizes are the loop
+    expert's (:class:`_LoopSizes`): its own size column stays 0, a byte a key."""
 
     _lists = (_RECENCY_LIST,)
     _slot_lists = 4
     _order = _RECENCY_LIST
 
-    def __init__(self, partial_first: bool = True) -> None:
+    def __init__(self, partial_first: bool = True, loop: KvfsPolicy | None = None) -> None:
+        self._loop = loop
         super().__init__(partial_first)
         self.carried: list[int] = []
+
+    def reset(self) -> None:
+        self.__init__(self.partial_first, self._loop)  # type: ignore[misc]
+
+    def _bind_columns(self) -> None:
+        super()._bind_columns()
+        if self._loop is not None:
+            self._size = _LoopSizes(self._slots, self._loop)  # type: ignore[assignment]
+
+    def _adopt_fresh(
+        self, keys: array[int], sizes: array[int], spans: list[tuple[int, int]] | None
+    ) -> None:
+        if self._loop is None:
+            super()._adopt_fresh(keys, sizes, spans)
+        else:
+            self._slots.adopt_keys(self._lists[0], keys, [], spans)
+
+    def forget_sizes(self) -> None:
+        """Zero the own size column (an image of a release before session 26 kept
+        the sizes there too): a byte a key again."""
+        column = self._slots.columns[0]
+        for c, chunk in enumerate(column.chunks):
+            if chunk is not None and chunk.count(0) != len(chunk):
+                column.chunks[c] = array(column.ladder[0], bytes(ROWS))
+                column.shared[c] = 0
 
     def _extra_scalars(self) -> list[int]:
         return self.carried
@@ -88,13 +133,16 @@ class _Recency(PrefixLRUPolicy):
     def follow(self, loop: KvfsPolicy) -> bool:
         """On a fresh table: hold ``loop``'s residents in its image order (its dead,
         probation then main lists, oldest first), built from its columns in
-        O(chunks) at C level, its link chunks (and owner and size chunks where
-        they agree) shared copy-on-write: what ``adopt`` of those keys in that
-        order gives (a first mount, where the loop expert adopted the files into
-        probation; a pool of the ``kvfs`` default upgraded to ``adaptive``). False
-        (nothing changed) if its keys are mapped through a dict."""
+        O(chunks) at C level, its link chunks (and owner chunks where they agree)
+        shared copy-on-write: what ``adopt`` of those keys in that order gives (a
+        first mount, where the loop expert adopted the files into probation; a pool
+        of the ``kvfs`` default upgraded to ``adaptive``). False (nothing changed)
+        if its keys are mapped through a dict, or ``loop`` is not the expert whose
+        sizes it reads."""
         source = loop._slots
-        if not source.direct or source.sparse_keys or self._slots.decided:
+        if loop is not self._loop or not source.direct or source.sparse_keys:
+            return False
+        if self._slots.decided:
             return False
         table = SlotTable(self._slot_lists, self._columns)
         table.decided, table.direct = source.decided, source.direct
@@ -103,7 +151,7 @@ class _Recency(PrefixLRUPolicy):
         for lst in loop._lists:
             to_recency[lst] = _RECENCY_LIST
         to_recency[_GHOST] = FREE & 0xFF
-        loose, ghostly = bytes([LOOSE & 0xFF]), bytes([_GHOST])
+        loose = bytes([LOOSE & 0xFF])
         size = table.columns[0]
         for c, owners in enumerate(source.owner.chunks):
             if owners is None:
@@ -118,14 +166,7 @@ class _Recency(PrefixLRUPolicy):
                 pairs.append((source.owner, table.owner))
             else:
                 table.owner.load(c, array("b", mine))
-            if ghostly not in raw:
-                pairs.append((source.columns[0], size))
-            else:  # a ghost's size column holds its eviction record: 0 here
-                size.load(c, array("q", source.columns[0].chunks[c]), narrow=True)  # type: ignore[arg-type]
-                ghost = raw.find(ghostly)
-                while ghost >= 0:
-                    size[(c << SHIFT) + ghost] = 0
-                    ghost = raw.find(ghostly, ghost + 1)
+            size.ensure_row(c << SHIFT)  # sizes: the loop expert's (_LoopSizes)
             for theirs, ours in pairs:  # the same array, copy-on-write for both
                 chunk = theirs.chunks[c]
                 assert chunk is not None
@@ -169,8 +210,8 @@ class AdaptivePolicy(Policy):
         self.prefix_rule = prefix_rule
         self.hold = hold
         self.partial_first = partial_first
-        self.recency = _Recency(partial_first)
         self.loop = KvfsPolicy(without=frozenset({"dead-first"}))
+        self.recency = _Recency(partial_first, self.loop)
         self._experts: tuple[PrefixLRUPolicy, KvfsPolicy] = (self.recency, self.loop)
         self.duel = Duel(
             (
@@ -321,12 +362,11 @@ class AdaptivePolicy(Policy):
     # -- sharing the experts' chunks ---------------------------------------------------
 
     def _share(self, first: int, count: int) -> None:
-        """Make the recency expert's link, owner and size chunks ``first ..`` that
-        equal the loop expert's the same arrays (copy-on-write for both)."""
+        """Make the recency expert's link and owner chunks ``first ..`` that equal
+        the loop expert's the same arrays (copy-on-write for both)."""
         a, b = self.loop._slots, self.recency._slots
         for x, y in ((a.prev, b.prev), (a.next, b.next), (a.owner, b.owner)):
             share_equal_chunks(x, y, first, count)
-        share_equal_chunks(a.columns[0], b.columns[0], first, count)
 
     def _share_all(self) -> None:
         self._share(0, len(self.loop._slots.owner.chunks))
@@ -360,9 +400,10 @@ class AdaptivePolicy(Policy):
             self._recover_v1(pieces[0])
             return
         loop = KvfsPolicy(without=self.loop.without)
-        recency = _Recency(self.partial_first)
+        recency = _Recency(self.partial_first, loop)
         loop._load_pieces(pieces, self._kind, 0)
         recency._load_pieces(pieces, self._kind, 1, loop._slots)  # sharing as it reads
+        recency.forget_sizes()
         carried = recency.carried
         if len(carried) not in (5, 6):  # (5: written before the expert followed was kept)
             raise ValueError("adaptive policy image: wrong scalar count")

@@ -17,7 +17,7 @@ import pytest
 from kvfs.evict.evictor import Evictor
 from kvfs.evict.orphans import OrphanList
 from kvfs.evict.policy import POLICY_NAMES, make_policy
-from kvfs.evict.policy.adaptive import AdaptivePolicy
+from kvfs.evict.policy.adaptive import AdaptivePolicy, _LoopSizes, _Recency
 from kvfs.evict.policy.prefix_lru import PrefixLRUPolicy
 from kvfs.evict.slots import DIRECT, FREE, LOOSE, ROWS, SlotColumn, SlotTable, runs
 from kvfs.format import policy_image as img
@@ -222,6 +222,63 @@ def _adaptive_state(policy: AdaptivePolicy) -> tuple[object, ...]:
         policy.switches,
         policy.statistics(),
     )
+
+
+def _owning_sizes() -> AdaptivePolicy:
+    """An adaptive policy whose recency expert keeps its own sizes, as until session
+    26 (its image holds them too)."""
+    policy = AdaptivePolicy()
+    policy.recency = _Recency(policy.partial_first)
+    policy._experts = (policy.recency, policy.loop)
+    return policy
+
+
+@pytest.mark.parametrize("keys", ["inode numbers", "hashes"])
+def test_the_recency_expert_reads_its_sizes_from_the_loop_expert(keys: str) -> None:
+    """The recency expert keeps no sizes of its own (its size column all 0, a byte a
+    key): it reads the loop expert's, which hold the same residents. Through writes
+    that resize, partial chunks filed first, reads, removals, evictions, a
+    checkpoint's recovery and a recovery of an image that still holds the recency
+    expert's sizes, it decides what one that keeps them does, byte counts alike."""
+    rng = random.Random(9)
+    base = 0 if keys == "inode numbers" else 1 << 40
+    borrowing, owning = AdaptivePolicy(), _owning_sizes()
+    assert isinstance(borrowing.recency._size, _LoopSizes)
+
+    def run(policies: list[AdaptivePolicy], steps: int) -> None:
+        for _ in range(steps):
+            key, stream = base + rng.randrange(2, 3000), rng.randrange(5)
+            op, size = rng.random(), rng.choice((SIZE, SIZE, SIZE // 3, 7))
+            victims = []
+            for policy in policies:
+                if op < 0.5:
+                    policy.track(key, size, stream)
+                elif op < 0.8:
+                    policy.touch(key, stream)
+                elif op < 0.85:
+                    policy.remove(key)
+                while len(policy) > 1000:
+                    victim = next(policy.victims())
+                    victims.append(victim)
+                    policy.remove(victim)
+            assert victims[: len(victims) // 2] == victims[len(victims) // 2 :]
+        one, other = policies
+        assert _adaptive_state(one) == _adaptive_state(other)
+        assert one.recency._bytes == other.recency._bytes == one.loop.statistics().bytes
+        resident = one.keys()
+        for k in resident:
+            assert one.recency.size_of(k) == other.recency.size_of(k) == one.loop.size_of(k)
+
+    run([borrowing, owning], 20_000)
+    own = owning.recency._slots.columns[0]
+    assert any(chunk is not None and any(chunk) for chunk in own.chunks)
+    again, older = AdaptivePolicy(), AdaptivePolicy()
+    again.recover(borrowing.persist())
+    older.recover(owning.persist())  # an image of a release that kept the sizes twice
+    for policy in (borrowing, again, older):
+        column = policy.recency._slots.columns[0]
+        assert all(ch is None or (ch.typecode == "B" and not any(ch)) for ch in column.chunks)
+    run([again, older], 10_000)
 
 
 def test_adaptive_experts_share_chunks_until_they_diverge() -> None:
