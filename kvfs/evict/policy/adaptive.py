@@ -27,9 +27,11 @@ is the same chunk to them (an entry per sampled file only).
 
 The recency expert's table has the loop expert's geometry (the same sentinels, its
 list where the loop expert's probation is), so after a mount's bulk adoption both
-hold the same links, owners and sizes; chunks that hold the same rows are one array,
+hold the same links and owners; chunks that hold the same rows are one array,
 copy-on-write for both (``slots.share_equal_chunks``: at adoption and recovery, and
 a bounded number per checkpoint), and the second expert costs what has diverged.
+Its sizes are the loop expert's (:class:`_LoopSizes`): its own size column stays 0,
+a byte a key (until session 26 it kept them too, 4 B a key).
 
 Persisted as a version 3 image of kind 3 in two tables (``docs/format.md``): table
 0 the loop expert's (its lists and ghosts), table 1 the recency expert's, whose

@@ -282,7 +282,7 @@ def test_the_recency_expert_reads_its_sizes_from_the_loop_expert(keys: str) -> N
 
 
 def test_adaptive_experts_share_chunks_until_they_diverge() -> None:
-    """After a bulk adoption the two experts' link, owner and size chunks are one
+    """After a bulk adoption the two experts' link and owner chunks are one
     array each (the second expert costs what diverged), and sharing never lets one
     expert's change reach the other or a frozen checkpoint: a policy with shared
     chunks and one without (tracked key by key) stay identical through random
