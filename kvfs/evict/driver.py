@@ -409,9 +409,11 @@ class EvictionDriver:
         """Bring the next checkpoint down to ``META_LOW`` of a half: evict files (data
         eviction's rules; files in their grace only as the last resort, never in the
         ``background``) and, if the last checkpoint is over the limit
-        (``Journal.metadata_full``) and the index shrank since, take a fresh one. The
-        caller checks ``metadata_full`` afterwards: still full means nothing more
-        could go (ENOSPC). One caller at a time; the next finds the work done."""
+        (``Journal.metadata_full``) and the index shrank since, take a fresh one; a
+        checkpoint already running whose snapshot holds the index as it is is waited
+        for instead. The caller checks ``metadata_full`` afterwards: still full means
+        nothing more could go (ENOSPC). One caller at a time; the next finds the work
+        done."""
         async with self._meta_lock:
             for _ in range(3):  # the estimate may be off: measure, and go on once or twice
                 if not background and not self.journal.metadata_full:
@@ -428,6 +430,12 @@ class EvictionDriver:
                     if background and not evicted:
                         self._meta_idle_until = time.monotonic() + EVICTION_LOG_INTERVAL
                 shrunk = len(self.ns.inodes) < self._checkpointed_inodes()
+                if self.journal.metadata_full and not shrunk and self.journal.checkpointing:
+                    # the running checkpoint's snapshot already holds the index as it
+                    # is (removals included): its size decides, so wait for it rather
+                    # than answer ENOSPC from the one before it
+                    await self.journal.checkpoint_settled()
+                    continue
                 if not (self.journal.metadata_full and shrunk):
                     return
                 await self.journal.checkpoint()
