@@ -224,6 +224,24 @@ def _adaptive_state(policy: AdaptivePolicy) -> tuple[object, ...]:
     )
 
 
+def _step(
+    policy: AdaptivePolicy,
+    op: float,
+    cuts: tuple[float, float, float],
+    key: int,
+    size: int,
+    stream: int,
+) -> None:
+    """A write (``op`` under ``cuts[0]``), a read (under ``cuts[1]``) or a removal
+    (under ``cuts[2]``) of ``key``; nothing past that."""
+    if op < cuts[0]:
+        policy.track(key, size, stream)
+    elif op < cuts[1]:
+        policy.touch(key, stream)
+    elif op < cuts[2]:
+        policy.remove(key)
+
+
 def _owning_sizes() -> AdaptivePolicy:
     """An adaptive policy whose recency expert keeps its own sizes, as until session
     26 (its image holds them too)."""
@@ -251,12 +269,7 @@ def test_the_recency_expert_reads_its_sizes_from_the_loop_expert(keys: str) -> N
             op, size = rng.random(), rng.choice((SIZE, SIZE, SIZE // 3, 7))
             victims = []
             for policy in policies:
-                if op < 0.5:
-                    policy.track(key, size, stream)
-                elif op < 0.8:
-                    policy.touch(key, stream)
-                elif op < 0.85:
-                    policy.remove(key)
+                _step(policy, op, (0.5, 0.8, 0.85), key, size, stream)
                 while len(policy) > 1000:
                     victim = next(policy.victims())
                     victims.append(victim)
@@ -323,13 +336,8 @@ def test_adaptive_experts_share_chunks_until_they_diverge() -> None:
             key = rng.choice((rng.randrange(2, 5_000), rng.randrange(8_000, 9_000)))
             op, stream = rng.random(), rng.randrange(6)
             for policy in (shared, plain):
-                if op < 0.4:
-                    policy.track(key, SIZE, stream)
-                elif op < 0.7:
-                    policy.touch(key, stream)
-                elif op < 0.8:
-                    policy.remove(key)
-                else:
+                _step(policy, op, (0.4, 0.7, 0.8), key, SIZE, stream)
+                if op >= 0.8:
                     policy.remove(next(policy.victims()))
         assert b"".join(pieces) == expected
         assert _adaptive_state(shared) == _adaptive_state(plain), step
