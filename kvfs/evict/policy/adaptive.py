@@ -142,9 +142,7 @@ class _Recency(PrefixLRUPolicy):
         if its keys are mapped through a dict, or ``loop`` is not the expert whose
         sizes it reads."""
         source = loop._slots
-        if loop is not self._loop or not source.direct or source.sparse_keys:
-            return False
-        if self._slots.decided:
+        if loop is not self._loop or not source.direct or source.sparse_keys or self._slots.decided:
             return False
         table = SlotTable(self._slot_lists, self._columns)
         table.decided, table.direct = source.decided, source.direct
@@ -154,11 +152,11 @@ class _Recency(PrefixLRUPolicy):
             to_recency[lst] = _RECENCY_LIST
         to_recency[_GHOST] = FREE & 0xFF
         loose = bytes([LOOSE & 0xFF])
-        size = table.columns[0]
         for c, owners in enumerate(source.owner.chunks):
             if owners is None:
                 continue
-            table.columns[1].ensure_row(c << SHIFT)  # predecessors: none
+            for column in table.columns:  # sizes: the loop expert's; predecessors: none
+                column.ensure_row(c << SHIFT)
             raw = owners.tobytes()
             if loose in raw:
                 return False  # (never between two calls; shared flags set are harmless)
@@ -168,7 +166,6 @@ class _Recency(PrefixLRUPolicy):
                 pairs.append((source.owner, table.owner))
             else:
                 table.owner.load(c, array("b", mine))
-            size.ensure_row(c << SHIFT)  # sizes: the loop expert's (_LoopSizes)
             for theirs, ours in pairs:  # the same array, copy-on-write for both
                 chunk = theirs.chunks[c]
                 assert chunk is not None
