@@ -17,7 +17,7 @@ import pytest
 from kvfs.evict.evictor import Evictor
 from kvfs.evict.orphans import OrphanList
 from kvfs.evict.policy import POLICY_NAMES, make_policy
-from kvfs.evict.policy.adaptive import AdaptivePolicy, _LoopSizes, _Recency
+from kvfs.evict.policy.adaptive import AdaptivePolicy, _LoopPreds, _LoopSizes, _Recency
 from kvfs.evict.policy.prefix_lru import PrefixLRUPolicy
 from kvfs.evict.slots import DIRECT, FREE, LOOSE, ROWS, SlotColumn, SlotTable, runs
 from kvfs.format import policy_image as img
@@ -243,8 +243,8 @@ def _step(
 
 
 def _owning_sizes() -> AdaptivePolicy:
-    """An adaptive policy whose recency expert keeps its own sizes, as until session
-    26 (its image holds them too)."""
+    """An adaptive policy whose recency expert keeps its own sizes and predecessors,
+    as until sessions 26 and 27 (its image holds them too)."""
     policy = AdaptivePolicy()
     policy.recency = _Recency(policy.partial_first)
     policy._experts = (policy.recency, policy.loop)
@@ -254,17 +254,33 @@ def _owning_sizes() -> AdaptivePolicy:
 @pytest.mark.parametrize("keys", ["inode numbers", "hashes"])
 def test_the_recency_expert_reads_its_sizes_from_the_loop_expert(keys: str) -> None:
     """The recency expert keeps no sizes of its own (its size column all 0, a byte a
-    key): it reads the loop expert's, which hold the same residents. Through writes
-    that resize, partial chunks filed first, reads, removals, evictions, a
-    checkpoint's recovery and a recovery of an image that still holds the recency
-    expert's sizes, it decides what one that keeps them does, byte counts alike."""
+    key): it reads the loop expert's, which hold the same residents. Its
+    predecessors too, but for the keys where the loop expert learnt none (kept in a
+    dict). Through writes that resize, partial chunks filed first, reads, removals,
+    evictions, a checkpoint's recovery and a recovery of an image that still holds
+    the recency expert's sizes and predecessors, it decides what one that keeps them
+    does, byte counts and predecessors alike."""
     rng = random.Random(9)
     base = 0 if keys == "inode numbers" else 1 << 40
     borrowing, owning = AdaptivePolicy(), _owning_sizes()
     assert isinstance(borrowing.recency._size, _LoopSizes)
+    assert isinstance(borrowing.recency._pred, _LoopPreds)
+    odd_seen = 0
+
+    def preds(policy: AdaptivePolicy) -> dict[int, int]:
+        recency, resident = policy.recency, policy.keys()
+        return {k: recency._pred[recency._slots.find(k)] for k in resident}
 
     def run(policies: list[AdaptivePolicy], steps: int) -> None:
-        for _ in range(steps):
+        nonlocal odd_seen
+        for step in range(steps):
+            if step % 500 == 0:
+                one_, other_ = policies
+                assert preds(one_) == preds(other_)
+                odd = one_.recency._pred.odd
+                odd_seen = max(odd_seen, len(odd))
+                for k, value in odd.items():  # only keys resident and unlike the loop's
+                    assert k in one_ and value != one_.recency._pred._of_loop(k)
             key, stream = base + rng.randrange(2, 3000), rng.randrange(5)
             op, size = rng.random(), rng.choice((SIZE, SIZE, SIZE // 3, 7))
             victims = []
@@ -283,14 +299,15 @@ def test_the_recency_expert_reads_its_sizes_from_the_loop_expert(keys: str) -> N
             assert one.recency.size_of(k) == other.recency.size_of(k) == one.loop.size_of(k)
 
     run([borrowing, owning], 20_000)
-    own = owning.recency._slots.columns[0]
-    assert any(chunk is not None and any(chunk) for chunk in own.chunks)
+    assert odd_seen > 0  # the dict was needed on the way
+    for own in owning.recency._slots.columns:
+        assert any(chunk is not None and any(chunk) for chunk in own.chunks)
     again, older = AdaptivePolicy(), AdaptivePolicy()
     again.recover(borrowing.persist())
-    older.recover(owning.persist())  # an image of a release that kept the sizes twice
+    older.recover(owning.persist())  # an image of a release that kept them twice
     for policy in (borrowing, again, older):
-        column = policy.recency._slots.columns[0]
-        assert all(ch is None or (ch.typecode == "B" and not any(ch)) for ch in column.chunks)
+        for column in policy.recency._slots.columns:
+            assert all(ch is None or (ch.typecode == "B" and not any(ch)) for ch in column.chunks)
     run([again, older], 10_000)
 
 
