@@ -351,7 +351,7 @@ class AdaptivePolicy(Policy):
             self.duel.access(chunk, size, stream, resident, nbytes)
         for expert in self._experts:
             expert.track(key, size, stream)
-        self.recency.settle(key)
+        self._settle(key)
 
     def touch(self, key: int, stream: Hashable) -> None:
         """Record a read of a resident key (a mount also touches a file it is about
@@ -363,7 +363,13 @@ class AdaptivePolicy(Policy):
             self.duel.access(chunk, size, stream, len(self.recency), self.recency._bytes)
         for expert in self._experts:
             expert.touch(key, stream)
-        self.recency.settle(key)
+        self._settle(key)
+
+    def _settle(self, key: int) -> None:
+        """Both experts have seen an event on ``key`` (``_LoopPreds``; a recency expert
+        of another kind, as ``tools/policy_lab.py`` puts in, keeps its own)."""
+        if isinstance(self.recency, _Recency):
+            self.recency.settle(key)
 
     def remove(self, key: int) -> None:
         """Forget ``key`` and its identity; the victim just yielded counts as an
