@@ -136,6 +136,7 @@ class _Recency(PrefixLRUPolicy):
 
     def __init__(self, partial_first: bool = True, loop: KvfsPolicy | None = None) -> None:
         self._loop = loop
+        self._preds: _LoopPreds | None = None  # with ``loop``: its ``_pred``
         super().__init__(partial_first)
         self.carried: list[int] = []
 
@@ -146,17 +147,18 @@ class _Recency(PrefixLRUPolicy):
         super()._bind_columns()
         if self._loop is not None:
             self._size = _LoopSizes(self._slots, self._loop)  # type: ignore[assignment]
-            self._pred = _LoopPreds(self._slots, self._loop)  # type: ignore[assignment]
+            self._preds = _LoopPreds(self._slots, self._loop)
+            self._pred = self._preds  # type: ignore[assignment]
 
     def settle(self, key: int) -> None:
         """The loop expert has seen the event the recency expert just saw on ``key``."""
-        if self._loop is not None:
-            self._pred.settle(key)  # type: ignore[attr-defined]
+        if self._preds is not None:
+            self._preds.settle(key)
 
     def remove(self, key: int) -> None:
         super().remove(key)
-        if self._loop is not None:
-            self._pred.odd.pop(key, None)  # type: ignore[attr-defined]
+        if self._preds is not None:
+            self._preds.odd.pop(key, None)
 
     def _restore(self, decoded: Image) -> None:
         super()._restore(decoded)
@@ -169,9 +171,9 @@ class _Recency(PrefixLRUPolicy):
         self._settle_all()  # (the loop expert adopted them first)
 
     def _settle_all(self) -> None:
-        if self._loop is not None:
-            for key in list(self._pred.odd):  # type: ignore[attr-defined]
-                self.settle(key)
+        if self._preds is not None:
+            for key in list(self._preds.odd):
+                self._preds.settle(key)
 
     def _adopt_fresh(
         self, keys: array[int], sizes: array[int], spans: list[tuple[int, int]] | None
