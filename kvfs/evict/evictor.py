@@ -128,8 +128,10 @@ class Evictor:
         self._tgids: dict[int, tuple[int, float]] = {}
         self._reaped = 0.0
         # who last opened each file: a process number per inode (0: none), the
-        # processes by number, and how many files each owns
-        self._owner = SlotColumn("H")
+        # processes by number, and how many files each owns; a chunk of the column is
+        # a byte a row while its process numbers are under 256 (a few engines), two
+        # past that (the image keeps two bytes a row either way: owners_fmt.encode)
+        self._owner = SlotColumn("I", narrow=True)  # (numbers < 2**16: "B" or "H")
         self._procs: list[tuple[int, int] | None] = [None]
         self._proc_ids: dict[tuple[int, int], int] = {}
         self._proc_files = [0]
@@ -498,17 +500,20 @@ class Evictor:
 
     def _files_of(self, number: int) -> Iterator[int]:
         """Inodes process ``number`` owns: a C-level search of the owner column."""
-        pattern = struct.pack("<H", number)
         left = self._proc_files[number]
         for c, chunk in enumerate(self._owner.chunks):
             if chunk is None or not left:
                 continue
+            width = chunk.itemsize  # 1 or 2 (a narrowed chunk: numbers under 256)
+            if number >> 8 * width:
+                continue
+            pattern = number.to_bytes(width, "little")
             raw = chunk.tobytes()
             at = raw.find(pattern)
             while at >= 0:
-                if not at & 1:
+                if not at % width:
                     left -= 1
-                    yield (c << SHIFT) + (at >> 1)
+                    yield (c << SHIFT) + at // width
                 at = raw.find(pattern, at + 1)
 
     def reap(self) -> int:

@@ -51,6 +51,12 @@ def _piece(part: int, index: int, count: int, raw: bytes) -> bytes:
     return body + struct.pack("<I", zlib.crc32(body))
 
 
+def _uint16(chunk: array[int]) -> bytes:
+    """A chunk's rows as the image keeps them, two bytes each (the daemon keeps a
+    chunk whose numbers are under 256 a byte a row)."""
+    return (chunk if chunk.typecode == "H" else array("H", chunk)).tobytes()
+
+
 def encode(procs: Sequence[Process | None], owners: Sequence[array[int] | None]) -> Iterator[bytes]:
     """Owners pieces: the process table (``procs[n]`` is process number ``n``), then
     the uint16 owner column's non-zero chunks in runs of at most ``BATCH``, the last
@@ -59,12 +65,11 @@ def encode(procs: Sequence[Process | None], owners: Sequence[array[int] | None])
     for proc in procs:
         table.extend((-1, 0) if proc is None else proc)
     yield _piece(0, 0, len(procs), table.tobytes())
-    zero = bytes(2 * ROWS)
-    used = [c for c, ch in enumerate(owners) if ch is not None and ch.tobytes() != zero]
+    used = [c for c, ch in enumerate(owners) if ch is not None and ch.count(0) != len(ch)]
     if not used:
         return
     last = used[-1]
-    tail = owners[last].tobytes().rstrip(b"\0")  # type: ignore[union-attr]
+    tail = _uint16(owners[last]).rstrip(b"\0")  # type: ignore[arg-type]
     batch: list[bytes] = []
     first = previous = used[0]
     for c in used:
@@ -73,7 +78,7 @@ def encode(procs: Sequence[Process | None], owners: Sequence[array[int] | None])
             batch = []
         if not batch:
             first = c
-        raw = owners[c].tobytes()  # type: ignore[union-attr]
+        raw = _uint16(owners[c])  # type: ignore[arg-type]
         batch.append(raw if c != last else raw[: len(tail) + (len(tail) & 1)])
         previous = c
     yield _piece(1, first, len(batch), b"".join(batch))

@@ -701,6 +701,49 @@ def test_owner_column_overflow_leaves_files_unowned() -> None:
     assert FREE == -1 and LOOSE == -2
 
 
+def test_owners_take_a_byte_a_file_under_256_processes_and_the_image_two() -> None:
+    """The owner column keeps a chunk a byte a row while its process numbers are
+    under 256 and widens only the chunk that takes a larger one; a checkpoint
+    keeps two bytes a row whatever the width (the owners image is unchanged), a
+    reload gives every file its owner back, and a reaped process's files are
+    found in chunks of either width."""
+    files = {ino: 10 for ino in range(2, 3 * ROWS)}
+    ns = _namespace_with_files(files)
+    alive = {pid: pid + 7 for pid in range(1000, 1300)}
+    evictor = _evictor(ns, alive)
+    for ino in files:
+        pid = 1000 + ino % 200
+        evictor.created(ns.inodes[ino], pid)
+        evictor.committed(ns.inodes[ino], pid)
+    assert {ch.typecode for ch in evictor._owner.chunks if ch is not None} == {"B"}
+    assert evictor._owner.nbytes() == 3 * ROWS
+    for pid in range(1200, 1300):  # numbers 201 .. 300: the last chunk's rows
+        evictor.opened(ns.inodes[2 * ROWS + pid - 1200], pid)
+    codes = [ch.typecode for ch in evictor._owner.chunks if ch is not None]
+    assert codes == ["B", "B", "H"]
+    owners = {ino: evictor.owner_of(ino) for ino in files}
+    assert owners[2 * ROWS + 99] == (1299, 1306) and owners[5] == (1005, 1012)
+    wide = Evictor(ns, policy="kvfs", alive=alive.get, thread_group=lambda tid: tid, grace=0)
+    wide._owner = SlotColumn("H")  # as before: two bytes a row
+    wide._procs, wide._proc_ids = evictor._procs, evictor._proc_ids
+    for c, chunk in enumerate(evictor._owner.chunks):
+        assert chunk is not None
+        wide._owner.load(c, array("H", chunk))
+    pieces = [p for p in evictor.snapshot_payloads() if p[1:2] == PART_OWNERS]
+    assert pieces == [p for p in wide.snapshot_payloads() if p[1:2] == PART_OWNERS]
+    _reload(ns, evictor)
+    again = _evictor(ns, alive)
+    again.adopt_all()
+    assert {ino: again.owner_of(ino) for ino in files} == owners
+    # numbers 6 (a byte-wide chunk's) and 257 (the wide one's: 0x0101, its bytes also
+    # met across the rows of 256 and 257)
+    del alive[1005], alive[1256]
+    evictor._reaped = 0.0
+    gone = sorted(ino for ino in files if owners[ino] in ((1005, 1012), (1256, 1263)))
+    assert evictor.reap() == len(gone) and sorted(evictor.orphans) == gone
+    assert all(evictor.owner_of(ino) is None for ino in gone)
+
+
 def test_image_module_reads_both_versions() -> None:
     assert img.version_of(RELEASE_0_2_IMAGE) == 1
     policy = make_policy("kvfs")
