@@ -168,7 +168,6 @@ def test_cycle_finder_finds_a_cycle() -> None:
 NOT_DEVICE_BYTES = {
     "devices/device.py": "ioctl arguments and results (kernel ABI)",
     "devices/identity.py": "an ioctl's result (kernel ABI)",
-    "evict/evictor.py": "an in-memory search pattern over the owner column",
 }
 
 
