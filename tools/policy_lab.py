@@ -90,7 +90,7 @@ class DecayPolicy:
         self._streams: dict[Hashable, int] = {}
         self._clock = 0
         self._full = 0
-        self._bytes = 0  # the resident bytes
+        self._bytes = 0  # what AdaptivePolicy reads of its recency expert
 
     def __contains__(self, key: object) -> bool:
         return key in self._state

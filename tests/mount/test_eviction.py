@@ -353,16 +353,14 @@ def test_new_policies_evict_whole_files_and_hand_over_to_another_policy(
     assert "starting afresh" not in log.read_text()
 
 
-@pytest.mark.parametrize("policy", ["prefix-lru"])
+@pytest.mark.parametrize("policy", ["adaptive", "prefix-lru"])
 def test_a_prompts_partial_last_chunk_is_evicted_before_full_chunks(
     tmp_path: Path, policy: str
 ) -> None:
     """An engine reads a cached prefix, then writes a prompt's missing chunks, the
     last one smaller (LMCache's partial chunk). Past capacity, the partial chunks go
     first: every full chunk and the prefix stay, byte-exact, and only partial chunks
-    are gone (without the rule, the oldest prompt's full chunks would go first).
-    ``prefix-lru`` only since session 28: ``adaptive``'s recency order is its loop
-    expert's lists merged, which has no such rule (docs/eviction.md, "Session 28")."""
+    are gone (without the rule, the oldest prompt's full chunks would go first)."""
     img = make_image(tmp_path / "dev.img", 136 * MiB)
     mnt, log = tmp_path / "mnt", tmp_path / "kvfs.log"
     full, tail = 2 * MiB, MiB + 7
