@@ -191,7 +191,8 @@ def with_recency(candidate: Callable[[], DecayPolicy]) -> AdaptivePolicy:
     """The adaptive policy with ``candidate`` as its recency expert and as that
     expert's shadow in the duel (which decides when the policy follows it)."""
     policy = AdaptivePolicy()
-    policy.recency = candidate()
+    policy.recency = candidate()  # type: ignore[assignment]
+    policy._experts = (policy.recency, policy.loop)
     policy.duel._makers = (candidate, policy.duel._makers[1])  # type: ignore[assignment]
     policy.duel.restart()
     return policy

@@ -326,38 +326,6 @@ class KvfsPolicy(LinkedPolicy):
                 if self._dead_first:
                     yield from self._new_dead(seen)
 
-    def recent_first(self) -> Iterator[int]:
-        """Yield the resident keys in a recency order, oldest first, from this table
-        alone: the dead, probation and main lists merged by last use, each list's
-        own order kept (so a chain filed tail first still leaves tail first), the
-        list whose oldest key was used longest ago next; ties in list order. The
-        adaptive policy's recency side (``adaptive.py``): where it once kept a
-        second table of its own, 11 B a file at 10^7 (session 28).
-
-        As for ``victims()``, the caller may ``remove()`` each yielded key before
-        asking for the next, and a key is yielded once."""
-        walks = [self._slots.walk(lst) for lst in self._lists]
-        heads: list[int | None] = [next(w, None) for w in walks]
-        seen: set[int] = set()
-        while True:
-            best, oldest = -1, -1
-            for i, key in enumerate(heads):
-                slot = None
-                while key is not None:  # the list's oldest key not yet yielded
-                    slot = None if key in seen else self._slot(key)
-                    if slot is not None:
-                        break
-                    key = heads[i] = next(walks[i], None)
-                if slot is not None and self._age(slot) > oldest:
-                    best, oldest = i, self._age(slot)
-            if best < 0:
-                return
-            key = heads[best]
-            assert key is not None
-            seen.add(key)
-            heads[best] = next(walks[best], None)
-            yield key
-
     def remove_many(self, keys: Collection[int]) -> None:
         """``remove()`` each of ``keys`` in the order a fresh ``victims()`` lists them.
 

@@ -276,8 +276,9 @@ def test_memory_per_key_is_small_and_slots_are_reused(name: str) -> None:
             policy.remove(next(policy.victims()))
     ghosts = policy.statistics().ghost_keys
     assert len(policy) == 1000 and ghosts <= 1024
-    expert: Any = policy.loop if isinstance(policy, AdaptivePolicy) else policy
-    for table in [expert._slots]:
+    experts: tuple[Any, ...] = getattr(policy, "_experts", (policy,))
+    for expert in experts:
+        table = expert._slots
         assert len(table.index) == 1000 + expert.statistics().ghost_keys
         assert len(table.sparse_keys) <= 20_000  # no growth past the peak key count
 
@@ -361,10 +362,6 @@ def test_evictor_resumes_from_a_release_image_or_starts_fresh(name: str) -> None
         if kept and name == "kvfs":  # the learned chain 5 -> 6 -> 7 survived
             assert evictor.policy.statistics().chain_links == 1
             assert victims.index(21) < victims.index(5)
-        elif kept and name == "adaptive":  # the image whole in its loop expert, its
-            # residents oldest first in the recency order, then the files it lacked
-            assert evictor.policy.statistics().chain_links == 1
-            assert sorted(victims[:4]) == [5, 7, 20, 21] and victims[4:] == [6, 30]
         elif kept:  # adopted in the image's order, then the files it lacked
             assert victims == [7, 21, 20, 5, 6, 30]
         else:  # fresh: every file in mtime order (mtime = inode here), oldest first
@@ -409,13 +406,12 @@ def test_prefix_lru_files_a_writer_that_never_reads_like_lru() -> None:
     assert order(policy) == [1, 3, 4, 6, 5, 2]
 
 
-def test_a_prompts_partial_last_chunk_goes_first_and_ends_its_run() -> None:
+@pytest.mark.parametrize("name", ["prefix-lru", "adaptive"])
+def test_a_prompts_partial_last_chunk_goes_first_and_ends_its_run(name: str) -> None:
     """A new chunk smaller than the chunk it follows (a prompt's partial last chunk)
     is filed oldest; the next prompt's chunks are not filed behind it; read again
-    (the same prompt sent again) it is a use like any other. (``prefix-lru``, and so
-    the adaptive policy's recency shadow; the recency order that policy follows is
-    its loop expert's lists merged since session 28, which has no such rule.)"""
-    policy = make_policy("prefix-lru")
+    (the same prompt sent again) it is a use like any other."""
+    policy = make_policy(name)
     policy.track(1, SIZE, "e")
     policy.touch(1, "e")  # a cached prefix read, then the prompt's missing chunks
     policy.track(2, SIZE, "e")
@@ -476,31 +472,24 @@ def test_adaptive_follows_the_loop_expert_on_a_loop_and_recency_on_recency() -> 
     assert hits["adaptive"] >= hits["lru"] - 40, hits
 
 
-def test_adaptive_image_holds_one_table_of_keys_and_refuses_a_mismatched_v1_order() -> None:
-    """The image's table 0 is the loop expert's whole; table 1 holds no key (its
-    scalars only, session 28). A release 0.3 image whose recency list lacks a
-    resident key is refused, changing nothing."""
+def test_adaptive_image_holds_both_experts_and_rejects_mismatched_orders() -> None:
     policy = AdaptivePolicy()
     run_ops(policy, random.Random(9), 500)
     image = policy.persist()
-    table1 = img.decode_pieces(img.split_pieces(image), img.KIND_ADAPTIVE, 4, 1, ["I", "I"], 1)
-    assert table1.counts[1] == 0 and table1.scalars[2:4] == [0, 0]  # no key, no byte
     copy = AdaptivePolicy()
     copy.recover(image)
     assert copy.loop.persist_v1() == policy.loop.persist_v1()
-    assert order(copy) == order(policy) and len(copy) == len(policy) > 0
+    assert order(copy.recency) == order(policy.recency)
+    # an image whose recency order lacks a resident key is refused, changing nothing
     loop = img.decode(policy.loop.persist_v1(), img.KIND_KVFS, 3)
-    recency = [array("q", policy.loop.recent_first())]
-    recency += [array("q", map(policy.loop.size_of, recency[0]))]
-    recency += [array("q", [-1]) * len(recency[0]), array("q", [0]) * len(recency[0])]
-    recency += [array("q", [0]) * len(recency[0])]
+    recency = img.decode(policy.recency.persist_v1(), img.KIND_PREFIX_LRU, 1).lists[0]
     short = (recency[0][1:], recency[1][1:], recency[2][1:], recency[3][1:], recency[4][1:])
     forged = img.encode(
         img.KIND_ADAPTIVE, 0, 0, [*loop.lists, short], loop.ghost_keys, loop.ghost_last
     )
     with pytest.raises(ValueError, match="order"):
         copy.recover(forged)
-    assert order(copy) == order(policy)
+    assert order(copy.recency) == order(policy.recency)
 
 
 def test_evictor_shares_one_owner_tuple_per_process_and_reaps_it() -> None:
