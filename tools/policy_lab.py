@@ -90,7 +90,7 @@ class DecayPolicy:
         self._streams: dict[Hashable, int] = {}
         self._clock = 0
         self._full = 0
-        self._bytes = 0  # what AdaptivePolicy reads of its recency expert
+        self._bytes = 0  # the resident bytes
 
     def __contains__(self, key: object) -> bool:
         return key in self._state
@@ -191,8 +191,7 @@ def with_recency(candidate: Callable[[], DecayPolicy]) -> AdaptivePolicy:
     """The adaptive policy with ``candidate`` as its recency expert and as that
     expert's shadow in the duel (which decides when the policy follows it)."""
     policy = AdaptivePolicy()
-    policy.recency = candidate()  # type: ignore[assignment]
-    policy._experts = (policy.recency, policy.loop)
+    policy.recency = candidate()
     policy.duel._makers = (candidate, policy.duel._makers[1])  # type: ignore[assignment]
     policy.duel.restart()
     return policy

@@ -12,7 +12,7 @@ Markdown table per trace; writes ``trace_suite.json`` (rows) and ``trace_suite.s
 (hit rate vs capacity per policy, Belady dashed) under ``--out``.  ``--ablation``
 scores ``KvfsPolicy`` with each of its rules switched off instead, ``--adaptive-ablation``
 the adaptive policy with other margins, without its shadows' prefix rule, without
-its recency expert's partial-chunk-first rule and with a lead that must last
+its recency shadow's partial-chunk-first rule and with a lead that must last
 ``hold`` turnovers.
 
 Chunks are 1000 bytes each here (eviction decisions do not depend on the size when

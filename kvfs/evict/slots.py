@@ -48,7 +48,6 @@ __all__ = [
     "SlotColumn",
     "SlotTable",
     "runs",
-    "share_equal_chunks",
 ]
 
 LOOSE = -2
@@ -243,33 +242,6 @@ class SlotColumn:
         return sum(len(ch) * ch.itemsize for ch in self.chunks if ch is not None)
 
 
-def share_equal_chunks(a: SlotColumn, b: SlotColumn, first: int, count: int) -> int:
-    """Where chunk ``c`` (``first <= c < first + count``) of ``b`` holds what ``a``'s
-    does (same code, same rows), make it ``a``'s array, copy-on-write for both (the
-    adaptive policy's experts hold the same order after a mount); return how many
-    chunks were made shared. C-level comparisons, one per chunk."""
-    shared = 0
-    a_chunks, b_chunks = a.chunks, b.chunks
-    for c in range(first, min(first + count, len(a_chunks), len(b_chunks))):
-        x, y = a_chunks[c], b_chunks[c]
-        if x is None or y is None or x is y or x.typecode != y.typecode or x != y:
-            continue
-        b_chunks[c] = x
-        a.shared[c] = b.shared[c] = 1
-        shared += 1
-    return shared
-
-
-def share_chunk(a: SlotColumn, b: SlotColumn, c: int) -> None:
-    """Chunk ``c`` of ``b`` (just loaded) shared with ``a``'s where they hold the same
-    rows: already the same array (the decoder found them equal), or equal ones."""
-    x = a.chunks[c] if c < len(a.chunks) else None
-    if x is not None and x is b.chunks[c]:
-        a.shared[c] = b.shared[c] = 1
-    else:
-        share_equal_chunks(a, b, c, 1)
-
-
 class SlotTable:
     """Per-key state as chunked columns indexed by slot, plus intrusive circular lists.
 
@@ -319,32 +291,23 @@ class SlotTable:
         )
 
     @classmethod
-    def from_image(cls, image: TableImage, twin: SlotTable | None = None) -> SlotTable:
+    def from_image(cls, image: TableImage) -> SlotTable:
         """A table holding a decoded (validated) image; a version 2 image's chunks
-        are made as narrow as their values allow. With ``twin`` (a table of the same
-        geometry, whose chunks were given to the decoder), a link, owner or size
-        chunk equal to the twin's is the twin's array, copy-on-write for both."""
+        are made as narrow as their values allow."""
         table = cls(image.lists, tuple(image.codes[3:]))
         table.direct, table.decided = image.direct, image.decided
         table.sparse_base = image.direct + image.lists
         columns = table.all_columns()
-        twins = [] if twin is None or twin.lists != image.lists else twin.all_columns()[:4]
-        for col, (column, chunks) in enumerate(zip(columns, image.columns, strict=True)):
+        for column, chunks in zip(columns, image.columns, strict=True):
             for c, chunk in enumerate(chunks):
                 if chunk is not None:
                     column.load(c, chunk, narrow=not image.own_codes)
-                    if col < len(twins):
-                        share_chunk(twins[col], column, c)
         table.sparse_keys = image.sparse_keys
         table.sparse_free = image.sparse_free
         base = table.sparse_base
         table.index = {key: base + i for i, key in enumerate(image.sparse_keys) if key != NO_KEY}
         table.count[:] = image.counts
         return table
-
-    def twin_chunks(self) -> list[list[array[int] | None]]:
-        """The link, owner and size columns' chunks: what a decoder may share with."""
-        return [column.chunks for column in self.all_columns()[:4]]
 
     def all_columns(self) -> list[SlotColumn]:
         """Every column in persisted order: prev, next, owner, then the policy's."""

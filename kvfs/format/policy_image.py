@@ -407,17 +407,13 @@ def decode_pieces(
     persisted: int | None = None,
     codes: Sequence[str] | None = None,
     number: int = 0,
-    twin: Sequence[Chunks] = (),
 ) -> TableImage:
     """Validate version 2 pieces of policy ``kind`` (``lists`` slot lists of which
     ``persisted`` are resident ones, ``codes`` the policy's own column typecodes)
     and return table ``number`` of them (None: whatever the image says, for an
     image of another policy); ValueError on any defect. Only the pieces of table
     ``number`` are read (the others are checked for their framing and checksum
-    only). ``twin``: the first columns' chunks of a table of the same geometry (the
-    adaptive policy's first expert): a decoded chunk equal to its chunk there (same
-    code, same rows) is returned as that very array, as soon as it is read, so the
-    two tables can share it. The checks are C-level per chunk: checksums, geometry,
+    only). The checks are C-level per chunk: checksums, geometry,
     every column's rows of every chunk with keys, owners, link ranges, list counts
     and sparse keys."""
     head_body: bytes | None = None
@@ -509,17 +505,13 @@ def decode_pieces(
         if not raw or len(raw) % size or first + -(-len(raw) // step) > nchunks:
             raise ValueError("bad column chunk in policy image")
         fill = FREE if col == OWNER_COLUMN else 0
-        column, same = chunks[col], twin[col] if col < len(twin) else []
+        column = chunks[col]
         for i in range(0, len(raw), step):  # the last chunk may end early (no keys after)
             chunk = array(code)
             chunk.frombytes(raw[i : i + step])
             if len(chunk) < ROWS:
                 chunk.extend(array(code, [fill]) * (ROWS - len(chunk)))
             c = first + i // step
-            if c < len(same):
-                other = same[c]
-                if other is not None and other.typecode == code and other == chunk:
-                    chunk = other
             if c >= len(column):
                 column.extend([None] * (c + 1 - len(column)))
             column[c] = chunk

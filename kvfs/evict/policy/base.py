@@ -186,24 +186,13 @@ class LinkedPolicy(Policy):
         nothing changes."""
         self._load_pieces(pieces, self._kind, 0)
 
-    def _load_pieces(
-        self, pieces: list[bytes], kind: int, number: int, twin: SlotTable | None = None
-    ) -> None:
-        """``recover_pieces`` of table ``number`` of an image of policy ``kind``
-        (chunks equal to ``twin``'s shared with it: ``decode_pieces``)."""
+    def _load_pieces(self, pieces: list[bytes], kind: int, number: int) -> None:
+        """``recover_pieces`` of table ``number`` of an image of policy ``kind``."""
         table = self._slots
-        shared = () if twin is None or twin.lists != table.lists else twin.twin_chunks()
-        image = img.decode_pieces(
-            pieces,
-            kind,
-            len(table.count),
-            len(self._lists),
-            [c.code for c in table.columns],
-            number,
-            shared,
-        )
+        codes = [c.code for c in table.columns]
+        image = img.decode_pieces(pieces, kind, len(table.count), len(self._lists), codes, number)
         self.reset()
-        self._slots = SlotTable.from_image(image, twin)
+        self._slots = SlotTable.from_image(image)
         self._bind_columns()
         clock, horizon, self._resident, self._bytes, *extra = image.scalars
         self._set_scalars(clock, horizon)

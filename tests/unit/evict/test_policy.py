@@ -62,10 +62,56 @@ def test_unknown_keys_are_ignored_and_bad_keys_rejected() -> None:
 
 
 def test_kvfs_new_chain_evicts_tail_first() -> None:
+    """A prompt's missing chunks, written after a read of its cached prefix, leave
+    deepest first; a run of writes that no read began is filed like LRU (a writer
+    that never reads keeps its newest files longest)."""
     policy = KvfsPolicy()
+    policy.track(9, SIZE, "filler")
+    policy.touch(9, "engine")  # the cached prefix, read first
     for key in (10, 11, 12, 13):
         policy.track(key, SIZE, "engine")
-    assert order(policy) == [13, 12, 11, 10]
+    assert order(policy) == [13, 12, 11, 10, 9]
+    writer = KvfsPolicy()
+    for key in (10, 11, 12, 13):
+        writer.track(key, SIZE, "writer")
+    assert order(writer) == [10, 11, 12, 13]
+
+
+@pytest.mark.parametrize("policy", [KvfsPolicy, AdaptivePolicy])
+def test_a_prompts_partial_last_chunk_goes_first(policy: type) -> None:
+    """A new key chained to a larger predecessor (a prompt's partial last chunk)
+    is filed as the oldest of its list, in the loop order and in the adaptive
+    policy's recency order (its last use that of the list's oldest key), and it
+    ends the run: the next prompt's first chunk is not chained behind it. Switched
+    off, the partial chunk is filed as any chain and the next prompt's chunk goes
+    before it (the first victim of all the main keys)."""
+    for rule in (True, False):
+        p = (
+            KvfsPolicy(without=frozenset() if rule else frozenset({"partial-first"}))
+            if policy is KvfsPolicy
+            else AdaptivePolicy(partial_first=rule)
+        )
+        for key in (1, 2, 3):
+            p.track(key, SIZE, "old")  # 2 and 3 stay in probation
+        p.touch(1, "engine")  # the cached prefix, read first: 1 enters main
+        p.track(10, SIZE, "engine")  # a continuation of main: main too
+        p.track(11, SIZE // 2, "engine")  # the prompt's partial last chunk
+        p.track(20, SIZE, "engine")  # the next prompt's first chunk
+        if not rule:
+            assert order(p) == [2, 3, 20, 11, 10, 1]
+            continue
+        # the loop order evicts probation (2, 3) before main; the recency order
+        # (the adaptive policy's first) is the lists merged by last use
+        loop_order = policy is KvfsPolicy
+        assert order(p) == ([2, 3, 11, 10, 1, 20] if loop_order else [11, 2, 3, 10, 1, 20])
+        for partial in (21, 22):  # partial chunks again: each older still
+            p.touch(1, "engine")
+            p.track(partial, SIZE // 3, "engine")
+            assert order(p)[0] == partial or loop_order
+        for key in order(p):  # ghosts hand over a last use on the clock (not before it)
+            p.remove(key)
+            ghost = p.take_ghost(key)
+            assert ghost is not None and 0 <= ghost < 1 << 256
 
 
 def test_kvfs_learns_and_confirms_chains() -> None:
@@ -127,9 +173,9 @@ def test_kvfs_reused_chain_is_protected_over_new_data() -> None:
     for key in (1, 2, 3):
         policy.touch(key, "s")  # round 2 re-reads the chain: promoted to main
     for key in (20, 21, 22):
-        policy.track(key, SIZE, "t")  # one-off data of another stream
+        policy.track(key, SIZE, "t")  # one-off data of another stream (no read: LRU)
     assert policy.statistics().main_keys == 3
-    assert order(policy)[-6:] == [22, 21, 20, 3, 2, 1]
+    assert order(policy)[-6:] == [20, 21, 22, 3, 2, 1]
 
 
 def test_kvfs_loop_keeps_a_stable_subset() -> None:
@@ -276,9 +322,8 @@ def test_memory_per_key_is_small_and_slots_are_reused(name: str) -> None:
             policy.remove(next(policy.victims()))
     ghosts = policy.statistics().ghost_keys
     assert len(policy) == 1000 and ghosts <= 1024
-    experts: tuple[Any, ...] = getattr(policy, "_experts", (policy,))
-    for expert in experts:
-        table = expert._slots
+    expert: Any = policy.loop if isinstance(policy, AdaptivePolicy) else policy
+    for table in [expert._slots]:
         assert len(table.index) == 1000 + expert.statistics().ghost_keys
         assert len(table.sparse_keys) <= 20_000  # no growth past the peak key count
 
@@ -362,6 +407,10 @@ def test_evictor_resumes_from_a_release_image_or_starts_fresh(name: str) -> None
         if kept and name == "kvfs":  # the learned chain 5 -> 6 -> 7 survived
             assert evictor.policy.statistics().chain_links == 1
             assert victims.index(21) < victims.index(5)
+        elif kept and name == "adaptive":  # the image whole in its loop expert, its
+            # residents oldest first in the recency order, then the files it lacked
+            assert evictor.policy.statistics().chain_links == 1
+            assert sorted(victims[:4]) == [5, 7, 20, 21] and victims[4:] == [6, 30]
         elif kept:  # adopted in the image's order, then the files it lacked
             assert victims == [7, 21, 20, 5, 6, 30]
         else:  # fresh: every file in mtime order (mtime = inode here), oldest first
@@ -406,12 +455,13 @@ def test_prefix_lru_files_a_writer_that_never_reads_like_lru() -> None:
     assert order(policy) == [1, 3, 4, 6, 5, 2]
 
 
-@pytest.mark.parametrize("name", ["prefix-lru", "adaptive"])
-def test_a_prompts_partial_last_chunk_goes_first_and_ends_its_run(name: str) -> None:
+def test_a_prompts_partial_last_chunk_goes_first_and_ends_its_run() -> None:
     """A new chunk smaller than the chunk it follows (a prompt's partial last chunk)
     is filed oldest; the next prompt's chunks are not filed behind it; read again
-    (the same prompt sent again) it is a use like any other."""
-    policy = make_policy(name)
+    (the same prompt sent again) it is a use like any other. (``prefix-lru``, and so
+    the adaptive policy's recency shadow; the loop expert has the rule too since
+    session 29: ``test_a_prompts_partial_last_chunk_goes_first``.)"""
+    policy = make_policy("prefix-lru")
     policy.track(1, SIZE, "e")
     policy.touch(1, "e")  # a cached prefix read, then the prompt's missing chunks
     policy.track(2, SIZE, "e")
@@ -472,24 +522,31 @@ def test_adaptive_follows_the_loop_expert_on_a_loop_and_recency_on_recency() -> 
     assert hits["adaptive"] >= hits["lru"] - 40, hits
 
 
-def test_adaptive_image_holds_both_experts_and_rejects_mismatched_orders() -> None:
+def test_adaptive_image_holds_one_table_of_keys_and_refuses_a_mismatched_v1_order() -> None:
+    """The image's table 0 is the loop expert's whole; table 1 holds no key (its
+    scalars only, session 29). A release 0.3 image whose recency list lacks a
+    resident key is refused, changing nothing."""
     policy = AdaptivePolicy()
     run_ops(policy, random.Random(9), 500)
     image = policy.persist()
+    table1 = img.decode_pieces(img.split_pieces(image), img.KIND_ADAPTIVE, 4, 1, ["I", "I"], 1)
+    assert table1.counts[1] == 0 and table1.scalars[2:4] == [0, 0]  # no key, no byte
     copy = AdaptivePolicy()
     copy.recover(image)
     assert copy.loop.persist_v1() == policy.loop.persist_v1()
-    assert order(copy.recency) == order(policy.recency)
-    # an image whose recency order lacks a resident key is refused, changing nothing
+    assert order(copy) == order(policy) and len(copy) == len(policy) > 0
     loop = img.decode(policy.loop.persist_v1(), img.KIND_KVFS, 3)
-    recency = img.decode(policy.recency.persist_v1(), img.KIND_PREFIX_LRU, 1).lists[0]
+    recency = [array("q", policy.loop.recent_first())]
+    recency += [array("q", map(policy.loop.size_of, recency[0]))]
+    recency += [array("q", [-1]) * len(recency[0]), array("q", [0]) * len(recency[0])]
+    recency += [array("q", [0]) * len(recency[0])]
     short = (recency[0][1:], recency[1][1:], recency[2][1:], recency[3][1:], recency[4][1:])
     forged = img.encode(
         img.KIND_ADAPTIVE, 0, 0, [*loop.lists, short], loop.ghost_keys, loop.ghost_last
     )
     with pytest.raises(ValueError, match="order"):
         copy.recover(forged)
-    assert order(copy.recency) == order(policy.recency)
+    assert order(copy) == order(policy)
 
 
 def test_evictor_shares_one_owner_tuple_per_process_and_reaps_it() -> None:
