@@ -261,7 +261,8 @@ def render(stats: dict[str, Any]) -> str:
         f"eviction       {_n(s['evictions'])} files evicted ({_n(s['orphan_evictions'])} "
         f"orphans); {_n(e['orphans'])} orphans now (writer exited); headroom "
         f"{format_size(s.get('headroom_bytes', 0))}, {_n(s.get('room_waits', 0))} writes "
-        f"waited for room ({s.get('room_wait_seconds', 0):.2f} s)",
+        f"waited for room ({s.get('room_wait_seconds', 0):.2f} s)"
+        + (f"; policy rebuilt {_n(e['policy_faults'])} times" if e.get("policy_faults") else ""),
         f"integrity      {_n(s['corruptions'])} checksum failures, {_n(s['quarantined'])} "
         f"quarantined, {_n(s['unreadable_files'])} unreadable (member missing)",
         f"metadata       checkpoint {format_size(m['checkpoint_bytes'])} of "

@@ -74,6 +74,11 @@ exceed the whole pool, the eviction order stays the policy's (``docs/eviction.md
 
 GONE_MIN = 1024
 """Names of gone files remembered at least (as many as files are tracked, else)."""
+FALLBACK_POLICY = "lru"
+FAULTS_BEFORE_FALLBACK = 3
+"""A policy that raised this many times in one mount is replaced by
+``FALLBACK_POLICY`` (the simplest order) rather than rebuilt once more: a fault that
+comes back after each rebuild is in the policy's code, not in its state."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,8 @@ class EvictorStatistics:
     owners: int
     evictions: int
     orphan_evictions: int
+    policy_faults: int = 0
+    """Times the policy raised and was rebuilt (:meth:`Evictor.policy_failed`)."""
 
 
 _REGULAR = bytes(int(b & 0xF0 == 0x80) for b in range(256))
@@ -147,6 +154,7 @@ class Evictor:
         self._newest: dict[int, int] = {}  # writer -> its newest file in its grace
         self._gone = GoneNames()  # _chunk_id (its name) -> a gone file's ghost
         self.evictions = self.orphan_evictions = 0
+        self.policy_faults = 0
 
     # ------------------------------------------------------------------ events
     def adopt_all(self) -> None:
@@ -310,7 +318,11 @@ class Evictor:
         carries these payloads instead."""
         self.ns.blobs.pop(POLICY_BLOB, None)
         self.ns.blobs.pop(OWNERS_BLOB, None)
-        pieces = self.policy.persist_pieces()
+        try:
+            pieces = self.policy.persist_pieces()
+        except Exception:  # a policy's bug: its order, never a byte
+            self.policy_failed("checkpoint")
+            pieces = self.policy.persist_pieces()
         owners = self._owner.freeze()
         procs_ = list(self._procs)  # a copy: the pieces are encoded later
         tag = bytes((EVICTOR_TAG,))
@@ -333,14 +345,29 @@ class Evictor:
         Returns the opener as (process id, start time), None if unknown."""
         self.orphans.pop(inode.ino, None)
         owner = self._set_owner(inode.ino, pid)
-        self.policy.identify(inode.ino, _chunk_id(inode))
-        self.policy.touch(inode.ino, (pid, inode.parent))
+        try:
+            self.policy.identify(inode.ino, _chunk_id(inode))
+            self.policy.touch(inode.ino, (pid, inode.parent))
+        except Exception:  # a policy's bug: its order, never a byte
+            self.policy_failed("touch")
         return owner
 
     def committed(self, inode: Inode, pid: int) -> None:
         """A file was closed with new data: track it, and give it its grace. A new
         file with the name of one that went (an evicted chunk written again)
         inherits what the policy remembers of it (``Policy.put_ghost``)."""
+        try:
+            self._track(inode, pid)
+        except Exception:  # a policy's bug: its order, never a byte
+            self.policy_failed("track")  # the rebuilt policy has the file
+        self._unfresh(inode.ino)
+        if self.grace > 0:
+            self._fresh[inode.ino] = (time.monotonic() + self.grace, inode.size, pid)
+            self._fresh_bytes += inode.size
+            self._newest[pid] = inode.ino
+            self._bound_fresh()
+
+    def _track(self, inode: Inode, pid: int) -> None:
         if inode.ino not in self.policy:
             # the namespace reuses inode numbers: what the policy remembers under this
             # one was another file's (dropped); what it remembers of this name is this
@@ -351,12 +378,40 @@ class Evictor:
                 self.policy.put_ghost(inode.ino, ghost)
         self.policy.identify(inode.ino, _chunk_id(inode))
         self.policy.track(inode.ino, inode.size, (pid, inode.parent))
-        self._unfresh(inode.ino)
-        if self.grace > 0:
-            self._fresh[inode.ino] = (time.monotonic() + self.grace, inode.size, pid)
-            self._fresh_bytes += inode.size
-            self._newest[pid] = inode.ino
-            self._bound_fresh()
+
+    def policy_failed(self, where: str, leaving: int | None = None) -> None:
+        """The policy raised (in ``where``): a bug in its code or state. What it
+        holds is only an order, never where a byte is, so the mount goes on: the
+        error is logged with its traceback, and the policy is made anew from the
+        namespace, every live file in mtime order, as a first mount adopts them
+        (``leaving``, a file on its way out, excepted); the names of gone files
+        are forgotten with it. After :data:`FAULTS_BEFORE_FALLBACK` faults the
+        new policy is :data:`FALLBACK_POLICY`. Call from an ``except`` block."""
+        self.policy_faults += 1
+        name = self.policy.name
+        if self.policy_faults >= FAULTS_BEFORE_FALLBACK:
+            name = FALLBACK_POLICY
+        log.exception(
+            "eviction policy %s failed (%s, fault %d); its order starts again from the "
+            "files' mtimes under %s; no file is lost",
+            self.policy.name,
+            where,
+            self.policy_faults,
+            name,
+        )
+        self.policy = make_policy(name)
+        self._gone = GoneNames()
+        files, sizes, _, spans = self._files_by_mtime()
+        if leaving is not None and leaving in files:
+            keep = [ino != leaving for ino in files]
+            files, sizes = array("q", compress(files, keep)), array("q", compress(sizes, keep))
+            spans = None
+        try:
+            self.policy.adopt(files, sizes, spans)
+        except Exception:  # the policy's code itself: the fallback's order from here
+            log.exception("eviction policy %s failed to adopt the files; %s", name, FALLBACK_POLICY)
+            self.policy = make_policy(FALLBACK_POLICY)
+            self.policy.adopt(files, sizes, spans)
 
     def _unfresh(self, ino: int) -> None:
         entry = self._fresh.pop(ino, None)
@@ -407,12 +462,15 @@ class Evictor:
     def forget(self, ino: int) -> None:
         inode = self.ns.inodes.get(ino)
         name = None  # a tracked file's (parent, name): its ghost is kept under it
-        if inode is not None and ino in self.policy:
-            name = _chunk_id(inode)
-        self.policy.remove(ino)
-        ghost = None if name is None else self.policy.take_ghost(ino)
-        if name is not None and ghost is not None:
-            self._gone.put(name, ghost, max(GONE_MIN, len(self.policy)))
+        try:
+            if inode is not None and ino in self.policy:
+                name = _chunk_id(inode)
+            self.policy.remove(ino)
+            ghost = None if name is None else self.policy.take_ghost(ino)
+            if name is not None and ghost is not None:
+                self._gone.put(name, ghost, max(GONE_MIN, len(self.policy)))
+        except Exception:  # a policy's bug: its order, never a byte
+            self.policy_failed("remove", leaving=ino)
         self.orphans.pop(ino, None)
         self._unfresh(ino)
         self.forget_owner(ino)
@@ -609,7 +667,21 @@ class Evictor:
             def evictable(inode: Inode) -> bool:
                 return inode.ino not in fresh and inner(inode)
 
-        yield from self._in_order(self.policy.victims(), evictable, group, orphans=False)
+        yield from self._in_order(self._victims(), evictable, group, orphans=False)
+
+    def _victims(self) -> Iterator[int]:
+        """The policy's victims; a policy that raises on the way is made anew
+        (:meth:`policy_failed`) and its order followed from its start (the files
+        evicted meanwhile have left it), once: a second fault in one pass ends it."""
+        try:
+            yield from self.policy.victims()
+            return
+        except Exception:  # a policy's bug: its order, never a byte
+            self.policy_failed("victims")
+        try:
+            yield from self.policy.victims()
+        except Exception:  # a second fault in one pass
+            self.policy_failed("victims")
 
     def _fresh_candidates(
         self, evictable: Callable[[Inode], bool], group: int | None
@@ -651,6 +723,7 @@ class Evictor:
             len(self._proc_ids),
             self.evictions,
             self.orphan_evictions,
+            self.policy_faults,
         )
 
 

@@ -235,6 +235,12 @@ class StoreCollector:
             [([r["reason"], r["directory"]], r["files"]) for r in stats["evictions"]],
         )
         yield gauge("kvfs_orphans", "Files whose last writer process is gone", e["orphans"])
+        yield counter(
+            "kvfs_eviction_policy_faults",
+            "Times the eviction policy raised and was rebuilt from the namespace (a bug: "
+            "the order restarts, no file is lost; the daemon's log has the traceback)",
+            e["policy_faults"],
+        )
         yield gauge(
             "kvfs_headroom_bytes",
             "Bytes background eviction keeps free now (follows the writes in flight)",

@@ -4,7 +4,8 @@ This is the only module that imports pyfuse3 handler types; it talks to the stor
 alone (its files are :class:`~kvfs.store.types.InodeView` to it), and
 :mod:`kvfs.fuse.session` runs it in a mount. Only ``FUSEError`` leaves a handler:
 domain errors are mapped by :func:`_errors`; anything else is a bug and is allowed to
-stop the loop loudly.
+stop the loop loudly, except in the eviction policy, whose faults the evictor
+catches and survives (it holds only an order: ``Evictor.policy_failed``).
 """
 
 from __future__ import annotations

@@ -98,6 +98,7 @@ def test_scrape_follows_the_traffic(metrics_mount: Any) -> None:
     # nothing was full: no write waited for room; the headroom is a unit or more
     assert one(after, "kvfs_room_waits_total") == 0 == stats["store"]["room_waits"]
     assert one(after, "kvfs_headroom_bytes") >= stats["store"]["unit_size"]
+    assert one(after, "kvfs_eviction_policy_faults_total") == 0
 
     dev = str(mount.devices[0])
     assert one(after, "kvfs_device_written_bytes_total", device=dev) >= written
