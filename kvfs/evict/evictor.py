@@ -171,12 +171,36 @@ class Evictor:
         del payloads
         blob = self.ns.blobs.pop(POLICY_BLOB, None)  # an older pool: read once
         owners_blob = self.ns.blobs.pop(OWNERS_BLOB, None)
-        if policy_pieces:
-            self._recover_pieces(policy_pieces)
-        elif blob:
-            self._recover_policy(blob)
+        try:
+            if policy_pieces:
+                self._recover_pieces(policy_pieces)
+            elif blob:
+                self._recover_policy(blob)
+        except Exception:  # a policy's bug: its order, never a byte (nor the mount)
+            self.policy_failed("mount", adopt=False)  # every file joins it below
         del policy_pieces, blob
         files, sizes, present, spans = self._files_by_mtime()
+        try:
+            self._resume(files, sizes, present, spans)
+        except Exception:  # a policy's bug: its order, never a byte (nor the mount)
+            self.policy_failed("mount")
+        del sizes
+        live = self._load_owners(owner_pieces, owners_blob, present)
+        if not live:
+            self.orphans.extend(files, spans)
+            return
+        owner = self._owner
+        self.orphans.extend(array("q", (ino for ino in files if not owner.get(ino, 0))))
+
+    def _resume(
+        self,
+        files: array[int],
+        sizes: array[int],
+        present: bytes,
+        spans: list[tuple[int, int]] | None,
+    ) -> None:
+        """The policy as the checkpoint left it, less the files gone since, plus
+        the files it lacks (``files``: every live file, mtime order)."""
         resident = self.policy.resident_mask(len(present))
         missing: list[int] | None
         if resident is None:  # a policy keyed through a dict (not one of the mount's)
@@ -199,13 +223,6 @@ class Evictor:
             self.policy.adopt(
                 array("q", compress(files, missing)), array("q", compress(sizes, missing))
             )
-        del sizes, missing
-        live = self._load_owners(owner_pieces, owners_blob, present)
-        if not live:
-            self.orphans.extend(files, spans)
-            return
-        owner = self._owner
-        self.orphans.extend(array("q", (ino for ino in files if not owner.get(ino, 0))))
 
     def _files_by_mtime(
         self,
@@ -379,14 +396,15 @@ class Evictor:
         self.policy.identify(inode.ino, _chunk_id(inode))
         self.policy.track(inode.ino, inode.size, (pid, inode.parent))
 
-    def policy_failed(self, where: str, leaving: int | None = None) -> None:
+    def policy_failed(self, where: str, leaving: int | None = None, adopt: bool = True) -> None:
         """The policy raised (in ``where``): a bug in its code or state. What it
         holds is only an order, never where a byte is, so the mount goes on: the
         error is logged with its traceback, and the policy is made anew from the
         namespace, every live file in mtime order, as a first mount adopts them
         (``leaving``, a file on its way out, excepted); the names of gone files
         are forgotten with it. After :data:`FAULTS_BEFORE_FALLBACK` faults the
-        new policy is :data:`FALLBACK_POLICY`. Call from an ``except`` block."""
+        new policy is :data:`FALLBACK_POLICY`. ``adopt=False``: the new policy is
+        left empty (the caller adopts the files). Call from an ``except`` block."""
         self.policy_faults += 1
         name = self.policy.name
         if self.policy_faults >= FAULTS_BEFORE_FALLBACK:
@@ -401,6 +419,8 @@ class Evictor:
         )
         self.policy = make_policy(name)
         self._gone = GoneNames()
+        if not adopt:
+            return
         files, sizes, _, spans = self._files_by_mtime()
         if leaving is not None and leaving in files:
             keep = [ino != leaving for ino in files]

@@ -28,6 +28,7 @@ from tests.unit.store.test_store import CFG, UNIT, get, put, serving, sparse_ima
 MANAGED = dataclasses.replace(CFG, default_policy="kvfs-managed")
 FAULTY_VERBS = frozenset(
     {"identify", "touch", "track", "remove", "take_ghost", "put_ghost", "persist_pieces"}
+    | {"recover_pieces", "resident_mask"}  # at a mount
 )
 
 
@@ -216,6 +217,35 @@ async def test_a_policy_that_fails_in_remove_still_lets_its_file_go(
             for i, ino in enumerate(inos):
                 if ino != victim:
                     assert await get(store, ino) == content(i)
+            await store.close()
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("verb", ["recover_pieces", "resident_mask"])
+async def test_a_policy_that_fails_at_mount_still_mounts(
+    faults: Faults, tmp_path: Path, verb: str
+) -> None:
+    """A policy that raises while it resumes from the checkpoint (reading its image,
+    or comparing it with the files present): the pool mounts, the new policy holds
+    every file, and every file reads back exact."""
+    paths = sparse_images(tmp_path, 1, 16 << 20)
+    format_pool(paths, unit_size=UNIT, meta_size=1 << 20)
+    pool = open_pool(paths)
+    try:
+        async with serving(pool, MANAGED) as store:
+            inos = [await put(store, b"f%d" % i, content(i)) for i in range(8)]
+            await store.close()
+    finally:
+        pool.close()
+    faults.force = verb
+    pool = open_pool(paths)
+    try:
+        async with serving(pool, MANAGED) as store:
+            assert faults.force is None and store.evictor.policy_faults == 1
+            assert sorted(store.evictor.policy.victims()) == sorted(inos)
+            for i, ino in enumerate(inos):
+                assert await get(store, ino) == content(i)
             await store.close()
     finally:
         pool.close()
