@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, cast
 
@@ -102,6 +103,24 @@ def faults(monkeypatch: pytest.MonkeyPatch) -> Faults:
     return made
 
 
+def new_pool(tmp_path: Path, size: int, meta: int) -> list[str]:
+    paths = sparse_images(tmp_path, 1, size)
+    format_pool(paths, unit_size=UNIT, meta_size=meta)
+    return paths
+
+
+@asynccontextmanager
+async def mounted(paths: list[str]) -> AsyncIterator[Store]:
+    """The pool opened and served; closed cleanly (a checkpoint) at the end."""
+    pool = open_pool(paths)
+    try:
+        async with serving(pool, MANAGED) as store:
+            yield store
+            await store.close()
+    finally:
+        pool.close()
+
+
 def content(i: int) -> bytes:
     """File i's bytes: 1 to 3 units, its own pattern."""
     seed = hashlib.sha256(b"%d" % i).digest()
@@ -129,70 +148,59 @@ async def test_a_failing_policy_costs_its_order_never_a_byte_or_the_mount(
     and at checkpoints: the store answers every request (at worst NoSpace to a write),
     every file reads back exact or is gone, the policy ends as the fallback after
     its third fault, and the pool reopens with every survivor exact."""
-    paths = sparse_images(tmp_path, 1, 24 << 20)
-    format_pool(paths, unit_size=UNIT, meta_size=2 << 20)
+    paths = new_pool(tmp_path, 24 << 20, 2 << 20)
     faults.every = 41
     written: dict[bytes, int] = {}
     refused = 0
-    pool = open_pool(paths)
-    try:
-        async with serving(pool, MANAGED) as store:
-            capacity = store.alloc.total_units
-            count = 3 * capacity // 2  # files of two units on average: three turnovers
+    async with mounted(paths) as store:
+        capacity = store.alloc.total_units
+        count = 3 * capacity // 2  # files of two units on average: three turnovers
 
-            async def writer(first: int) -> None:
-                nonlocal refused
-                for i in range(first, count, 3):
-                    name = b"chunk-%06d" % i
+        async def writer(first: int) -> None:
+            nonlocal refused
+            for i in range(first, count, 3):
+                name = b"chunk-%06d" % i
+                try:
+                    await put(store, name, content(i))
+                except NoSpace:
+                    refused += 1  # a write may be refused, never answered wrong
+                    continue
+                written[name] = i
+                if i % 100 == 0:  # a checkpoint whose freeze of the policy raises
+                    faults.force = "persist_pieces"
+                    store.request_checkpoint()
+
+        async def reader() -> None:
+            rng = random.Random(7)
+            for _ in range(count):
+                if written:
+                    name = rng.choice(list(written))
                     try:
-                        await put(store, name, content(i))
-                    except NoSpace:
-                        refused += 1  # a write may be refused, never answered wrong
-                        continue
-                    written[name] = i
-                    if i % 100 == 0:  # a checkpoint whose freeze of the policy raises
-                        faults.force = "persist_pieces"
-                        store.request_checkpoint()
+                        ino = store.ns.lookup(ROOT_INO, name).ino
+                        assert await get(store, ino) == content(written[name])
+                    except NotFound:
+                        pass  # evicted: a miss
+                await trio.lowlevel.checkpoint()
 
-            async def reader() -> None:
-                rng = random.Random(7)
-                for _ in range(count):
-                    if written:
-                        name = rng.choice(list(written))
-                        try:
-                            ino = store.ns.lookup(ROOT_INO, name).ino
-                            assert await get(store, ino) == content(written[name])
-                        except NotFound:
-                            pass  # evicted: a miss
-                    await trio.lowlevel.checkpoint()
-
-            async with trio.open_nursery() as nursery:
-                for first in range(3):
-                    nursery.start_soon(writer, first)
-                nursery.start_soon(reader)
-            assert faults.raised >= 3
-            assert store.evictor.policy_faults == faults.raised
-            assert {"touch", "track", "remove", "victims"} <= faults.verbs, faults.verbs
-            assert store.evictor.policy.name == evictor_mod.FALLBACK_POLICY
-            assert store.evictor.evictions > capacity // 3
-            assert refused < count // 10
-            alive = await check(store, written)
-            assert alive > 0
-            assert len(store.evictor.policy) <= alive  # files being written: none now
-            stats = store.statistics()
-            assert stats.evictions == store.evictor.evictions
-            faults.every = 0  # a forced fault may be left for the last checkpoint
-            await store.close()
-    finally:
-        pool.close()
+        async with trio.open_nursery() as nursery:
+            for first in range(3):
+                nursery.start_soon(writer, first)
+            nursery.start_soon(reader)
+        assert faults.raised >= 3
+        assert store.evictor.policy_faults == faults.raised
+        assert {"touch", "track", "remove", "victims"} <= faults.verbs, faults.verbs
+        assert store.evictor.policy.name == evictor_mod.FALLBACK_POLICY
+        assert store.evictor.evictions > capacity // 3
+        assert refused < count // 10
+        alive = await check(store, written)
+        assert alive > 0
+        assert len(store.evictor.policy) <= alive  # files being written: none now
+        stats = store.statistics()
+        assert stats.evictions == store.evictor.evictions
+        faults.every = 0  # a forced fault may be left for the last checkpoint
     assert "persist_pieces" in faults.verbs and faults.force is None
-    pool = open_pool(paths)
-    try:
-        async with serving(pool, MANAGED) as store:
-            assert await check(store, written) == alive
-            await store.close()
-    finally:
-        pool.close()
+    async with mounted(paths) as store:
+        assert await check(store, written) == alive
 
 
 async def test_a_policy_that_fails_in_remove_still_lets_its_file_go(
@@ -201,25 +209,18 @@ async def test_a_policy_that_fails_in_remove_still_lets_its_file_go(
     """The fault of session 29 (the gone-names table raised while an evicted file
     was handed over): the file still goes, the rebuilt policy does not hold it, and
     the one after it is evicted by the new order."""
-    paths = sparse_images(tmp_path, 1, 16 << 20)
-    format_pool(paths, unit_size=UNIT, meta_size=1 << 20)
-    pool = open_pool(paths)
-    try:
-        async with serving(pool, MANAGED) as store:
-            inos = [await put(store, b"f%d" % i, content(i)) for i in range(6)]
-            victim = inos[2]
-            faults.every = faults.calls + 1  # the next verb raises (the remove), once
-            store.lifetime.unlink_everywhere(store.ns.get(victim))
-            faults.every = 0
-            assert store.evictor.policy_faults == 1
-            assert victim not in store.evictor.policy
-            assert sorted(store.evictor.policy.victims()) == sorted(set(inos) - {victim})
-            for i, ino in enumerate(inos):
-                if ino != victim:
-                    assert await get(store, ino) == content(i)
-            await store.close()
-    finally:
-        pool.close()
+    async with mounted(new_pool(tmp_path, 16 << 20, 1 << 20)) as store:
+        inos = [await put(store, b"f%d" % i, content(i)) for i in range(6)]
+        victim = inos[2]
+        faults.every = faults.calls + 1  # the next verb raises (the remove), once
+        store.lifetime.unlink_everywhere(store.ns.get(victim))
+        faults.every = 0
+        assert store.evictor.policy_faults == 1
+        assert victim not in store.evictor.policy
+        assert sorted(store.evictor.policy.victims()) == sorted(set(inos) - {victim})
+        for i, ino in enumerate(inos):
+            if ino != victim:
+                assert await get(store, ino) == content(i)
 
 
 @pytest.mark.parametrize("verb", ["recover_pieces", "resident_mask"])
@@ -229,23 +230,12 @@ async def test_a_policy_that_fails_at_mount_still_mounts(
     """A policy that raises while it resumes from the checkpoint (reading its image,
     or comparing it with the files present): the pool mounts, the new policy holds
     every file, and every file reads back exact."""
-    paths = sparse_images(tmp_path, 1, 16 << 20)
-    format_pool(paths, unit_size=UNIT, meta_size=1 << 20)
-    pool = open_pool(paths)
-    try:
-        async with serving(pool, MANAGED) as store:
-            inos = [await put(store, b"f%d" % i, content(i)) for i in range(8)]
-            await store.close()
-    finally:
-        pool.close()
+    paths = new_pool(tmp_path, 16 << 20, 1 << 20)
+    async with mounted(paths) as store:
+        inos = [await put(store, b"f%d" % i, content(i)) for i in range(8)]
     faults.force = verb
-    pool = open_pool(paths)
-    try:
-        async with serving(pool, MANAGED) as store:
-            assert faults.force is None and store.evictor.policy_faults == 1
-            assert sorted(store.evictor.policy.victims()) == sorted(inos)
-            for i, ino in enumerate(inos):
-                assert await get(store, ino) == content(i)
-            await store.close()
-    finally:
-        pool.close()
+    async with mounted(paths) as store:
+        assert faults.force is None and store.evictor.policy_faults == 1
+        assert sorted(store.evictor.policy.victims()) == sorted(inos)
+        for i, ino in enumerate(inos):
+            assert await get(store, ino) == content(i)
