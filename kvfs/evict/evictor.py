@@ -693,15 +693,12 @@ class Evictor:
         """The policy's victims; a policy that raises on the way is made anew
         (:meth:`policy_failed`) and its order followed from its start (the files
         evicted meanwhile have left it), once: a second fault in one pass ends it."""
-        try:
-            yield from self.policy.victims()
-            return
-        except Exception:  # a policy's bug: its order, never a byte
-            self.policy_failed("victims")
-        try:
-            yield from self.policy.victims()
-        except Exception:  # a second fault in one pass
-            self.policy_failed("victims")
+        for _ in range(2):
+            try:
+                yield from self.policy.victims()
+                return
+            except Exception:  # a policy's bug: its order, never a byte
+                self.policy_failed("victims")
 
     def _fresh_candidates(
         self, evictable: Callable[[Inode], bool], group: int | None

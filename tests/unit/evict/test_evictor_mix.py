@@ -24,8 +24,8 @@ FULL, PARTIAL = 4096, 1000
 class Mount:
     """A namespace and its evictor, driven as the store drives them."""
 
-    def __init__(self, policy: str, rng: random.Random) -> None:
-        self.policy, self.rng = policy, rng
+    def __init__(self, policy: str) -> None:
+        self.policy = policy
         self.ns = Namespace(lambda ops: None)
         self.ns.init_root(0, 0)
         self.live_pids: dict[int, int] = {}  # pid -> start time
@@ -94,7 +94,7 @@ class Mount:
 @pytest.mark.parametrize("name", POLICY_NAMES)
 def test_every_policy_takes_a_mounts_event_mix_without_a_fault(name: str, seed: int) -> None:
     rng = random.Random(seed)
-    mount = Mount(name, rng)
+    mount = Mount(name)
     capacity = 48
     pids = [11, 12, 13]
     for pid in pids:
