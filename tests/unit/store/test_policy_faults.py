@@ -239,3 +239,21 @@ async def test_a_policy_that_fails_at_mount_still_mounts(
         assert sorted(store.evictor.policy.victims()) == sorted(inos)
         for i, ino in enumerate(inos):
             assert await get(store, ino) == content(i)
+
+
+async def test_a_checkpoint_whose_policy_fails_twice_holds_no_policy_state(
+    faults: Faults, tmp_path: Path
+) -> None:
+    """The freeze at a checkpoint fails, and so does the rebuilt policy's: the
+    checkpoint goes on without policy state, and the next mount adopts every file."""
+    paths = new_pool(tmp_path, 16 << 20, 1 << 20)
+    async with mounted(paths) as store:
+        inos = [await put(store, b"f%d" % i, content(i)) for i in range(8)]
+        faults.every = 1  # every verb from here raises: the close's freeze twice
+    assert faults.verbs == {"persist_pieces"} and faults.raised == 2
+    faults.every = 0
+    async with mounted(paths) as store:
+        assert store.evictor.policy_faults == 0
+        assert sorted(store.evictor.policy.victims()) == sorted(inos)
+        for i, ino in enumerate(inos):
+            assert await get(store, ino) == content(i)
