@@ -97,8 +97,8 @@ def run_one(
             probe = threading.Thread(target=sampler)
             probe.start()
             t0 = time.perf_counter()
-            with ThreadPoolExecutor(writers) as pool:
-                for future in [pool.submit(writer) for _ in range(writers)]:
+            with ThreadPoolExecutor(writers) as executor:
+                for future in [executor.submit(writer) for _ in range(writers)]:
                     future.result()
             seconds = time.perf_counter() - t0
             done.set()
