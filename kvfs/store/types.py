@@ -96,8 +96,9 @@ class StoreConfig:
     fresh_grace: float = FRESH_GRACE
     """Seconds after its close during which a file is evicted only as a last resort."""
     high_watermark: float | None = None
-    """Evict in the background above this used share (``None``: a headroom of 3 % of
-    the pool, at most a GiB a device: :func:`kvfs.evict.driver.default_watermarks`)."""
+    """Evict in the background above this used share (``None``: a headroom twice the
+    writes in flight, at most 3 % of the pool or a GiB a device:
+    :meth:`kvfs.evict.driver.EvictionDriver.headroom_units`)."""
     low_watermark: float | None = None
     """... down to this one (``None``: as much again under the high one)."""
     discard: bool = True
