@@ -353,18 +353,34 @@ def test_new_policies_evict_whole_files_and_hand_over_to_another_policy(
     assert "starting afresh" not in log.read_text()
 
 
+@pytest.mark.parametrize("tight", [False, True], ids=["default-headroom", "one-unit-headroom"])
 @pytest.mark.parametrize("policy", ["adaptive", "prefix-lru"])
 def test_a_prompts_partial_last_chunk_is_evicted_before_full_chunks(
-    tmp_path: Path, policy: str
+    tmp_path: Path, policy: str, tight: bool
 ) -> None:
     """An engine reads a cached prefix, then writes a prompt's missing chunks, the
     last one smaller (LMCache's partial chunk). Past capacity, the partial chunks go
     first: every full chunk and the prefix stay, byte-exact, and only partial chunks
-    are gone (without the rule, the oldest prompt's full chunks would go first)."""
+    are gone (without the rule, the oldest prompt's full chunks would go first).
+    With a one-unit headroom each 2-unit write makes room for itself, right after
+    the next prompt's read of the prefix: the moment a partial chunk's reused inode
+    number filed the prefix as the oldest key (session 31)."""
     img = make_image(tmp_path / "dev.img", 136 * MiB)
     mnt, log = tmp_path / "mnt", tmp_path / "kvfs.log"
     full, tail = 2 * MiB, MiB + 7
-    with mounted(mnt, [img], "--format", "--meta-size", "8M", "--eviction", policy, log_file=log):
+    # 126 units: free space under one unit starts a round that frees about two more
+    tight_options = ("--high-watermark", "0.9925", "--low-watermark", "0.984") if tight else ()
+    with mounted(
+        mnt,
+        [img],
+        "--format",
+        "--meta-size",
+        "8M",
+        "--eviction",
+        policy,
+        *tight_options,
+        log_file=log,
+    ):
         d = mnt / "kv"
         d.mkdir()
         write_file(d / "prefix", full)

@@ -139,8 +139,9 @@ class KvfsPolicy(LinkedPolicy):
         self.admit_factor = admit_factor
         self._bind_columns()
         self._partial_first = "partial-first" not in without
-        # stream -> (its last key, whether its run of accesses began with a read)
-        self._streams: OrderedDict[Hashable, tuple[int, bool]] = OrderedDict()
+        # stream -> (its last key, whether its run of accesses began with a read,
+        # whether that last access created the key)
+        self._streams: OrderedDict[Hashable, tuple[int, bool, bool]] = OrderedDict()
         self._chained = False  # what the last _observe() found (its docstring)
         self._clock = 0
         self._horizon = 0
@@ -235,7 +236,7 @@ class KvfsPolicy(LinkedPolicy):
         self._last[slot] = self._clock & _M32
         if self._partial_first and anchor is not None and size < self._size[anchor]:
             self._place_oldest(slot, lst)
-            self._streams[stream] = (key, False)  # it ends the run (class docstring)
+            self._streams[stream] = (key, False, True)  # it ends the run (class docstring)
         else:
             self._place(slot, anchor, lst)
         self._revive_successor(slot)
@@ -442,15 +443,19 @@ class KvfsPolicy(LinkedPolicy):
         if stream is None:
             return None
         key = self._slots.key_of(slot)
-        prev, began = self._streams.pop(stream, (None, False))
+        prev, began, created = self._streams.pop(stream, (None, False, False))
         if len(self._streams) >= _STREAM_MEMORY:
             self._streams.popitem(last=False)
         if prev is None or prev == key:
-            self._streams[stream] = (key, read or (began and prev == key))
+            self._streams[stream] = (key, read or (began and prev == key), new)
             return None
-        confirmed = self._pred[slot] == prev
+        # a link from a key the stream has just created is never a confirmed one: a
+        # use after a write is the next request (a prompt reads its cached chunks
+        # before it writes), and a mount's keys are inode numbers, so ``prev`` may be
+        # a number this key's recorded predecessor had before it was evicted
+        confirmed = self._pred[slot] == prev and not created
         self._chained = new and began
-        self._streams[stream] = (key, read or self._chained or (not new and confirmed))
+        self._streams[stream] = (key, read or self._chained or (not new and confirmed), new)
         prev_slot = self._slot(prev)
         if prev_slot is None:
             return None

@@ -16,7 +16,13 @@ seen inside it, and chaining it would file everything one process writes behind 
 first file -- the newest written would leave first (most recently used). For a
 re-use the predecessor is taken only if it is the same as last time, so the first
 chunk of a prompt is not filed behind the last chunk of the previous prompt of the
-same stream (a request boundary).
+same stream (a request boundary), and never after a key the stream has just
+created: a use after a write is the next request (an engine reads a prompt's cached
+chunks before it writes the rest), and on a mount the keys are inode numbers, so
+the key just created may have the number of a gone file the use followed once (a
+mount caught a prompt's evicted partial chunk lending its number to the next one,
+and the next prompt's prefix, read right after it, filed as the oldest key: evicted
+the moment after its read; session 31).
 
 A prompt's *partial last chunk* goes first: a new key chained to a predecessor
 larger than itself (the engine stores a prompt's tokens past its last full chunk
@@ -61,8 +67,9 @@ class PrefixLRUPolicy(FIFOPolicy):
         # a prompt's partial last chunk is filed oldest (module docstring); False only
         # for the ablation (tools/trace_suite.py --adaptive-ablation)
         self.partial_first = partial_first
-        # stream -> (its last key, whether its run of accesses began with a read)
-        self._streams: OrderedDict[Hashable, tuple[int, bool]] = OrderedDict()
+        # stream -> (its last key, whether its run of accesses began with a read,
+        # whether that last access created the key)
+        self._streams: OrderedDict[Hashable, tuple[int, bool, bool]] = OrderedDict()
 
     def track(self, key: int, size: int, stream: Hashable) -> None:
         """Record a write; it counts as a use."""
@@ -76,7 +83,7 @@ class PrefixLRUPolicy(FIFOPolicy):
                 # a prompt's partial last chunk: filed oldest, and it ends the run (a
                 # next prompt's chunks are not filed behind it)
                 anchor = self._slots.first(self._order)
-                self._streams[stream] = (key, False)
+                self._streams[stream] = (key, False, True)
             self._place(slot, anchor)
         else:
             self._resize(slot, size)
@@ -98,17 +105,19 @@ class PrefixLRUPolicy(FIFOPolicy):
         if stream is None:  # no stream (e.g. files adopted at mount): no chain
             return None
         key = self._slots.key_of(slot)
-        prev, began_with_read = self._streams.pop(stream, (None, False))
+        prev, began_with_read, created = self._streams.pop(stream, (None, False, False))
         anchor = None
         if prev is None or prev == key:
             run_read = read or (began_with_read and prev == key)
         else:
-            known = self._pred[slot] == prev + 1
+            # never along a link from a key the stream has just created (module
+            # docstring: the next request, or an inode number reused)
+            known = self._pred[slot] == prev + 1 and not created
             self._pred[slot] = prev + 1
             chained = (new and began_with_read) or (not new and known)
             run_read = read or chained
             anchor = self._slot(prev) if chained else None
-        self._streams[stream] = (key, run_read)
+        self._streams[stream] = (key, run_read, new)
         if len(self._streams) > STREAM_MEMORY:
             self._streams.popitem(last=False)
         return anchor

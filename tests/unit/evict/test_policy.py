@@ -479,6 +479,30 @@ def test_a_prompts_partial_last_chunk_goes_first_and_ends_its_run() -> None:
     assert order(policy)[-3:] == [21, 20, 1]
 
 
+@pytest.mark.parametrize("name", ["prefix-lru", "kvfs", "adaptive"])
+def test_a_partial_chunks_reused_number_never_files_the_next_prefix_oldest(name: str) -> None:
+    """Keys are inode numbers, and a prompt's partial last chunk, evicted first, soon
+    lends its number to another file. A use right after the stream created a key
+    never follows a link to that key as a confirmed one: a read of the next
+    prompt's prefix is a new request's first use, not a chain behind the tail (a
+    mount caught ``prefix-lru`` filing the prefix behind a tail under the tail's
+    reused number, as the oldest key: evicted the moment after its read; session 31)."""
+    policy = make_policy(name)
+    policy.track(1, SIZE, "e")  # the shared prefix
+    policy.touch(1, "e")
+    policy.track(10, SIZE, "e")
+    policy.track(12, SIZE // 2, "e")  # prompt 1's partial last chunk
+    policy.touch(1, "e")  # prompt 2 reads the prefix right after 12
+    policy.track(20, SIZE, "e")
+    policy.remove(12)  # the first victim goes; its number is free
+    policy.track(12, SIZE // 2, "e")  # prompt 2's partial chunk takes number 12
+    policy.touch(1, "e")  # prompt 3: the prefix read right after "12" again
+    assert order(policy).index(1) > order(policy).index(20), order(policy)
+    policy.track(30, SIZE, "e")  # prompt 3's chunk: behind its prefix in a chain order
+    if name != "adaptive":  # (the adaptive policy's first order is by last use)
+        assert order(policy).index(30) < order(policy).index(1), order(policy)
+
+
 def _loop(policy: EvictionPolicy, rounds: int = 6) -> int:
     """8 users' prompts of 10 chunks after a shared one (a system prompt), in a
     loop over a cache of 40 chunks; returns the hits on the users' own chunks."""

@@ -770,8 +770,9 @@ class _ChainsEveryWrite(PrefixLRUPolicy):
         super().__init__(partial_first=False)
 
     def _anchor(self, slot: int, stream: object, new: bool, read: bool) -> int | None:
-        if stream in self._streams:  # every run counts as begun by a read
-            self._streams[stream] = (self._streams[stream][0], True)
+        if stream in self._streams:  # every run counts as begun by a read, and any
+            # link as confirmable (a created key's too, until session 31)
+            self._streams[stream] = (self._streams[stream][0], True, False)
         return super()._anchor(slot, stream, new, read)
 
 
@@ -785,8 +786,9 @@ class _KvfsChainsEveryWrite(KvfsPolicy):
     def _observe(
         self, slot: int, stream: Hashable, read: bool = False, new: bool = False
     ) -> int | None:
-        if stream in self._streams:  # every run counts as begun by a read
-            self._streams[stream] = (self._streams[stream][0], True)
+        if stream in self._streams:  # every run counts as begun by a read, and any
+            # link as confirmable (a created key's too, until session 31)
+            self._streams[stream] = (self._streams[stream][0], True, False)
         return super()._observe(slot, stream, read, new)
 
 
