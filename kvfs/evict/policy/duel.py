@@ -35,7 +35,11 @@ SHADOW_KEYS = 1 << 15
 MARGIN = 1.5
 """The followed expert changes only when the other's score is this many times its
 own: on QA loops the loop expert's shadow hits 2-3 times as often as recency's, on
-chat and document traffic they are within a few per cent (docs/eviction.md)."""
+chat and document traffic they are within a few per cent. The rule that picks it:
+the smallest margin of the ablation (1.0, 1.25, 1.5, 2.0) at which no cell of the
+suite, unsized or sized, falls more than 0.3 point under LRU. 1.25 passes unsized
+but is 0.95 under LRU sized at mooncake-synthetic 20 % (docs/eviction.md,
+"Session 32")."""
 STREAM_MEMORY = 4096
 """Streams whose last sampled chunk is remembered (the oldest forgotten first)."""
 HOLD = 0.0
